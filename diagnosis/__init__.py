@@ -1,0 +1,1 @@
+"""rankwatch diagnosis engines: pure numpy, no torch, no OTel, no HTTP."""

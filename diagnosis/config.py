@@ -1,0 +1,227 @@
+"""Thresholds and defaults of the diagnosis engines, in one place.
+
+Every field is named as in the specification it comes from, carries the environment variable
+that overrides it, and is validated when the object is built: a bad value raises ``ValueError``
+naming the field (and the variable) and the value. ``DiagnosisConfig.from_env()`` is the one
+entry point the exporter uses; tests build the dataclasses directly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+__all__ = [
+    "DiagnosisConfig",
+    "LowLatencyConfig",
+    "NormalConfig",
+    "StepTimeConfig",
+    "parse_bool",
+]
+
+
+def _spec(
+    env: str, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False
+) -> Any:
+    """Field metadata: the overriding environment variable and the allowed range."""
+    return {"env": env, "lo": lo, "hi": hi, "lo_open": lo_open}
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """Parse an on/off switch the way DeepXTrace callers write it (1/0, true/false, on/off)."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no", ""):
+        return False
+    raise ValueError(f"{name}: expected a boolean (1/0, true/false, on/off), got {raw!r}")
+
+
+def _validate(obj: Any) -> None:
+    for f in fields(obj):
+        meta = f.metadata
+        if "env" not in meta:
+            continue
+        value = getattr(obj, f.name)
+        label = f"{type(obj).__name__}.{f.name} ({meta['env']})"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{label}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{label}: must be finite, got {value!r}")
+        lo, hi = meta["lo"], meta["hi"]
+        if lo is not None and (value <= lo if meta["lo_open"] else value < lo):
+            bound = ">" if meta["lo_open"] else ">="
+            raise ValueError(f"{label}: must be {bound} {lo}, got {value!r}")
+        if hi is not None and value > hi:
+            raise ValueError(f"{label}: must be <= {hi}, got {value!r}")
+
+
+_C = TypeVar("_C")
+
+
+def _from_env(cls: type[_C], env: Mapping[str, str], overrides: Mapping[str, Any]) -> _C:
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        name = f.metadata.get("env")
+        if name is None or name not in env:
+            continue
+        raw = env[name]
+        kind = int if f.type in ("int", int) else float
+        try:
+            kwargs[f.name] = kind(raw)
+        except ValueError:
+            raise ValueError(
+                f"{cls.__name__}.{f.name} ({name}): expected {kind.__name__}, got {raw!r}"
+            ) from None
+    unknown = set(overrides) - {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    if unknown:
+        raise TypeError(f"{cls.__name__}: unknown option(s) {sorted(unknown)}")
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class StepTimeConfig:
+    """Step-time rank-straggler policy (TraceML's Step Time rules)."""
+
+    straggler_warning_score: float = field(
+        default=0.10, metadata=_spec("RANKWATCH_STRAGGLER_WARNING_SCORE", 0.0, lo_open=True)
+    )
+    straggler_critical_score: float = field(
+        default=0.20, metadata=_spec("RANKWATCH_STRAGGLER_CRITICAL_SCORE", 0.0, lo_open=True)
+    )
+    cause_coverage_min: float = field(
+        default=0.80, metadata=_spec("RANKWATCH_CAUSE_COVERAGE_MIN", 0.0, 1.0, lo_open=True)
+    )
+    bottleneck_warning_share: float = field(
+        default=0.10, metadata=_spec("RANKWATCH_BOTTLENECK_WARNING_SHARE", 0.0, 1.0, lo_open=True)
+    )
+    bottleneck_critical_share: float = field(
+        default=0.20, metadata=_spec("RANKWATCH_BOTTLENECK_CRITICAL_SHARE", 0.0, 1.0, lo_open=True)
+    )
+    compute_bound_share: float = field(
+        default=0.90, metadata=_spec("RANKWATCH_COMPUTE_BOUND_SHARE", 0.0, 1.0, lo_open=True)
+    )
+    min_steps_warning: int = field(default=2, metadata=_spec("RANKWATCH_MIN_STEPS_WARNING", 1))
+    min_steps_critical: int = field(default=20, metadata=_spec("RANKWATCH_MIN_STEPS_CRITICAL", 1))
+    live_window_steps: int = field(default=100, metadata=_spec("RANKWATCH_LIVE_WINDOW_STEPS", 2))
+    summary_window_steps: int = field(
+        default=10_000, metadata=_spec("RANKWATCH_SUMMARY_WINDOW_STEPS", 2)
+    )
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.straggler_critical_score < self.straggler_warning_score:
+            raise ValueError(
+                "StepTimeConfig.straggler_critical_score: must be >= straggler_warning_score "
+                f"({self.straggler_warning_score}), got {self.straggler_critical_score}"
+            )
+        if self.bottleneck_critical_share < self.bottleneck_warning_share:
+            raise ValueError(
+                "StepTimeConfig.bottleneck_critical_share: must be >= bottleneck_warning_share "
+                f"({self.bottleneck_warning_share}), got {self.bottleneck_critical_share}"
+            )
+        if self.min_steps_critical < self.min_steps_warning:
+            raise ValueError(
+                "StepTimeConfig.min_steps_critical: must be >= min_steps_warning "
+                f"({self.min_steps_warning}), got {self.min_steps_critical}"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> StepTimeConfig:
+        return _from_env(cls, os.environ if env is None else env, overrides)
+
+
+@dataclass(frozen=True)
+class NormalConfig:
+    """DeepEP normal-mode diagnosis (DeepXTrace's normal-mode decision table).
+
+    The user-facing ratios read ``DEEPEP_DIAGNOSE_*`` variables; the robust-score and history
+    constants are policy, overridable only through the ``RANKWATCH_`` names.
+    """
+
+    notify_ratio: float = field(
+        default=0.25, metadata=_spec("DEEPEP_DIAGNOSE_NOTIFY_RATIO", 0.0, 1.0, lo_open=True)
+    )
+    axis_slowdown: float = field(
+        default=1.25, metadata=_spec("DEEPEP_DIAGNOSE_AXIS_SLOWDOWN", 1.0, lo_open=True)
+    )
+    point_slowdown: float = field(
+        default=2.0, metadata=_spec("DEEPEP_DIAGNOSE_POINT_SLOWDOWN", 1.0, lo_open=True)
+    )
+    global_slowdown: float = field(
+        default=1.3, metadata=_spec("DEEPEP_DIAGNOSE_GLOBAL_SLOWDOWN", 1.0, lo_open=True)
+    )
+    robust_score: float = field(
+        default=3.5, metadata=_spec("RANKWATCH_NORMAL_ROBUST_SCORE", 0.0, lo_open=True)
+    )
+    history_bootstrap: int = field(
+        default=3, metadata=_spec("RANKWATCH_NORMAL_HISTORY_BOOTSTRAP", 1)
+    )
+    history_horizon: int = field(default=16, metadata=_spec("RANKWATCH_NORMAL_HISTORY_HORIZON", 1))
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.history_horizon < self.history_bootstrap:
+            raise ValueError(
+                "NormalConfig.history_horizon: must be >= history_bootstrap "
+                f"({self.history_bootstrap}), got {self.history_horizon}"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NormalConfig:
+        return _from_env(cls, os.environ if env is None else env, overrides)
+
+
+@dataclass(frozen=True)
+class LowLatencyConfig:
+    """DeepEP low-latency receive-wait matrix rule (DeepXTrace's names and defaults)."""
+
+    thres_col: float = field(
+        default=3.0, metadata=_spec("DEEPEP_DIAGNOSE_THRESHOLD_COL", 0.0, lo_open=True)
+    )
+    thres_row: float = field(
+        default=3.0, metadata=_spec("DEEPEP_DIAGNOSE_THRESHOLD_ROW", 0.0, lo_open=True)
+    )
+    thres_point: float = field(
+        default=5.0, metadata=_spec("DEEPEP_DIAGNOSE_THRESHOLD_POINT", 0.0, lo_open=True)
+    )
+    excluding_zeros: int = field(default=0, metadata=_spec("DEEPEP_DIAGNOSE_EXCLUDING_ZEROS", 0, 1))
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> LowLatencyConfig:
+        return _from_env(cls, os.environ if env is None else env, overrides)
+
+
+@dataclass(frozen=True)
+class DiagnosisConfig:
+    """All diagnosis thresholds: one object, built from the environment plus overrides."""
+
+    step_time: StepTimeConfig = field(default_factory=StepTimeConfig)
+    normal: NormalConfig = field(default_factory=NormalConfig)
+    low_latency: LowLatencyConfig = field(default_factory=LowLatencyConfig)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DiagnosisConfig:
+        source = os.environ if env is None else env
+        return cls(
+            step_time=StepTimeConfig.from_env(source),
+            normal=NormalConfig.from_env(source),
+            low_latency=LowLatencyConfig.from_env(source),
+        )
+
+    @staticmethod
+    def env_variables() -> dict[str, tuple[str, Any]]:
+        """Every environment variable this object reads: ``{name: (field path, default)}``."""
+        out: dict[str, tuple[str, Any]] = {}
+        for part in (StepTimeConfig, NormalConfig, LowLatencyConfig):
+            for f in fields(part):
+                if "env" in f.metadata:
+                    out[f.metadata["env"]] = (f"{part.__name__}.{f.name}", f.default)
+        return out

@@ -1,0 +1,121 @@
+"""The DeepEP normal-mode counter schema: one named table, everything else derives from it.
+
+Every rank owns one contiguous int64 block. Its slots, in order (notify -> dispatch -> combine):
+
+====================== ============= ========= =============================================
+probe                  field         length    indexed by
+====================== ============= ========= =============================================
+notify_dispatch        duration_ns   1         (this rank's kernel)
+notify_dispatch        count         1
+cached_notify_dispatch duration_ns   1
+cached_notify_dispatch count         1
+cached_notify_combine  duration_ns   1
+cached_notify_combine  count         1
+dispatch_final         cost          EP        logical source rank
+dispatch_final         sample        EP
+dispatch_final         token         EP
+dispatch_rdma_recv     cost          EP        source gateway proxy rank
+dispatch_rdma_recv     sample        EP
+dispatch_rdma_recv     token         EP
+combine_logical_recv   cost          EP        logical source rank
+combine_logical_recv   sample        EP
+combine_logical_recv   token         EP
+====================== ============= ========= =============================================
+
+All values are cumulative since the block was zeroed. A rank's block describes what *it*
+received, so gathering one block per rank yields ``[destination, source]`` rows; the window
+code transposes them into source-oriented ``[src, dst]`` matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "COMBINE_BUNDLE",
+    "COMPLETION_FIELDS",
+    "COMPLETION_PROBES",
+    "DISPATCH_BUNDLE",
+    "NOTIFY_FIELDS",
+    "NOTIFY_PROBES",
+    "PROBES",
+    "SCHEMA",
+    "CounterSlot",
+    "counter_length",
+    "counter_slots",
+]
+
+NOTIFY_PROBES: tuple[str, ...] = (
+    "notify_dispatch",
+    "cached_notify_dispatch",
+    "cached_notify_combine",
+)
+COMPLETION_PROBES: tuple[str, ...] = (
+    "dispatch_final",
+    "dispatch_rdma_recv",
+    "combine_logical_recv",
+)
+PROBES: tuple[str, ...] = NOTIFY_PROBES + COMPLETION_PROBES
+NOTIFY_FIELDS: tuple[str, ...] = ("duration_ns", "count")
+COMPLETION_FIELDS: tuple[str, ...] = ("cost", "sample", "token")
+
+# (probe, field, per_rank): per_rank=True means one entry per EP rank, else a single scalar.
+SCHEMA: tuple[tuple[str, str, bool], ...] = tuple(
+    [(p, f, False) for p in NOTIFY_PROBES for f in NOTIFY_FIELDS]
+    + [(p, f, True) for p in COMPLETION_PROBES for f in COMPLETION_FIELDS]
+)
+
+# Which schema rows the DeepEP dispatch (10 tensors) and combine (5 tensors) kernels take,
+# in the order they take them.
+DISPATCH_BUNDLE: tuple[tuple[str, str], ...] = (
+    ("notify_dispatch", "duration_ns"),
+    ("notify_dispatch", "count"),
+    ("cached_notify_dispatch", "duration_ns"),
+    ("cached_notify_dispatch", "count"),
+    ("dispatch_final", "cost"),
+    ("dispatch_final", "sample"),
+    ("dispatch_final", "token"),
+    ("dispatch_rdma_recv", "cost"),
+    ("dispatch_rdma_recv", "sample"),
+    ("dispatch_rdma_recv", "token"),
+)
+COMBINE_BUNDLE: tuple[tuple[str, str], ...] = (
+    ("cached_notify_combine", "duration_ns"),
+    ("cached_notify_combine", "count"),
+    ("combine_logical_recv", "cost"),
+    ("combine_logical_recv", "sample"),
+    ("combine_logical_recv", "token"),
+)
+
+
+@dataclass(frozen=True)
+class CounterSlot:
+    """Where one schema row lives inside a rank's int64 block."""
+
+    probe: str
+    field: str
+    offset: int
+    length: int
+
+    @property
+    def stop(self) -> int:
+        return self.offset + self.length
+
+
+def counter_slots(ep_size: int) -> dict[tuple[str, str], CounterSlot]:
+    """The block layout for an EP group of ``ep_size`` ranks, keyed by ``(probe, field)``."""
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"ep_size: must be a positive int, got {ep_size!r}")
+    slots: dict[tuple[str, str], CounterSlot] = {}
+    offset = 0
+    for probe, fld, per_rank in SCHEMA:
+        length = ep_size if per_rank else 1
+        slots[(probe, fld)] = CounterSlot(probe, fld, offset, length)
+        offset += length
+    return slots
+
+
+def counter_length(ep_size: int) -> int:
+    """Number of int64 values in one rank's block: 6 + 9 * ep_size."""
+    slots = counter_slots(ep_size)
+    return max(s.stop for s in slots.values())

@@ -1,0 +1,79 @@
+"""The one report model every publisher reads: what the root learned from one window.
+
+The collectors build a ``WindowReport`` per window; Prometheus, OTLP, the log lines and the
+artifacts all publish from it. It is plain data and knows nothing of where it came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .low_latency import LowLatencyResult
+    from .normal.report import NormalReport
+    from .step_time import StepTimeReport
+
+__all__ = ["RankInfo", "WindowReport"]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Identity of one global rank: where it runs."""
+
+    rank: int
+    hostname: str = ""
+    local_rank: int = 0
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    """Everything diagnosed for one window of one group.
+
+    ``step_time``/``normal``/``low_latency`` are None when that engine did not run for this
+    window; ``normal_invalid_reason`` says why a normal-mode window was rejected.
+    ``missing_ranks`` lists global ranks expected but absent (an incomplete window).
+    """
+
+    group: str
+    window_index: int
+    created_at_s: float
+    ranks: tuple[RankInfo, ...]
+    run: str = ""
+    missing_ranks: tuple[int, ...] = ()
+    step_time: StepTimeReport | None = None
+    normal: NormalReport | None = None
+    normal_invalid_reason: str | None = None
+    low_latency: dict[str, LowLatencyResult] | None = None
+    diagnosis_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def incomplete(self) -> bool:
+        return bool(self.missing_ranks)
+
+    def rank_info(self, rank: int) -> RankInfo:
+        for info in self.ranks:
+            if info.rank == rank:
+                return info
+        return RankInfo(rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (no NaN: engines' ``to_dict`` already map NaN to None)."""
+        return {
+            "group": self.group,
+            "run": self.run,
+            "window_index": self.window_index,
+            "created_at_s": self.created_at_s,
+            "ranks": [
+                {"rank": r.rank, "hostname": r.hostname, "local_rank": r.local_rank}
+                for r in self.ranks
+            ],
+            "missing_ranks": list(self.missing_ranks),
+            "step_time": None if self.step_time is None else self.step_time.to_dict(),
+            "normal": None if self.normal is None else self.normal.to_dict(),
+            "normal_invalid_reason": self.normal_invalid_reason,
+            "low_latency": None
+            if self.low_latency is None
+            else {k: v.to_dict() for k, v in self.low_latency.items()},
+            "diagnosis_seconds": dict(self.diagnosis_seconds),
+        }

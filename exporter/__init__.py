@@ -1,0 +1,1 @@
+"""rankwatch exporter: collectors inside training ranks, windows, publishers, CLI."""
