@@ -19,15 +19,24 @@ __all__ = [
     "LowLatencyConfig",
     "NormalConfig",
     "StepTimeConfig",
+    "env_variables",
+    "from_env",
+    "option",
     "parse_bool",
+    "validate_options",
 ]
 
 
-def _spec(
-    env: str, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False
+def option(
+    env: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    choices: tuple[str, ...] | None = None,
 ) -> Any:
-    """Field metadata: the overriding environment variable and the allowed range."""
-    return {"env": env, "lo": lo, "hi": hi, "lo_open": lo_open}
+    """Field metadata: the overriding environment variable and the allowed range or choices."""
+    return {"env": env, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices}
 
 
 def parse_bool(name: str, raw: str) -> bool:
@@ -40,15 +49,29 @@ def parse_bool(name: str, raw: str) -> bool:
     raise ValueError(f"{name}: expected a boolean (1/0, true/false, on/off), got {raw!r}")
 
 
-def _validate(obj: Any) -> None:
+def validate_options(obj: Any) -> None:
+    """Check every field that carries ``option`` metadata; raise naming field, variable, value."""
     for f in fields(obj):
         meta = f.metadata
         if "env" not in meta:
             continue
         value = getattr(obj, f.name)
         label = f"{type(obj).__name__}.{f.name} ({meta['env']})"
+        kind = _field_kind(f.type)
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise TypeError(f"{label}: expected a boolean, got {value!r}")
+            continue
+        if kind is str:
+            if not isinstance(value, str):
+                raise TypeError(f"{label}: expected a string, got {value!r}")
+            if meta["choices"] is not None and value not in meta["choices"]:
+                raise ValueError(f"{label}: must be one of {list(meta['choices'])}, got {value!r}")
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{label}: expected a number, got {value!r}")
+        if kind is int and not isinstance(value, int):
+            raise TypeError(f"{label}: expected an int, got {value!r}")
         if not math.isfinite(value):
             raise ValueError(f"{label}: must be finite, got {value!r}")
         lo, hi = meta["lo"], meta["hi"]
@@ -59,23 +82,41 @@ def _validate(obj: Any) -> None:
             raise ValueError(f"{label}: must be <= {hi}, got {value!r}")
 
 
+def _field_kind(annotation: Any) -> type:
+    # Annotations are strings under ``from __future__ import annotations``.
+    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    return {"int": int, "float": float, "str": str, "bool": bool}.get(name, float)
+
+
+def _parse(cls_name: str, f_name: str, env_name: str, kind: type, raw: str) -> Any:
+    if kind is bool:
+        return parse_bool(f"{cls_name}.{f_name} ({env_name})", raw)
+    if kind is str:
+        return raw
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(
+            f"{cls_name}.{f_name} ({env_name}): expected {kind.__name__}, got {raw!r}"
+        ) from None
+
+
 _C = TypeVar("_C")
 
 
-def _from_env(cls: type[_C], env: Mapping[str, str], overrides: Mapping[str, Any]) -> _C:
+def from_env(cls: type[_C], env: Mapping[str, str] | None = None, **overrides: Any) -> _C:
+    """Build a config dataclass from environment variables, then keyword overrides.
+
+    Only fields with ``option`` metadata read the environment; overrides may set any field.
+    Unknown override names raise ``TypeError``; bad values raise ``ValueError``.
+    """
+    source = os.environ if env is None else env
     kwargs: dict[str, Any] = {}
     for f in fields(cls):  # type: ignore[arg-type]
         name = f.metadata.get("env")
-        if name is None or name not in env:
+        if name is None or name not in source:
             continue
-        raw = env[name]
-        kind = int if f.type in ("int", int) else float
-        try:
-            kwargs[f.name] = kind(raw)
-        except ValueError:
-            raise ValueError(
-                f"{cls.__name__}.{f.name} ({name}): expected {kind.__name__}, got {raw!r}"
-            ) from None
+        kwargs[f.name] = _parse(cls.__name__, f.name, name, _field_kind(f.type), source[name])
     unknown = set(overrides) - {f.name for f in fields(cls)}  # type: ignore[arg-type]
     if unknown:
         raise TypeError(f"{cls.__name__}: unknown option(s) {sorted(unknown)}")
@@ -83,37 +124,47 @@ def _from_env(cls: type[_C], env: Mapping[str, str], overrides: Mapping[str, Any
     return cls(**kwargs)
 
 
+def env_variables(*classes: type) -> dict[str, tuple[str, Any]]:
+    """Every environment variable the given config classes read: ``{name: (field, default)}``."""
+    out: dict[str, tuple[str, Any]] = {}
+    for part in classes:
+        for f in fields(part):
+            if "env" in f.metadata:
+                out[f.metadata["env"]] = (f"{part.__name__}.{f.name}", f.default)
+    return out
+
+
 @dataclass(frozen=True)
 class StepTimeConfig:
     """Step-time rank-straggler policy (TraceML's Step Time rules)."""
 
     straggler_warning_score: float = field(
-        default=0.10, metadata=_spec("RANKWATCH_STRAGGLER_WARNING_SCORE", 0.0, lo_open=True)
+        default=0.10, metadata=option("RANKWATCH_STRAGGLER_WARNING_SCORE", 0.0, lo_open=True)
     )
     straggler_critical_score: float = field(
-        default=0.20, metadata=_spec("RANKWATCH_STRAGGLER_CRITICAL_SCORE", 0.0, lo_open=True)
+        default=0.20, metadata=option("RANKWATCH_STRAGGLER_CRITICAL_SCORE", 0.0, lo_open=True)
     )
     cause_coverage_min: float = field(
-        default=0.80, metadata=_spec("RANKWATCH_CAUSE_COVERAGE_MIN", 0.0, 1.0, lo_open=True)
+        default=0.80, metadata=option("RANKWATCH_CAUSE_COVERAGE_MIN", 0.0, 1.0, lo_open=True)
     )
     bottleneck_warning_share: float = field(
-        default=0.10, metadata=_spec("RANKWATCH_BOTTLENECK_WARNING_SHARE", 0.0, 1.0, lo_open=True)
+        default=0.10, metadata=option("RANKWATCH_BOTTLENECK_WARNING_SHARE", 0.0, 1.0, lo_open=True)
     )
     bottleneck_critical_share: float = field(
-        default=0.20, metadata=_spec("RANKWATCH_BOTTLENECK_CRITICAL_SHARE", 0.0, 1.0, lo_open=True)
+        default=0.20, metadata=option("RANKWATCH_BOTTLENECK_CRITICAL_SHARE", 0.0, 1.0, lo_open=True)
     )
     compute_bound_share: float = field(
-        default=0.90, metadata=_spec("RANKWATCH_COMPUTE_BOUND_SHARE", 0.0, 1.0, lo_open=True)
+        default=0.90, metadata=option("RANKWATCH_COMPUTE_BOUND_SHARE", 0.0, 1.0, lo_open=True)
     )
-    min_steps_warning: int = field(default=2, metadata=_spec("RANKWATCH_MIN_STEPS_WARNING", 1))
-    min_steps_critical: int = field(default=20, metadata=_spec("RANKWATCH_MIN_STEPS_CRITICAL", 1))
-    live_window_steps: int = field(default=100, metadata=_spec("RANKWATCH_LIVE_WINDOW_STEPS", 2))
+    min_steps_warning: int = field(default=2, metadata=option("RANKWATCH_MIN_STEPS_WARNING", 1))
+    min_steps_critical: int = field(default=20, metadata=option("RANKWATCH_MIN_STEPS_CRITICAL", 1))
+    live_window_steps: int = field(default=100, metadata=option("RANKWATCH_LIVE_WINDOW_STEPS", 2))
     summary_window_steps: int = field(
-        default=10_000, metadata=_spec("RANKWATCH_SUMMARY_WINDOW_STEPS", 2)
+        default=10_000, metadata=option("RANKWATCH_SUMMARY_WINDOW_STEPS", 2)
     )
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_options(self)
         if self.straggler_critical_score < self.straggler_warning_score:
             raise ValueError(
                 "StepTimeConfig.straggler_critical_score: must be >= straggler_warning_score "
@@ -132,7 +183,7 @@ class StepTimeConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> StepTimeConfig:
-        return _from_env(cls, os.environ if env is None else env, overrides)
+        return from_env(cls, env, **overrides)
 
 
 @dataclass(frozen=True)
@@ -144,27 +195,27 @@ class NormalConfig:
     """
 
     notify_ratio: float = field(
-        default=0.25, metadata=_spec("DEEPEP_DIAGNOSE_NOTIFY_RATIO", 0.0, 1.0, lo_open=True)
+        default=0.25, metadata=option("DEEPEP_DIAGNOSE_NOTIFY_RATIO", 0.0, 1.0, lo_open=True)
     )
     axis_slowdown: float = field(
-        default=1.25, metadata=_spec("DEEPEP_DIAGNOSE_AXIS_SLOWDOWN", 1.0, lo_open=True)
+        default=1.25, metadata=option("DEEPEP_DIAGNOSE_AXIS_SLOWDOWN", 1.0, lo_open=True)
     )
     point_slowdown: float = field(
-        default=2.0, metadata=_spec("DEEPEP_DIAGNOSE_POINT_SLOWDOWN", 1.0, lo_open=True)
+        default=2.0, metadata=option("DEEPEP_DIAGNOSE_POINT_SLOWDOWN", 1.0, lo_open=True)
     )
     global_slowdown: float = field(
-        default=1.3, metadata=_spec("DEEPEP_DIAGNOSE_GLOBAL_SLOWDOWN", 1.0, lo_open=True)
+        default=1.3, metadata=option("DEEPEP_DIAGNOSE_GLOBAL_SLOWDOWN", 1.0, lo_open=True)
     )
     robust_score: float = field(
-        default=3.5, metadata=_spec("RANKWATCH_NORMAL_ROBUST_SCORE", 0.0, lo_open=True)
+        default=3.5, metadata=option("RANKWATCH_NORMAL_ROBUST_SCORE", 0.0, lo_open=True)
     )
     history_bootstrap: int = field(
-        default=3, metadata=_spec("RANKWATCH_NORMAL_HISTORY_BOOTSTRAP", 1)
+        default=3, metadata=option("RANKWATCH_NORMAL_HISTORY_BOOTSTRAP", 1)
     )
-    history_horizon: int = field(default=16, metadata=_spec("RANKWATCH_NORMAL_HISTORY_HORIZON", 1))
+    history_horizon: int = field(default=16, metadata=option("RANKWATCH_NORMAL_HISTORY_HORIZON", 1))
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_options(self)
         if self.history_horizon < self.history_bootstrap:
             raise ValueError(
                 "NormalConfig.history_horizon: must be >= history_bootstrap "
@@ -173,7 +224,7 @@ class NormalConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NormalConfig:
-        return _from_env(cls, os.environ if env is None else env, overrides)
+        return from_env(cls, env, **overrides)
 
 
 @dataclass(frozen=True)
@@ -181,22 +232,24 @@ class LowLatencyConfig:
     """DeepEP low-latency receive-wait matrix rule (DeepXTrace's names and defaults)."""
 
     thres_col: float = field(
-        default=3.0, metadata=_spec("DEEPEP_DIAGNOSE_THRESHOLD_COL", 0.0, lo_open=True)
+        default=3.0, metadata=option("DEEPEP_DIAGNOSE_THRESHOLD_COL", 0.0, lo_open=True)
     )
     thres_row: float = field(
-        default=3.0, metadata=_spec("DEEPEP_DIAGNOSE_THRESHOLD_ROW", 0.0, lo_open=True)
+        default=3.0, metadata=option("DEEPEP_DIAGNOSE_THRESHOLD_ROW", 0.0, lo_open=True)
     )
     thres_point: float = field(
-        default=5.0, metadata=_spec("DEEPEP_DIAGNOSE_THRESHOLD_POINT", 0.0, lo_open=True)
+        default=5.0, metadata=option("DEEPEP_DIAGNOSE_THRESHOLD_POINT", 0.0, lo_open=True)
     )
-    excluding_zeros: int = field(default=0, metadata=_spec("DEEPEP_DIAGNOSE_EXCLUDING_ZEROS", 0, 1))
+    excluding_zeros: int = field(
+        default=0, metadata=option("DEEPEP_DIAGNOSE_EXCLUDING_ZEROS", 0, 1)
+    )
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_options(self)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> LowLatencyConfig:
-        return _from_env(cls, os.environ if env is None else env, overrides)
+        return from_env(cls, env, **overrides)
 
 
 @dataclass(frozen=True)
@@ -219,9 +272,4 @@ class DiagnosisConfig:
     @staticmethod
     def env_variables() -> dict[str, tuple[str, Any]]:
         """Every environment variable this object reads: ``{name: (field path, default)}``."""
-        out: dict[str, tuple[str, Any]] = {}
-        for part in (StepTimeConfig, NormalConfig, LowLatencyConfig):
-            for f in fields(part):
-                if "env" in f.metadata:
-                    out[f.metadata["env"]] = (f"{part.__name__}.{f.name}", f.default)
-        return out
+        return env_variables(StepTimeConfig, NormalConfig, LowLatencyConfig)

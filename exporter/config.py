@@ -1,0 +1,151 @@
+"""rankwatch's one configuration object: collection, publishing and diagnosis settings.
+
+``RankwatchConfig.from_env(**overrides)`` reads environment variables, applies keyword
+overrides, and validates everything on load (``ValueError``/``TypeError`` naming the field, the
+variable and the value). The DeepEP collector also honours DeepXTrace's ``DEEPEP_DIAGNOSE_*``
+names. ``docs/configuration.md`` lists every option; a test keeps it in step with this file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from rankwatch.diagnosis.config import (
+    DiagnosisConfig,
+    LowLatencyConfig,
+    NormalConfig,
+    StepTimeConfig,
+    env_variables,
+    from_env,
+    option,
+    validate_options,
+)
+
+__all__ = ["DeepEPConfig", "RankwatchConfig", "all_env_variables", "config_fields"]
+
+
+@dataclass(frozen=True)
+class RankwatchConfig:
+    """Settings of the in-process exporter (step timer, windows, publishers)."""
+
+    # identity
+    run_id: str = field(default="", metadata=option("RANKWATCH_RUN_ID"))
+    group_name: str = field(default="world", metadata=option("RANKWATCH_GROUP"))
+    # collection
+    enabled: bool = field(default=True, metadata=option("RANKWATCH_ENABLE"))
+    async_mode: bool = field(default=True, metadata=option("RANKWATCH_ASYNC"))
+    interval_seconds: float = field(
+        default=5.0, metadata=option("RANKWATCH_INTERVAL_SECONDS", 0.0, lo_open=True)
+    )
+    sync_step: int = field(default=100, metadata=option("RANKWATCH_SYNC_STEP", 1))
+    gather_timeout_seconds: float = field(
+        default=30.0, metadata=option("RANKWATCH_GATHER_TIMEOUT_SECONDS", 0.0, lo_open=True)
+    )
+    max_buffered_steps: int = field(
+        default=20_000, metadata=option("RANKWATCH_MAX_BUFFERED_STEPS", 2)
+    )
+    strategy: str = field(
+        default="", metadata=option("RANKWATCH_STRATEGY", choices=("", "ddp", "fsdp"))
+    )
+    # Prometheus pull path
+    metrics_enabled: bool = field(default=True, metadata=option("RANKWATCH_METRICS_ENABLE"))
+    metrics_addr: str = field(default="127.0.0.1", metadata=option("RANKWATCH_METRICS_ADDR"))
+    metrics_port: int = field(default=9464, metadata=option("RANKWATCH_METRICS_PORT", 0, 65535))
+    metrics_tls_cert_file: str = field(
+        default="", metadata=option("RANKWATCH_METRICS_TLS_CERT_FILE")
+    )
+    metrics_tls_key_file: str = field(default="", metadata=option("RANKWATCH_METRICS_TLS_KEY_FILE"))
+    metrics_basic_auth_user: str = field(
+        default="", metadata=option("RANKWATCH_METRICS_BASIC_AUTH_USER")
+    )
+    metrics_basic_auth_password: str = field(
+        default="", metadata=option("RANKWATCH_METRICS_BASIC_AUTH_PASSWORD")
+    )
+    cell_budget: int = field(default=1024, metadata=option("RANKWATCH_CELL_BUDGET", 1))
+    # OTLP push path (endpoint, protocol, headers: the standard OTEL_EXPORTER_OTLP_* variables)
+    otlp_enabled: bool = field(default=True, metadata=option("RANKWATCH_OTLP_ENABLE"))
+    otlp_export_interval_seconds: float = field(
+        default=10.0, metadata=option("RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS", 0.0, lo_open=True)
+    )
+    shutdown_timeout_seconds: float = field(
+        default=5.0, metadata=option("RANKWATCH_SHUTDOWN_TIMEOUT_SECONDS", 0.0, lo_open=True)
+    )
+    # incidents: open after k of the last n windows agree, close after m clean windows
+    incident_open_k: int = field(default=2, metadata=option("RANKWATCH_INCIDENT_OPEN_K", 1))
+    incident_open_n: int = field(default=3, metadata=option("RANKWATCH_INCIDENT_OPEN_N", 1))
+    incident_close_m: int = field(default=3, metadata=option("RANKWATCH_INCIDENT_CLOSE_M", 1))
+    # artifacts and logs
+    artifact_dir: str = field(default="", metadata=option("RANKWATCH_ARTIFACT_DIR"))
+    artifact_retention: int = field(default=100, metadata=option("RANKWATCH_ARTIFACT_RETENTION", 0))
+    log_json: bool = field(default=True, metadata=option("RANKWATCH_LOG_JSON"))
+    diagnosis: DiagnosisConfig = field(default_factory=DiagnosisConfig)
+
+    def __post_init__(self) -> None:
+        validate_options(self)
+        if self.incident_open_k > self.incident_open_n:
+            raise ValueError(
+                "RankwatchConfig.incident_open_k (RANKWATCH_INCIDENT_OPEN_K): must be <= "
+                f"incident_open_n ({self.incident_open_n}), got {self.incident_open_k}"
+            )
+        if bool(self.metrics_tls_cert_file) != bool(self.metrics_tls_key_file):
+            raise ValueError(
+                "RankwatchConfig.metrics_tls_cert_file/metrics_tls_key_file: set both or neither, "
+                f"got cert={self.metrics_tls_cert_file!r} key={self.metrics_tls_key_file!r}"
+            )
+        if bool(self.metrics_basic_auth_user) != bool(self.metrics_basic_auth_password):
+            raise ValueError(
+                "RankwatchConfig.metrics_basic_auth_user/password: set both or neither, "
+                f"got user={self.metrics_basic_auth_user!r}"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> RankwatchConfig:
+        """Environment first, then keyword overrides; the nested diagnosis config too."""
+        source = os.environ if env is None else env
+        if "diagnosis" not in overrides:
+            overrides["diagnosis"] = DiagnosisConfig.from_env(source)
+        return from_env(cls, source, **overrides)
+
+    def metrics_port_for(self, local_rank: int) -> int:
+        """One port per local rank under torchrun: base + local_rank (0 stays 0: ephemeral)."""
+        return 0 if self.metrics_port == 0 else self.metrics_port + local_rank
+
+
+@dataclass(frozen=True)
+class DeepEPConfig:
+    """DeepXTrace-compatible settings of the DeepEP collector (``DEEPEP_DIAGNOSE_*``)."""
+
+    enable: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_ENABLE"))
+    async_mode: bool = field(default=True, metadata=option("DEEPEP_DIAGNOSE_ASYNC"))
+    interval_seconds: float = field(
+        default=10.0, metadata=option("DEEPEP_DIAGNOSE_INTERVAL", 0.0, lo_open=True)
+    )
+    sync_step: int = field(default=580, metadata=option("DEEPEP_DIAGNOSE_SYNC_STEP", 1))
+    warmup_seconds: float = field(
+        default=0.0, metadata=option("DEEPEP_DIAGNOSE_WARMUP_SECONDS", 0.0)
+    )
+    log_path: str = field(default=".", metadata=option("DEEPEP_DIAGNOSE_LOG_PATH"))
+    log_details: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_LOG_DETAILS"))
+    export_npz: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_EXPORT_NPZ"))
+
+    def __post_init__(self) -> None:
+        validate_options(self)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> DeepEPConfig:
+        return from_env(cls, env, **overrides)
+
+
+def all_env_variables() -> dict[str, tuple[str, Any]]:
+    """Every environment variable rankwatch reads, for the configuration docs and their test."""
+    return env_variables(
+        RankwatchConfig, DeepEPConfig, StepTimeConfig, NormalConfig, LowLatencyConfig
+    )
+
+
+def config_fields() -> list[str]:
+    """Names of the top-level exporter options (keyword overrides of ``from_env``)."""
+    return [f.name for f in fields(RankwatchConfig)]
