@@ -17,6 +17,7 @@ bins=(prometheus promtool prometheus-alertmanager victoria-metrics)
 mkdir -p "$dest/bin"
 have_all=1
 for b in "${bins[@]}"; do [ -x "$dest/bin/$b" ] || have_all=0; done
+[ -f /usr/share/prometheus/alertmanager/default.tmpl ] || have_all=0
 if [ "$have_all" = 1 ]; then
     echo "backends already installed in $dest/bin"
     exit 0
@@ -47,6 +48,15 @@ for b in "${bins[@]}"; do
 done
 # Alertmanager is called prometheus-alertmanager in Debian; give it its upstream name too.
 ln -sf prometheus-alertmanager "$dest/bin/alertmanager"
+# Debian's Alertmanager reads its notification templates from a fixed path instead of the
+# copy upstream embeds; it refuses to start without them. Keep a copy and put them there.
+tmpl_src="$work/root/usr/share/prometheus/alertmanager"
+mkdir -p "$dest/share/alertmanager"
+cp "$tmpl_src"/*.tmpl "$dest/share/alertmanager/"
+if [ ! -f /usr/share/prometheus/alertmanager/default.tmpl ]; then
+    mkdir -p /usr/share/prometheus/alertmanager
+    cp "$tmpl_src"/*.tmpl /usr/share/prometheus/alertmanager/
+fi
 rm -rf "$work/root" "$work"/*.deb
 for b in "${bins[@]}"; do
     echo "installed $dest/bin/$b"
