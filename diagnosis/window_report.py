@@ -40,6 +40,8 @@ class WindowReport:
     created_at_s: float
     ranks: tuple[RankInfo, ...]
     run: str = ""
+    # "live" for the rolling window, "summary" for the final long window at shutdown.
+    window_kind: str = "live"
     missing_ranks: tuple[int, ...] = ()
     step_time: StepTimeReport | None = None
     normal: NormalReport | None = None
@@ -63,6 +65,7 @@ class WindowReport:
             "group": self.group,
             "run": self.run,
             "window_index": self.window_index,
+            "window_kind": self.window_kind,
             "created_at_s": self.created_at_s,
             "ranks": [
                 {"rank": r.rank, "hostname": r.hostname, "local_rank": r.local_rank}
