@@ -1,0 +1,1 @@
+"""Benchmarks: each module exposes run() -> list of result rows; run_all collects them."""
