@@ -1,0 +1,246 @@
+"""The Completion rule: localise slow sources, destinations, cells, node blocks and gateways.
+
+One probe's window gives a cost-per-sample matrix ``[src, dst]`` (NaN where a cell had no
+sample). The rule, all in log space so that factors multiply and effects add:
+
+1. Reference. Dense probes (``dispatch_final``, ``combine_logical_recv``) use the median of
+   each source-node x destination-node block, so intra-node cells are compared with intra-node
+   cells and inter-node cells with inter-node cells. The sparse gateway probe
+   (``dispatch_rdma_recv``) uses the median of its valid edges.
+2. ``L = log(cost / reference)``; then, in this order, the window-wide effect (median of
+   ``L``), the source-row effects (row medians of what is left) and the destination-column
+   effects (column medians of what is left) are removed. What remains is the point residual.
+3. Rows and columns (source/destination gateways for the gateway probe) are flagged at
+   ``>= axis_slowdown`` with a robust score ``>= robust_score`` among their peers; points (gateway
+   edges) at ``>= point_slowdown`` with a score ``>= robust_score`` among all residuals. Points
+   inside a flagged row or column are not reported again. Dense probes also compare each node
+   block's median with the other blocks of its class (intra- or inter-node): ``>= axis_slowdown``.
+
+A slow block never shows up as rows or points (the block reference absorbs it), and a slow row
+or column never shows up as points (its effect is removed first and its cells are suppressed):
+each shared slowdown is reported once, at its widest scope.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..config import NormalConfig
+from .report import Anomaly, ProbeResult
+from .robust import lane_medians, median_excluding_self, modified_zscores, robust_location_scale
+
+__all__ = [
+    "GATEWAY_PROBES",
+    "LOG_TOLERANCE",
+    "MAX_POINT_ANOMALIES",
+    "MIN_COST_PER_SAMPLE",
+    "cost_per_sample",
+    "diagnose_completion",
+]
+
+# Probes whose source index is a gateway proxy rank: sparse, one reference for all edges.
+GATEWAY_PROBES: tuple[str, ...] = ("dispatch_rdma_recv",)
+# Costs are integer cycle counts; below one cycle per sample the counter cannot resolve a
+# difference, and a zero would have no logarithm. Such cells count as one cycle.
+MIN_COST_PER_SAMPLE = 1.0
+# Thresholds are compared in log space; a factor equal to its threshold up to float rounding
+# (about 1e-7 here) still flags.
+LOG_TOLERANCE = 1e-6
+# Bound on point/edge anomalies per probe and window: a pathological window must not create
+# an unbounded report. The total is still stated in ``ProbeResult.detail``.
+MAX_POINT_ANOMALIES = 256
+
+
+def cost_per_sample(cost: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """``cost / samples`` per cell, NaN where there was no sample (not a zero cost)."""
+    out = np.full(np.shape(cost), np.nan)
+    np.divide(cost, samples, out=out, where=np.asarray(samples) > 0)
+    return out
+
+
+def _flag(
+    log_factor: np.ndarray, score: np.ndarray, threshold: float, config: NormalConfig
+) -> np.ndarray:
+    """Indices where both the factor and the robust score reach their thresholds."""
+    with np.errstate(invalid="ignore"):
+        hit = (log_factor >= math.log(threshold) - LOG_TOLERANCE) & (
+            score >= config.robust_score - LOG_TOLERANCE
+        )
+    return np.flatnonzero(hit)
+
+
+def _node_ranks(node: int, rpn: int) -> tuple[int, ...]:
+    return tuple(range(node * rpn, (node + 1) * rpn))
+
+
+def _block_anomalies(
+    block_log: np.ndarray, probe: str, rpn: int, config: NormalConfig
+) -> list[Anomaly]:
+    """Compare each node block with the other blocks of its class (intra- vs inter-node)."""
+    n = block_log.shape[0]
+    intra = np.eye(n, dtype=bool)
+    factor_log = np.full(block_log.shape, np.nan)
+    for cls_mask in (intra, ~intra):
+        values = block_log[cls_mask]
+        factor_log[cls_mask] = values - median_excluding_self(values)
+    with np.errstate(invalid="ignore"):
+        hit = np.argwhere(factor_log >= math.log(config.axis_slowdown) - LOG_TOLERANCE)
+    out = []
+    for a, b in hit:
+        ranks = tuple(sorted(set(_node_ranks(int(a), rpn)) | set(_node_ranks(int(b), rpn))))
+        out.append(
+            Anomaly(
+                probe=probe,
+                scope="block",
+                src=int(a),
+                dst=int(b),
+                factor=float(np.exp(factor_log[a, b])),
+                ranks=ranks,
+            )
+        )
+    return out
+
+
+def diagnose_completion(
+    cost: np.ndarray,
+    samples: np.ndarray,
+    probe: str,
+    ranks_per_node: int,
+    config: NormalConfig,
+    tokens: np.ndarray | None = None,
+) -> ProbeResult:
+    """Apply the Completion rule to one probe's ``[src, dst]`` window deltas.
+
+    Returns a result without the global (history) part: ``global_factor`` and ``global_status``
+    are left None for the diagnoser to fill. ``aggregate`` is the topology-aggregated cost per
+    sample: the geometric mean of the node-block medians for dense probes (every block counts
+    once, whatever its traffic), the median edge for the gateway probe.
+    """
+    cost = np.asarray(cost, dtype=np.float64)
+    samples = np.asarray(samples, dtype=np.float64)
+    if cost.ndim != 2 or cost.shape[0] != cost.shape[1] or samples.shape != cost.shape:
+        raise ValueError(
+            f"{probe}: cost and samples must be the same square matrix, got shapes "
+            f"{cost.shape} and {samples.shape}"
+        )
+    ep = cost.shape[0]
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int):
+        raise TypeError(f"ranks_per_node: expected an int, got {ranks_per_node!r}")
+    if ranks_per_node < 1 or ep % ranks_per_node:
+        raise ValueError(f"ranks_per_node: must divide ep_size={ep}, got {ranks_per_node!r}")
+    rpn = ranks_per_node
+    gateway = probe in GATEWAY_PROBES
+    cps = cost_per_sample(cost, samples)
+    tps = None if tokens is None else cost_per_sample(np.asarray(tokens, np.float64), samples)
+    valid = samples > 0
+    n_valid = int(np.count_nonzero(valid))
+    if n_valid == 0:
+        return ProbeResult(
+            probe=probe,
+            kind="completion",
+            status="insufficient",
+            cost_per_sample=cps,
+            tokens_per_sample=tps,
+            detail="no cell carried a sample in this window",
+        )
+
+    x = np.log(np.maximum(cps, MIN_COST_PER_SAMPLE))  # NaN stays NaN
+    anomalies: list[Anomaly] = []
+    if gateway:
+        ref_log = float(np.median(x[valid]))
+        aggregate = math.exp(ref_log)
+        resid = (x - ref_log).astype(np.float32)
+    else:
+        n = ep // rpn
+        blocks = x.reshape(n, rpn, n, rpn).transpose(0, 2, 1, 3).reshape(n * n, rpn * rpn)
+        block_log = lane_medians(blocks, axis=1).reshape(n, n)
+        aggregate = math.exp(float(np.mean(block_log[np.isfinite(block_log)])))
+        ref = np.repeat(np.repeat(block_log, rpn, axis=0), rpn, axis=1)
+        resid = (x - ref).astype(np.float32)
+        if n > 1:
+            anomalies.extend(_block_anomalies(block_log, probe, rpn, config))
+
+    # Window-wide effect, then source rows, then destination columns.
+    flat_valid = resid[valid]
+    window_log = float(np.median(flat_valid))
+    resid -= np.float32(window_log)
+    row_log = lane_medians(resid, axis=1)
+    resid -= row_log[:, None].astype(np.float32)
+    col_log = lane_medians(resid, axis=0)
+    resid -= col_log[None, :].astype(np.float32)
+
+    row_scope, col_scope, point_scope = (
+        ("src_gateway", "dst_gateway", "edge") if gateway else ("row", "column", "point")
+    )
+    row_scores = modified_zscores(row_log)
+    col_scores = modified_zscores(col_log)
+    rows = _flag(row_log, row_scores, config.axis_slowdown, config)
+    cols = _flag(col_log, col_scores, config.axis_slowdown, config)
+    for r in rows:
+        anomalies.append(
+            Anomaly(
+                probe,
+                row_scope,
+                int(r),
+                None,
+                math.exp(row_log[r]),
+                float(row_scores[r]),
+                (int(r),),
+            )
+        )
+    for c in cols:
+        anomalies.append(
+            Anomaly(
+                probe,
+                col_scope,
+                None,
+                int(c),
+                math.exp(col_log[c]),
+                float(col_scores[c]),
+                (int(c),),
+            )
+        )
+
+    detail = ""
+    # Points: only candidates past the factor threshold need a score, so the (costly) spread of
+    # all residuals is computed only when there is a candidate.
+    with np.errstate(invalid="ignore"):
+        cand = resid >= np.float32(math.log(config.point_slowdown) - LOG_TOLERANCE)
+    cand &= valid
+    if rows.size:
+        cand[rows, :] = False
+    if cols.size:
+        cand[:, cols] = False
+    if cand.any():
+        center, sigma = robust_location_scale(resid[valid])
+        src_idx, dst_idx = np.nonzero(cand)
+        values = resid[src_idx, dst_idx].astype(np.float64)
+        scores = (values - center) / sigma
+        keep = scores >= config.robust_score - LOG_TOLERANCE
+        src_idx, dst_idx, values, scores = src_idx[keep], dst_idx[keep], values[keep], scores[keep]
+        if src_idx.size > MAX_POINT_ANOMALIES:
+            detail = (
+                f"{src_idx.size} {point_scope} anomalies; the {MAX_POINT_ANOMALIES} slowest "
+                "are listed"
+            )
+            top = np.argsort(-values, kind="stable")[:MAX_POINT_ANOMALIES]
+            top.sort()
+            src_idx, dst_idx, values, scores = src_idx[top], dst_idx[top], values[top], scores[top]
+        for s, d, v, z in zip(src_idx, dst_idx, values, scores, strict=True):
+            ranks = (int(s),) if s == d else (int(s), int(d))
+            anomalies.append(
+                Anomaly(probe, point_scope, int(s), int(d), math.exp(v), float(z), ranks)
+            )
+
+    return ProbeResult(
+        probe=probe,
+        kind="completion",
+        status="anomalous" if anomalies else "ok",
+        anomalies=tuple(anomalies),
+        cost_per_sample=cps,
+        tokens_per_sample=tps,
+        aggregate=aggregate,
+        detail=detail,
+    )

@@ -1,0 +1,151 @@
+"""Robust statistics the normal-mode rules share: NaN-aware medians and the modified z-score.
+
+Everything is vectorised: medians of many lanes at once come from one sort, never from a
+Python loop over cells. NaN always means "no measurement" and is skipped, never counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "MAD_SCALE",
+    "MEAN_AD_SCALE",
+    "lane_medians",
+    "median_excluding_self",
+    "modified_zscores",
+    "nan_median",
+    "robust_location_scale",
+]
+
+# 0.6745 is the 0.75 quantile of the standard normal: MAD / 0.6745 estimates sigma.
+MAD_SCALE = 0.6745
+# When the MAD is 0 (more than half the values identical) the mean absolute deviation takes
+# over; MeanAD * 1.253314 estimates sigma for normal data (sqrt(pi / 2)).
+MEAN_AD_SCALE = 1.253314
+
+# Below this share of valid cells a lane median is computed from the valid cells only (one
+# sort of the compacted values) instead of sorting whole lanes that are mostly NaN.
+_SPARSE_SHARE = 0.25
+
+
+def nan_median(values: np.ndarray) -> float:
+    """Median of the finite values; NaN when there are none."""
+    flat = np.asarray(values).ravel()
+    finite = flat[np.isfinite(flat)]
+    if finite.size == 0:
+        return float("nan")
+    return float(np.median(finite))
+
+
+def _sorted_lane_medians(mat: np.ndarray) -> np.ndarray:
+    """Medians along axis 1 of a 2-D array whose invalid entries are NaN (sorted last)."""
+    ordered = np.sort(mat, axis=1)
+    counts = np.count_nonzero(~np.isnan(mat), axis=1)
+    lo = np.maximum((counts - 1) // 2, 0)
+    hi = np.maximum(counts // 2, 0)
+    rows = np.arange(mat.shape[0])
+    with np.errstate(invalid="ignore"):
+        med = 0.5 * (ordered[rows, lo].astype(np.float64) + ordered[rows, hi].astype(np.float64))
+    med[counts == 0] = np.nan
+    return med
+
+
+def _grouped_medians(values: np.ndarray, groups: np.ndarray, n_groups: int) -> np.ndarray:
+    """Median of ``values`` within each integer group 0..n_groups-1 (NaN for empty groups)."""
+    out = np.full(n_groups, np.nan)
+    if values.size == 0:
+        return out
+    order = np.lexsort((values, groups))
+    v = values[order].astype(np.float64)
+    counts = np.bincount(groups, minlength=n_groups)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    has = counts > 0
+    lo = starts[has] + (counts[has] - 1) // 2
+    hi = starts[has] + counts[has] // 2
+    out[has] = 0.5 * (v[lo] + v[hi])
+    return out
+
+
+def lane_medians(mat: np.ndarray, axis: int) -> np.ndarray:
+    """NaN-skipping medians of a 2-D array along ``axis`` (0: per column, 1: per row).
+
+    An all-NaN lane gives NaN. Dense arrays are sorted lane by lane in one call; sparse ones
+    (under a quarter valid) are compacted first so the cost follows the number of valid cells.
+    """
+    arr = np.asarray(mat)
+    if arr.ndim != 2:
+        raise ValueError(f"mat: expected a 2-D array, got shape {arr.shape}")
+    if axis not in (0, 1):
+        raise ValueError(f"axis: must be 0 or 1, got {axis!r}")
+    valid = ~np.isnan(arr)
+    n_valid = int(np.count_nonzero(valid))
+    if arr.size and n_valid < _SPARSE_SHARE * arr.size:
+        idx = np.nonzero(valid)
+        return _grouped_medians(arr[idx], idx[1 - axis], arr.shape[1 - axis])
+    lanes = arr if axis == 1 else np.ascontiguousarray(arr.T)
+    return _sorted_lane_medians(lanes)
+
+
+def median_excluding_self(values: np.ndarray) -> np.ndarray:
+    """For each finite entry, the median of the *other* finite entries (NaN if none remain).
+
+    Computed from one sort: removing the element at sorted position k shifts every later
+    element down by one, so the order statistics of the remaining n-1 values are known.
+    """
+    x = np.asarray(values, dtype=np.float64).ravel()
+    out = np.full(x.shape, np.nan)
+    finite = np.isfinite(x)
+    idx = np.flatnonzero(finite)
+    n = idx.size
+    if n < 2:
+        return out
+    order = np.argsort(x[idx], kind="stable")
+    v = x[idx][order]
+    k = np.empty(n, dtype=np.int64)
+    k[order] = np.arange(n)  # sorted position of each finite entry
+    m = n - 1  # how many values remain
+    lo_i = (m - 1) // 2
+    hi_i = m // 2
+
+    def remaining(i: int) -> np.ndarray:
+        # i-th order statistic of the remaining values, per removed position k.
+        return np.where(i < k, v[i], v[min(i + 1, n - 1)])
+
+    out[idx] = 0.5 * (remaining(lo_i) + remaining(hi_i))
+    return out
+
+
+def robust_location_scale(values: np.ndarray) -> tuple[float, float]:
+    """``(median, sigma)`` of the finite values, with sigma = MAD / 0.6745.
+
+    When the MAD is 0 (more than half the values identical) sigma falls back to
+    ``1.253314 * MeanAD``; when that is 0 too every value equals the median and sigma is
+    ``inf`` (so every score is 0). No finite value gives ``(nan, nan)``.
+    """
+    flat = np.asarray(values, dtype=np.float64).ravel()
+    finite = flat[np.isfinite(flat)]
+    if finite.size == 0:
+        return float("nan"), float("nan")
+    med = float(np.median(finite))
+    dev = np.abs(finite - med)
+    mad = float(np.median(dev))
+    if mad > 0:
+        return med, mad / MAD_SCALE
+    mean_ad = float(np.mean(dev))
+    if mean_ad > 0:
+        return med, MEAN_AD_SCALE * mean_ad
+    return med, float("inf")
+
+
+def modified_zscores(values: np.ndarray) -> np.ndarray:
+    """Modified z-score ``0.6745 * (x - median) / MAD`` of each entry; NaN stays NaN.
+
+    See :func:`robust_location_scale` for what happens when the MAD is 0.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    med, sigma = robust_location_scale(x)
+    if not np.isfinite(med):
+        return np.full(x.shape, np.nan)
+    with np.errstate(invalid="ignore"):
+        return (x - med) / sigma
