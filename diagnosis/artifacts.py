@@ -31,6 +31,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from .normal.notify import notify_ratios
 from .normal.report import NormalReport, json_ready
 from .normal.schema import COMPLETION_PROBES, NOTIFY_PROBES, PROBES
 from .normal.window import NormalWindow
@@ -47,7 +48,6 @@ __all__ = [
     "artifact_name",
     "check_artifact_name",
     "load_window_artifact",
-    "peer_median_ratio",
     "save_window_artifact",
 ]
 
@@ -119,38 +119,6 @@ def artifact_keys(probes: tuple[str, ...] = PROBES) -> list[str]:
         else:
             keys += [f"completion.{p}.{f}" for f in COMPLETION_RAW + COMPLETION_DERIVED]
     return keys
-
-
-def peer_median_ratio(avg_ns: np.ndarray) -> np.ndarray:
-    """Each rank's value divided by the median of the *other* ranks' valid values.
-
-    NaN entries (ranks without a launch) are neither divided nor counted as peers; the result is
-    NaN there, where fewer than two ranks are valid, and where the peer median is not positive.
-    Vectorised: the leave-one-out median is read off the sorted valid values.
-    """
-    avg = np.asarray(avg_ns, dtype=np.float64)
-    if avg.ndim != 1:
-        raise ValueError(f"avg_ns: expected a 1-D per-rank vector, got shape {avg.shape}")
-    out = np.full(avg.shape, np.nan)
-    valid = np.flatnonzero(np.isfinite(avg))
-    n = valid.size
-    if n < 2:
-        return out
-    order = np.argsort(avg[valid], kind="stable")
-    values = avg[valid][order]
-    k = np.empty(n, dtype=np.int64)
-    k[order] = np.arange(n)  # position of each valid rank in the sorted values
-
-    def without_self(t: int) -> np.ndarray:
-        # Element t of the sorted values once element k (the rank itself) is removed.
-        idx = np.full(n, t)
-        return values[np.where(idx < k, idx, idx + 1)]
-
-    m = n - 1
-    med = without_self(m // 2) if m % 2 else 0.5 * (without_self(m // 2 - 1) + without_self(m // 2))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out[valid] = np.where(med > 0, avg[valid] / med, np.nan)
-    return out
 
 
 def artifact_name(window: NormalWindow) -> str:
@@ -225,7 +193,7 @@ def _window_arrays(window: NormalWindow, report: object) -> dict[str, np.ndarray
         arrays[f"notify.{p}.count"] = count
         arrays[f"notify.{p}.avg_ns"] = avg
         # Prefer the diagnoser's own ratio so the file shows what the rule saw.
-        arrays[f"notify.{p}.ratio"] = peer_median_ratio(avg) if ratio is None else ratio
+        arrays[f"notify.{p}.ratio"] = notify_ratios(avg) if ratio is None else ratio
     for p in COMPLETION_PROBES:
         if p not in window.completion:
             continue

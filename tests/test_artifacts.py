@@ -10,8 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from rankwatch.diagnosis.artifacts import (
     ARTIFACT_PREFIX,
     MAX_EP_SIZE,
@@ -22,7 +20,6 @@ from rankwatch.diagnosis.artifacts import (
     artifact_name,
     check_artifact_name,
     load_window_artifact,
-    peer_median_ratio,
     save_window_artifact,
 )
 from rankwatch.diagnosis.normal import NormalWindow
@@ -406,39 +403,6 @@ def test_foreign_npz_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "foreign.npz"
     np.savez_compressed(path, a=np.zeros(3))
     assert "missing key 'schema_version' (not a rankwatch artifact?)" in _load_error(path)
-
-
-# --- peer median ratio --------------------------------------------------------------------
-
-
-def test_peer_median_ratio_edges() -> None:
-    assert np.isnan(peer_median_ratio(np.array([5.0, np.nan]))).all()  # one valid rank
-    assert np.isnan(peer_median_ratio(np.array([], dtype=float))).all()
-    np.testing.assert_allclose(peer_median_ratio(np.array([1.0, 3.0])), [1 / 3, 3.0])
-    out = peer_median_ratio(np.array([0.0, 0.0, 0.0, 4.0]))
-    assert np.isnan(out[:3]).all() and np.isnan(out[3])  # peer median 0: no ratio
-    with pytest.raises(ValueError, match=r"avg_ns: expected a 1-D per-rank vector, got shape"):
-        peer_median_ratio(np.ones((2, 2)))
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    st.lists(
-        st.one_of(st.floats(1.0, 1e9), st.just(float("nan")), st.sampled_from([5.0, 7.0])),
-        min_size=0,
-        max_size=20,
-    )
-)
-def test_peer_median_ratio_matches_brute_force(values: list[float]) -> None:
-    avg = np.array(values, dtype=np.float64)
-    got = peer_median_ratio(avg)
-    for r, v in enumerate(avg):
-        peers = np.delete(avg, r)
-        peers = peers[np.isfinite(peers)]
-        if not np.isfinite(v) or peers.size == 0 or np.median(peers) <= 0:
-            assert np.isnan(got[r])
-        else:
-            assert got[r] == pytest.approx(v / np.median(peers), rel=1e-12)
 
 
 # --- retention and names ------------------------------------------------------------------
