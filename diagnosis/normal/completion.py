@@ -29,7 +29,13 @@ import numpy as np
 
 from ..config import NormalConfig
 from .report import Anomaly, ProbeResult
-from .robust import lane_medians, median_excluding_self, modified_zscores, robust_location_scale
+from .robust import (
+    grouped_medians,
+    lane_medians,
+    median_excluding_self,
+    modified_zscores,
+    robust_location_scale,
+)
 
 __all__ = [
     "GATEWAY_PROBES",
@@ -103,6 +109,65 @@ def _block_anomalies(
     return out
 
 
+def _remove_window_effect(row_med: np.ndarray) -> np.ndarray:
+    """Row effects: row medians minus the window-wide effect, taken as their median.
+
+    As in the first sweep of a median polish, the median of the row medians is a robust
+    window-wide centre that costs no further pass over the cells; subtracting a constant does
+    not move any row's median, so removing it first and then the rows gives the same result.
+    """
+    finite = row_med[np.isfinite(row_med)]
+    return row_med - (float(np.median(finite)) if finite.size else 0.0)
+
+
+def _dense_effects(
+    cps: np.ndarray, rpn: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Block reference, row and column effects and point residuals of a dense matrix.
+
+    Returns ``(block_log [nodes, nodes], row_log [EP], col_log [EP], resid [src, dst])``, all
+    in natural-log units, NaN wherever there was no sample.
+    """
+    n = cps.shape[0] // rpn
+    x = np.log(np.maximum(cps, MIN_COST_PER_SAMPLE))  # NaN stays NaN
+    # Shifted by a typical value, log costs are small numbers near 0: float32 then keeps about
+    # 1e-7 of precision at half the memory traffic of float64 (sorting dominates the cost).
+    sample = x.ravel()[:: max(1, x.size // 1024)]
+    sample = sample[np.isfinite(sample)]
+    anchor = float(np.median(sample)) if sample.size else float(np.nanmedian(x))
+    x32 = (x - anchor).astype(np.float32)
+    blocks = x32.reshape(n, rpn, n, rpn).transpose(0, 2, 1, 3).reshape(n * n, rpn * rpn)
+    block_rel = lane_medians(blocks, axis=1).reshape(n, n)
+    block_log = block_rel + anchor
+    ref = np.repeat(np.repeat(block_rel.astype(np.float32), rpn, axis=0), rpn, axis=1)
+    resid = x32 - ref
+    row_med = lane_medians(resid, axis=1)
+    row_log = _remove_window_effect(row_med)
+    resid -= row_med[:, None].astype(np.float32)  # window-wide + row effects
+    col_log = lane_medians(resid, axis=0)
+    resid -= col_log[None, :].astype(np.float32)
+    return block_log, row_log, col_log, resid
+
+
+def _gateway_effects(
+    cps_valid: np.ndarray, src: np.ndarray, dst: np.ndarray, ep: int
+) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+    """The same decomposition for the sparse gateway matrix, on its valid edges only.
+
+    Returns ``(aggregate, row_log [EP], col_log [EP], resid [edges])``; the reference (and the
+    aggregate) is the median valid edge.
+    """
+    x = np.log(np.maximum(cps_valid, MIN_COST_PER_SAMPLE))
+    ref_log = float(np.median(x))
+    resid = x - ref_log
+    row_med = grouped_medians(resid, src, ep)
+    row_log = _remove_window_effect(row_med)
+    resid = resid - row_med[src]
+    col_log = grouped_medians(resid, dst, ep)
+    resid = resid - col_log[dst]
+    return math.exp(ref_log), row_log, col_log, resid
+
+
 def diagnose_completion(
     cost: np.ndarray,
     samples: np.ndarray,
@@ -146,30 +211,15 @@ def diagnose_completion(
             detail="no cell carried a sample in this window",
         )
 
-    x = np.log(np.maximum(cps, MIN_COST_PER_SAMPLE))  # NaN stays NaN
     anomalies: list[Anomaly] = []
     if gateway:
-        ref_log = float(np.median(x[valid]))
-        aggregate = math.exp(ref_log)
-        resid = (x - ref_log).astype(np.float32)
+        src, dst = np.nonzero(valid)
+        aggregate, row_log, col_log, resid = _gateway_effects(cps[src, dst], src, dst, ep)
     else:
-        n = ep // rpn
-        blocks = x.reshape(n, rpn, n, rpn).transpose(0, 2, 1, 3).reshape(n * n, rpn * rpn)
-        block_log = lane_medians(blocks, axis=1).reshape(n, n)
+        block_log, row_log, col_log, resid_mat = _dense_effects(cps, rpn)
         aggregate = math.exp(float(np.mean(block_log[np.isfinite(block_log)])))
-        ref = np.repeat(np.repeat(block_log, rpn, axis=0), rpn, axis=1)
-        resid = (x - ref).astype(np.float32)
-        if n > 1:
+        if block_log.shape[0] > 1:
             anomalies.extend(_block_anomalies(block_log, probe, rpn, config))
-
-    # Window-wide effect, then source rows, then destination columns.
-    flat_valid = resid[valid]
-    window_log = float(np.median(flat_valid))
-    resid -= np.float32(window_log)
-    row_log = lane_medians(resid, axis=1)
-    resid -= row_log[:, None].astype(np.float32)
-    col_log = lane_medians(resid, axis=0)
-    resid -= col_log[None, :].astype(np.float32)
 
     row_scope, col_scope, point_scope = (
         ("src_gateway", "dst_gateway", "edge") if gateway else ("row", "column", "point")
@@ -206,17 +256,26 @@ def diagnose_completion(
     detail = ""
     # Points: only candidates past the factor threshold need a score, so the (costly) spread of
     # all residuals is computed only when there is a candidate.
-    with np.errstate(invalid="ignore"):
-        cand = resid >= np.float32(math.log(config.point_slowdown) - LOG_TOLERANCE)
-    cand &= valid
-    if rows.size:
-        cand[rows, :] = False
-    if cols.size:
-        cand[:, cols] = False
-    if cand.any():
-        center, sigma = robust_location_scale(resid[valid])
-        src_idx, dst_idx = np.nonzero(cand)
-        values = resid[src_idx, dst_idx].astype(np.float64)
+    point_log = np.float32(math.log(config.point_slowdown) - LOG_TOLERANCE)
+    if gateway:
+        cand = resid >= point_log
+        cand &= ~np.isin(src, rows) & ~np.isin(dst, cols)
+        src_idx, dst_idx, values = src[cand], dst[cand], resid[cand]
+        all_resid = resid
+    else:
+        with np.errstate(invalid="ignore"):
+            cand_mat = resid_mat >= point_log  # NaN (no sample) compares False
+        if rows.size:
+            cand_mat[rows, :] = False
+        if cols.size:
+            cand_mat[:, cols] = False
+        # nonzero() on a large all-False mask still costs a pass; any() is cheaper to ask.
+        src_idx, dst_idx = np.nonzero(cand_mat) if cand_mat.any() else (np.empty(0, int),) * 2
+        values = resid_mat[src_idx, dst_idx]
+        all_resid = resid_mat
+    if src_idx.size:
+        center, sigma = robust_location_scale(all_resid)
+        values = values.astype(np.float64)
         scores = (values - center) / sigma
         keep = scores >= config.robust_score - LOG_TOLERANCE
         src_idx, dst_idx, values, scores = src_idx[keep], dst_idx[keep], values[keep], scores[keep]

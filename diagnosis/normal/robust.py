@@ -11,6 +11,7 @@ import numpy as np
 __all__ = [
     "MAD_SCALE",
     "MEAN_AD_SCALE",
+    "grouped_medians",
     "lane_medians",
     "median_excluding_self",
     "modified_zscores",
@@ -51,8 +52,11 @@ def _sorted_lane_medians(mat: np.ndarray) -> np.ndarray:
     return med
 
 
-def _grouped_medians(values: np.ndarray, groups: np.ndarray, n_groups: int) -> np.ndarray:
-    """Median of ``values`` within each integer group 0..n_groups-1 (NaN for empty groups)."""
+def grouped_medians(values: np.ndarray, groups: np.ndarray, n_groups: int) -> np.ndarray:
+    """Median of ``values`` within each integer group ``0..n_groups-1`` (NaN: empty group).
+
+    One lexsort of the values by (group, value); cost follows the number of values.
+    """
     out = np.full(n_groups, np.nan)
     if values.size == 0:
         return out
@@ -82,7 +86,7 @@ def lane_medians(mat: np.ndarray, axis: int) -> np.ndarray:
     n_valid = int(np.count_nonzero(valid))
     if arr.size and n_valid < _SPARSE_SHARE * arr.size:
         idx = np.nonzero(valid)
-        return _grouped_medians(arr[idx], idx[1 - axis], arr.shape[1 - axis])
+        return grouped_medians(arr[idx], idx[1 - axis], arr.shape[1 - axis])
     lanes = arr if axis == 1 else np.ascontiguousarray(arr.T)
     return _sorted_lane_medians(lanes)
 
