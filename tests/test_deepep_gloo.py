@@ -283,3 +283,292 @@ def test_sync_windows_match_simulator_reset_and_warmup(tmp_path: Path) -> None:
     assert_same_window(warm[0].normal, root["warm_want"][2])
     assert_same_window(warm[1].normal, root["warm_want"][3])
     assert [r["reason"] for r in root["warm_reports"]] == [None, None]
+
+
+def _sum_windows(windows: list[Any]) -> dict[str, np.ndarray]:
+    total: dict[str, np.ndarray] = {}
+    for w in windows:
+        if w.normal is None:
+            continue
+        for k, v in window_arrays(w.normal).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _async_run(
+    rank: int, group: Any, env: dict[str, str], sim_seed: int, group_name: str = "ep"
+) -> dict[str, Any]:
+    """Asynchronous collection: writes after warm-up, a final snapshot at stop."""
+    ep = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    pub = Collect()
+    diag = _create(
+        group,
+        env,
+        enable_ll_diagnose=True,
+        enable_normal_diagnose=True,
+        publishers=[pub],
+        group_name=group_name,
+    )
+    assert diag is not None and diag.enable_async
+    try:
+        diag.diagnose_normal_sync()
+        raise AssertionError("diagnose_normal_sync ran in async mode")
+    except RuntimeError as exc:
+        assert "DEEPEP_DIAGNOSE_ASYNC=0" in str(exc)
+    sim = NormalSimulator(ep_size=ep, ranks_per_node=ep, seed=sim_seed, slow_rank=0)
+    wins = [sim.window("baseline", k) for k in range(3)]
+    lls = [ll_window(ep, sim_seed + k) for k in range(3)]
+    dist.barrier(group)
+    diag.start()
+    write_normal(diag, wins[0], me)  # during warm-up: discarded
+    write_ll(diag, lls[0], me)
+    time.sleep(float(env["DEEPEP_DIAGNOSE_WARMUP_SECONDS"]) + 0.5)
+    write_normal(diag, wins[1], me)
+    write_ll(diag, lls[1], me)
+    time.sleep(0.5)
+    write_normal(diag, wins[2], me)
+    write_ll(diag, lls[2], me)
+    # Nothing collected since the last interval is lost: stop takes a final snapshot.
+    diag.stop()
+    collector = diag._collector
+    return {
+        "global_rank": rank,
+        "is_root": diag.is_root,
+        "root_global": diag.root_global_rank,
+        "collector_alive": collector is not None and collector.is_alive(),
+        "collector_error": diag.collector_error,
+        "cpu_group_released": diag._cpu_group is None,
+        "windows": list(diag.recent_windows),
+        "reports": _summary(pub.reports),
+        "rejected": dict(diag.rejected_windows),
+        "want": _sum_windows_of(wins[1:]),
+        "ll_want": lls[1] + lls[2],
+    }
+
+
+def _sum_windows_of(wins: list[NormalWindow]) -> dict[str, np.ndarray]:
+    total: dict[str, np.ndarray] = {}
+    for w in wins:
+        for k, v in window_arrays(w).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _check_async(res: dict[str, Any], ranks: list[int], group_name: str) -> None:
+    assert res["is_root"] and res["root_global"] == ranks[0]
+    assert not res["collector_alive"] and res["collector_error"] is None
+    assert res["cpu_group_released"]
+    windows = res["windows"]
+    assert windows, "no window was formed"
+    got = _sum_windows(windows)
+    assert got.keys() == res["want"].keys()
+    for k in got:
+        np.testing.assert_array_equal(got[k], res["want"][k], err_msg=k)
+    ll_total = sum(
+        np.stack([w.low_latency["dispatch"], w.low_latency["combine"]], axis=1)
+        for w in windows
+        if w.low_latency is not None
+    )
+    np.testing.assert_array_equal(ll_total, res["ll_want"])
+    # Idle intervals are the only rejections an undisturbed run may have.
+    assert set(res["rejected"]) <= {"normal:empty_window", "low_latency:empty_window"}
+    host = socket.gethostname().lower()
+    for r in res["reports"]:
+        assert r["group"] == group_name
+        assert [x[0] for x in r["ranks"]] == ranks
+        assert all(x[1] == host for x in r["ranks"])
+    assert [r["index"] for r in res["reports"]] == [w.window_index for w in windows]
+
+
+def _async_world(rank: int, world: int) -> dict[str, Any]:
+    env = dict(BASE_ENV, DEEPEP_DIAGNOSE_ASYNC="1", DEEPEP_DIAGNOSE_WARMUP_SECONDS="0.4")
+    return _async_run(rank, dist.group.WORLD, env, sim_seed=21)
+
+
+def test_async_collection_over_private_gloo_group(tmp_path: Path) -> None:
+    results = run_world(_async_world, 2, tmp_path)
+    _check_async(results[0], [0, 1], "ep")
+    other = results[1]
+    assert not other["is_root"] and other["windows"] == [] and other["reports"] == []
+    # Every member's thread took part and left after the same final collective.
+    assert not other["collector_alive"] and other["collector_error"] is None
+    assert other["cpu_group_released"]
+
+
+def _subgroups(rank: int, world: int) -> dict[str, Any]:
+    # Two disjoint, non-contiguous EP groups: every rank creates both (new_group is collective),
+    # then each rank runs DeepEP diagnosis only in its own.
+    even = dist.new_group([0, 2])
+    odd = dist.new_group([1, 3])
+    mine, ranks, name = (even, [0, 2], "ep-even") if rank % 2 == 0 else (odd, [1, 3], "ep-odd")
+    me = dist.get_rank(mine)
+    out: dict[str, Any] = {"ranks": ranks, "name": name}
+
+    # Synchronous: exact windows through the EP group itself, gathered to its global root.
+    pub = Collect()
+    diag = _create(mine, BASE_ENV, enable_normal_diagnose=True, publishers=[pub])
+    diag.start()
+    sim = NormalSimulator(ep_size=2, ranks_per_node=2, seed=5 + rank % 2, slow_rank=1)
+    want = []
+    for k in range(3):
+        win = sim.window("baseline" if k != 1 else "pre_dispatch_delay", k)
+        want.append(win)
+        write_normal(diag, win, me)
+        diag.diagnose_normal_sync()
+    diag.stop()
+    out["sync"] = {
+        "is_root": diag.is_root,
+        "root_global": diag.root_global_rank,
+        "windows": list(diag.recent_windows),
+        "reports": _summary(pub.reports),
+        "want": want,
+    }
+    env = dict(BASE_ENV, DEEPEP_DIAGNOSE_ASYNC="1", DEEPEP_DIAGNOSE_WARMUP_SECONDS="0.3")
+    out["async"] = _async_run(rank, mine, env, sim_seed=40 + rank % 2, group_name=name)
+    return out
+
+
+def test_non_contiguous_subgroups_gather_to_their_global_root(tmp_path: Path) -> None:
+    results = run_world(_subgroups, 4, tmp_path)
+    for root_rank, other_rank in ((0, 2), (1, 3)):
+        root, other = results[root_rank], results[other_rank]
+        sync = root["sync"]
+        assert sync["is_root"] and sync["root_global"] == root_rank
+        assert not other["sync"]["is_root"] and other["sync"]["windows"] == []
+        assert [w.window_index for w in sync["windows"]] == [0, 1, 2]
+        for got, want in zip(sync["windows"], sync["want"], strict=True):
+            assert_same_window(got.normal, want)
+        for r in sync["reports"]:
+            assert [x[0] for x in r["ranks"]] == root["ranks"]
+        _check_async(root["async"], root["ranks"], root["name"])
+        assert not other["async"]["is_root"] and other["async"]["reports"] == []
+
+
+def _expect_error(fn: Callable[[], Any], kind: type[BaseException]) -> str:
+    try:
+        fn()
+    except kind as exc:
+        return str(exc)
+    except BaseException as exc:
+        raise AssertionError(f"expected {kind.__name__}, got {type(exc).__name__}: {exc}") from exc
+    raise AssertionError(f"expected {kind.__name__}, nothing was raised")
+
+
+def _bad_settings(rank: int, world: int) -> dict[str, Any]:
+    """Every failing call below is collective and must fail on every rank, with a clear text."""
+    group = dist.group.WORLD
+    out: dict[str, Any] = {}
+
+    def create(env: dict[str, str], **kw: Any) -> Any:
+        kw.setdefault("enable_normal_diagnose", True)
+        return _create(group, env, **kw)
+
+    # Mixed settings across the group.
+    env = dict(BASE_ENV, DEEPEP_DIAGNOSE_ASYNC="0" if rank == 1 else "1")
+    out["mixed_async"] = _expect_error(lambda: create(env), ValueError)
+    env = dict(BASE_ENV, DEEPEP_DIAGNOSE_ENABLE="0" if rank == 2 else "1")
+    out["mixed_enable"] = _expect_error(lambda: create(env), ValueError)
+    env = dict(BASE_ENV, DEEPEP_DIAGNOSE_SYNC_STEP=str(10 + rank))
+    out["mixed_step"] = _expect_error(lambda: create(env), ValueError)
+    out["mixed_mode"] = _expect_error(
+        lambda: create(BASE_ENV, enable_ll_diagnose=rank == 0), ValueError
+    )
+    out["mixed_rpn"] = _expect_error(
+        lambda: create(BASE_ENV, ranks_per_node=1 if rank == 0 else 3), ValueError
+    )
+    # A bad value on one rank: that rank names it, the others name that rank.
+    env = dict(BASE_ENV, DEEPEP_DIAGNOSE_INTERVAL="soon" if rank == 0 else "0.2")
+    out["bad_interval"] = _expect_error(lambda: create(env), ValueError)
+    env = dict(BASE_ENV, DEEPEP_DIAGNOSE_SYNC_STEP="0")
+    out["bad_step"] = _expect_error(lambda: create(env), ValueError)
+    env = dict(BASE_ENV, DEEPEP_DIAGNOSE_ENABLE="maybe")
+    out["bad_enable"] = _expect_error(lambda: create(env), ValueError)
+    env = dict(BASE_ENV, DEEPEP_DIAGNOSE_THRESHOLD_COL="-1")
+    out["bad_threshold"] = _expect_error(lambda: create(env), ValueError)
+    # Bad arguments, on one rank or on all.
+    out["bad_rpn"] = _expect_error(
+        lambda: create(BASE_ENV, ranks_per_node=2 if rank == 1 else None), ValueError
+    )
+    out["bad_flag"] = _expect_error(
+        lambda: create(BASE_ENV, enable_normal_diagnose="yes"), TypeError
+    )
+    out["bad_stream"] = _expect_error(lambda: create(BASE_ENV, snapshot_stream="comm"), TypeError)
+    out["cpu_stream"] = _expect_error(
+        lambda: create(BASE_ENV, snapshot_stream=torch.Stream(device="cpu")), ValueError
+    )
+    out["bad_publisher"] = _expect_error(lambda: create(BASE_ENV, publishers=[object()]), TypeError)
+    out["bad_timeout"] = _expect_error(
+        lambda: create(BASE_ENV, gather_timeout_seconds=0), ValueError
+    )
+    # Bad groups fail locally, before any collective.
+    out["bad_group"] = _expect_error(
+        lambda: _create("world", BASE_ENV, enable_normal_diagnose=True), TypeError
+    )
+    pair = dist.new_group([0, 1])
+    if rank == 2:
+        out["non_member"] = _expect_error(
+            lambda: _create(pair, BASE_ENV, enable_normal_diagnose=True), ValueError
+        )
+
+    # Disabled (by default, explicitly, or with nothing to diagnose) is None on every rank,
+    # and mixed values of the other settings do not matter then.
+    out["default_off"] = create({})
+    out["off"] = create(
+        dict(BASE_ENV, DEEPEP_DIAGNOSE_ENABLE="0", DEEPEP_DIAGNOSE_ASYNC=str(rank % 2))
+    )
+    out["nothing"] = create(BASE_ENV, enable_normal_diagnose=False)
+
+    # Calls on a valid instance.
+    diag = create(BASE_ENV)
+    out["before_start"] = _expect_error(diag.diagnose_normal_sync, RuntimeError)
+    diag.start()
+    out["neg_step"] = _expect_error(lambda: diag.diagnose_normal_sync(-1), ValueError)
+    out["str_step"] = _expect_error(lambda: diag.diagnose_normal_sync("5"), TypeError)
+    out["async_start"] = _expect_error(diag.start_async_diagnose, RuntimeError)
+    out["bad_stop"] = _expect_error(lambda: diag.stop(timeout_seconds=-1), ValueError)
+    out["ll_off"] = diag.get_stats_ll_stats_tensor()
+    out["ll_sync_off"] = diag.diagnose_ll_sync()
+    diag.stop()
+    diag.stop()  # idempotent
+    out["restart"] = _expect_error(diag.start, RuntimeError)
+    return out
+
+
+def test_bad_settings_and_arguments_fail_on_every_rank(tmp_path: Path) -> None:
+    results = run_world(_bad_settings, 3, tmp_path)
+    for rank, out in enumerate(results):
+        assert "DEEPEP_DIAGNOSE_ASYNC differs" in out["mixed_async"]
+        assert "True on global ranks [0, 2]" in out["mixed_async"]
+        assert "False on global ranks [1]" in out["mixed_async"]
+        assert "DEEPEP_DIAGNOSE_ENABLE differs" in out["mixed_enable"]
+        assert "DEEPEP_DIAGNOSE_SYNC_STEP differs" in out["mixed_step"]
+        assert "enable_ll_diagnose differs" in out["mixed_mode"]
+        assert "ranks_per_node differs" in out["mixed_rpn"]
+        assert "DEEPEP_DIAGNOSE_INTERVAL" in out["bad_interval"]
+        assert "'soon'" in out["bad_interval"]
+        if rank != 0:
+            assert "global rank 0" in out["bad_interval"]
+        assert "DEEPEP_DIAGNOSE_SYNC_STEP" in out["bad_step"] and "0" in out["bad_step"]
+        assert "DEEPEP_DIAGNOSE_ENABLE" in out["bad_enable"] and "'maybe'" in out["bad_enable"]
+        assert "DEEPEP_DIAGNOSE_THRESHOLD_COL" in out["bad_threshold"]
+        assert "ranks_per_node" in out["bad_rpn"] and "EP size 3" in out["bad_rpn"]
+        if rank != 1:
+            assert "global rank 1" in out["bad_rpn"]
+        assert "enable_normal_diagnose" in out["bad_flag"] and "'yes'" in out["bad_flag"]
+        assert "snapshot_stream" in out["bad_stream"] and "'comm'" in out["bad_stream"]
+        assert "snapshot_stream" in out["cpu_stream"] and "CUDA" in out["cpu_stream"]
+        assert "publishers[0]" in out["bad_publisher"]
+        assert "gather_timeout_seconds" in out["bad_timeout"]
+        assert "group" in out["bad_group"] and "'world'" in out["bad_group"]
+        assert out["default_off"] is None and out["off"] is None and out["nothing"] is None
+        assert "start()" in out["before_start"]
+        assert "diagnose_step" in out["neg_step"] and "-1" in out["neg_step"]
+        assert "diagnose_step" in out["str_step"]
+        assert "DEEPEP_DIAGNOSE_ASYNC=1" in out["async_start"]
+        assert "timeout_seconds" in out["bad_stop"]
+        assert out["ll_off"] == (None, None) and out["ll_sync_off"] is None
+        assert "stopped" in out["restart"]
+    assert (
+        "not a member" in results[2]["non_member"] and "global rank 2" in results[2]["non_member"]
+    )
