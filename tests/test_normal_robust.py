@@ -1,0 +1,95 @@
+"""Robust statistics: NaN-aware lane medians, median of the others, modified z-score."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+from rankwatch.diagnosis.normal.robust import (
+    grouped_medians,
+    lane_medians,
+    median_excluding_self,
+    modified_zscores,
+    nan_median,
+    robust_location_scale,
+)
+
+finite_or_nan = st.one_of(st.floats(-1e6, 1e6, allow_nan=False), st.just(float("nan")))
+
+
+def _reference_nanmedian(a, axis):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmedian(a, axis=axis)
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays(np.float64, st.tuples(st.integers(1, 9), st.integers(1, 9)), elements=finite_or_nan))
+def test_lane_medians_match_nanmedian(a):
+    for axis in (0, 1):
+        assert np.allclose(lane_medians(a, axis), _reference_nanmedian(a, axis), equal_nan=True)
+
+
+def test_lane_medians_sparse_path_matches():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(40, 30))
+    a[rng.random(a.shape) < 0.9] = np.nan  # under a quarter valid: the compacted path
+    for axis in (0, 1):
+        assert np.allclose(lane_medians(a, axis), _reference_nanmedian(a, axis), equal_nan=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays(np.float64, st.integers(0, 12), elements=finite_or_nan))
+def test_median_excluding_self_matches_definition(x):
+    got = median_excluding_self(x)
+    for i in range(x.size):
+        others = np.delete(x, i)
+        others = others[np.isfinite(others)]
+        if not np.isfinite(x[i]) or others.size == 0:
+            assert np.isnan(got[i])
+        else:
+            assert got[i] == pytest.approx(np.median(others))
+
+
+def test_grouped_medians():
+    values = np.array([5.0, 1.0, 3.0, 2.0, 4.0])
+    groups = np.array([0, 0, 0, 2, 2])
+    out = grouped_medians(values, groups, 4)
+    assert out[0] == 3.0 and out[2] == 3.0
+    assert np.isnan(out[1]) and np.isnan(out[3])
+
+
+def test_modified_zscore_definition():
+    x = np.array([1.0, 2.0, 3.0, 4.0, 100.0])
+    med, mad = 3.0, 1.0
+    assert modified_zscores(x)[4] == pytest.approx(0.6745 * (100.0 - med) / mad)
+
+
+def test_mad_zero_uses_mean_absolute_deviation():
+    x = np.array([0.0, 0.0, 0.0, 0.0, 1.0])
+    med, sigma = robust_location_scale(x)
+    assert (med, sigma) == (0.0, pytest.approx(1.253314 * 0.2))
+    assert modified_zscores(x)[4] == pytest.approx(1.0 / (1.253314 * 0.2))
+
+
+def test_all_equal_values_score_zero():
+    x = np.array([2.0, 2.0, np.nan])
+    z = modified_zscores(x)
+    assert z[0] == 0.0 and z[1] == 0.0 and np.isnan(z[2])
+
+
+def test_no_finite_value():
+    assert np.isnan(modified_zscores(np.array([np.nan]))).all()
+    assert np.isnan(nan_median(np.array([np.nan, np.inf])))
+    assert all(np.isnan(v) for v in robust_location_scale(np.array([])))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="mat"):
+        lane_medians(np.ones(3), 0)
+    with pytest.raises(ValueError, match="axis"):
+        lane_medians(np.ones((3, 3)), 2)
