@@ -55,7 +55,7 @@ from .deepep_snapshot import (
 )
 from .publisher import Publisher
 
-__all__ = ["ARTIFACT_RETENTION", "HISTORY_WINDOWS", "Diagnose"]
+__all__ = ["ARTIFACT_RETENTION", "HISTORY_WINDOWS", "Diagnose", "infer_ranks_per_node"]
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,14 @@ def _local_rank(env: Mapping[str, str]) -> int | None:
     return value if value >= 0 else None
 
 
-def _infer_ranks_per_node(hostnames: Sequence[str]) -> int:
-    """Ranks per node from the members' hostnames, which must form equal contiguous blocks."""
+def infer_ranks_per_node(hostnames: Sequence[str]) -> int:
+    """Ranks per node from the members' hostnames (in group order).
+
+    The diagnosis lays ranks out node by node, so the hostnames must form contiguous blocks of
+    one size; anything else raises ``ValueError`` asking for an explicit ``ranks_per_node``.
+    """
+    if isinstance(hostnames, str) or not hostnames:
+        raise ValueError(f"hostnames: expected a non-empty list of names, got {hostnames!r}")
     blocks: list[tuple[str, int]] = []
     for name in hostnames:
         if blocks and blocks[-1][0] == name:
@@ -344,7 +350,7 @@ class Diagnose:
         if not config.enable or not (enable_ll_diagnose or enable_normal_diagnose):
             return None
         hostnames = [m.hostname for m in members]
-        rpn = ranks_per_node if ranks_per_node is not None else _infer_ranks_per_node(hostnames)
+        rpn = ranks_per_node if ranks_per_node is not None else infer_ranks_per_node(hostnames)
         infos = []
         for m in members:
             same_host = [o.rank for o in members if o.hostname == m.hostname]
@@ -500,9 +506,9 @@ class Diagnose:
         if self._cpu_group is not None and collector_done and dist.is_initialized():
             try:
                 dist.destroy_process_group(self._cpu_group)
+                self._cpu_group = None
             except (RuntimeError, ValueError) as exc:
-                log.debug("destroying the DeepEP Gloo group failed: %s", exc)
-            self._cpu_group = None
+                log.warning("destroying the DeepEP Gloo group failed: %s", exc)
         if self._log_handler is not None:
             log.removeHandler(self._log_handler)
             self._log_handler.close()

@@ -102,7 +102,8 @@ class OrderedSnapshotter:
         if self._cuda:
             with torch.cuda.device(storage.device):
                 self._staging = torch.empty_like(storage)
-                self._host = torch.empty(storage.shape, dtype=storage.dtype, pin_memory=True)
+                # Zeroed: it is also what a snapshot hands out before its first real copy.
+                self._host = torch.zeros(storage.shape, dtype=storage.dtype, pin_memory=True)
                 self._copy_stream = torch.cuda.Stream()
                 self._staged = torch.cuda.Event()
                 self._copied = torch.cuda.Event()
@@ -158,6 +159,10 @@ class OrderedSnapshotter:
         assert self._staging is not None and self._host is not None
         n = src.numel()
         with torch.cuda.device(self._storage.device):
+            if self._producer is not None and _capturing(self._producer):
+                # Nothing may be enqueued on a stream under CUDA-graph capture. Hand out the
+                # last stable copy: cumulative counters just move into the next window.
+                return self._host[:n].clone()
             if self._producer is not None:
                 staging = self._staging[region]
                 # One D2D copy at this point of the producer stream: later kernels cannot leak in.
@@ -175,6 +180,11 @@ class OrderedSnapshotter:
             # Waiting here blocks this background thread only, never the training thread.
             self._copied.synchronize()
             return self._host[:n].clone()
+
+
+def _capturing(stream: Any) -> bool:
+    with torch.cuda.stream(stream):
+        return bool(torch.cuda.is_current_stream_capturing())
 
 
 def gather_rows(
