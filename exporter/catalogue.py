@@ -5,6 +5,13 @@ generated from it, so a metric's name, type, unit, labels and meaning live in ex
 Prometheus names follow the conventions: ``rankwatch_`` prefix, base units, ``_total`` only on
 counters, ``_ratio`` for 0..1 ratios. Every series also carries the ``run`` and ``group`` labels
 (listed in ``COMMON_LABELS``) so one Prometheus can hold many jobs and EP/DP groups.
+
+The OTel instrument of each family is derived from its Prometheus name so that the standard
+OTLP-to-Prometheus translation (dots to underscores, the unit appended as a word, ``_total`` on
+monotonic sums, ``_ratio`` on unit-``"1"`` gauges) gives that Prometheus name back exactly:
+the unit word and the ``_total``/``_ratio`` suffix are taken off the name and carried by the
+unit and the instrument kind instead. For that reason unit ``"1"`` is reserved for families whose
+name ends in ``_ratio``; other dimensionless families have unit ``""``.
 """
 
 from __future__ import annotations
@@ -28,7 +35,36 @@ class MetricSpec:
 
     @property
     def all_labels(self) -> tuple[str, ...]:
+        """``COMMON_LABELS`` followed by the family's own labels (the order samples use)."""
         return COMMON_LABELS + self.labels
+
+    @property
+    def otel_name(self) -> str:
+        """The dotted OTel instrument name that translates back to ``name``.
+
+        ``rankwatch_phase_seconds`` -> ``rankwatch.phase`` (unit ``s``),
+        ``rankwatch_incidents_total`` -> ``rankwatch.incidents`` (a counter),
+        ``rankwatch_deepep_notify_ratio`` -> ``rankwatch.deepep.notify`` (unit ``1``).
+        """
+        body = self.name
+        for suffix, applies in (
+            ("_total", self.type == "counter"),
+            ("_seconds", self.unit == "s"),
+            ("_ratio", self.unit == "1"),
+        ):
+            if applies and body.endswith(suffix):
+                body = body[: -len(suffix)]
+        return body.replace("_", ".")
+
+    @property
+    def otel_unit(self) -> str:
+        """The UCUM unit of the OTel instrument (``s``, ``1`` or empty)."""
+        return self.unit
+
+    @property
+    def openmetrics_unit(self) -> str:
+        """The OpenMetrics ``# UNIT`` of the family (the name's unit suffix), or empty."""
+        return {"s": "seconds", "1": "ratio"}.get(self.unit, "")
 
 
 def _m(name: str, type_: str, unit: str, labels: tuple[str, ...], help_: str) -> MetricSpec:
@@ -42,7 +78,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _m(
         "straggler_score",
         "gauge",
-        "1",
+        "",
         (),
         "Straggler score of the current window: (visible_victim - visible_culprit) / "
         "(input_wait_victim + step_victim). Warning from 0.10, critical from 0.20.",
@@ -195,7 +231,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gauge",
         "",
         ("class", "severity", "probe", "culprit_rank", "hostname", "cause"),
-        "Score of an open incident (straggler score, or slowdown factor for data-path classes).",
+        "Score of an open incident: the straggler score for step-time classes, the largest "
+        "slowdown factor for data-path classes, the smallest Notify ratio for arrival skew.",
     ),
     # --- windows and the exporter itself ---
     _m("window_index", "gauge", "", (), "Index of the latest diagnosed window."),
@@ -234,16 +271,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "counter",
         "",
         ("exporter",),
-        "Failed export attempts (otlp_metrics, otlp_logs).",
+        "Failed export attempts (otlp_metrics, otlp_logs), incident events dropped before "
+        "export (otlp_logs), and window reports replaced in the publish queue before they were "
+        "published (publish_queue).",
     ),
     _m("exporter_up", "gauge", "", (), "1 while the rankwatch exporter runs."),
     _m("exporter_start_time_seconds", "gauge", "s", (), "Unix time the exporter started."),
 )
 
 
+_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
+
+
 def by_name(name: str) -> MetricSpec:
     """The catalogue entry for a Prometheus metric name (KeyError if unknown)."""
-    for spec in CATALOGUE:
-        if spec.name == name:
-            return spec
-    raise KeyError(name)
+    return _BY_NAME[name]

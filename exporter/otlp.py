@@ -1,0 +1,566 @@
+"""The push path: OTLP metrics and incident log records, on a thread of their own.
+
+:class:`OtlpPublisher` owns an OpenTelemetry ``MeterProvider`` and ``LoggerProvider`` (never the
+global ones: the application may have its own) and one worker thread, ``rankwatch-otlp``, that
+does all network I/O. Nothing else ever waits for the network:
+
+* **Metrics.** One *observable* instrument per catalogue family (gauges, info series and
+  counters), each reading the same samples as ``/metrics`` (:mod:`rankwatch.exporter.samples`).
+  The worker takes one snapshot of the samples per collection, so every instrument of an export
+  describes the same state, then exports every ``otlp_export_interval_seconds``. Observable
+  instruments are used on purpose: the synchronous Gauge of some SDK releases forgets its value
+  between collections, and a series not observed in a collection is dropped, so departed ranks
+  and closed incidents disappear from the push path exactly as from ``/metrics``.
+* **Names.** Instrument names and units come from the catalogue (``MetricSpec.otel_name``,
+  ``otel_unit``) so that the standard OTLP-to-Prometheus translation gives back the catalogue's
+  Prometheus names: ``rankwatch.phase`` with unit ``s`` becomes ``rankwatch_phase_seconds``, the
+  counter ``rankwatch.incidents`` becomes ``rankwatch_incidents_total``, and only ``_ratio``
+  families carry unit ``1`` (the translation appends ``_ratio`` to every unit-``1`` gauge).
+  Samples are never NaN (the SDK would drop them with a warning). The SDK's default cardinality
+  limit (2,000 series per instrument, beyond which points fold into an overflow series) is
+  raised: the cell budget already bounds what rankwatch emits, and an EP256 job has 2,048 phase
+  series.
+* **Events.** Incident openings and closings become log records with an event name (the Events
+  API is gone; see :mod:`rankwatch.exporter.events`), exported as they come.
+* **Configuration** is the standard one: ``OTEL_EXPORTER_OTLP_[METRICS_|LOGS_]ENDPOINT``,
+  ``..._PROTOCOL`` (``http/protobuf``, the default, or ``grpc``), ``..._HEADERS``,
+  ``..._TIMEOUT``, ``..._COMPRESSION``, ``..._CERTIFICATE``, ``OTEL_SERVICE_NAME``,
+  ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SDK_DISABLED``, and ``OTEL_METRICS_EXPORTER`` /
+  ``OTEL_LOGS_EXPORTER`` = ``none`` to switch a signal off. A signal is exported only when an
+  endpoint is configured for it (its own or the general one), so an unconfigured job does not
+  spend its life failing to reach ``localhost:4318``.
+* **Identity.** The resource carries ``service.name`` (``OTEL_SERVICE_NAME``, else
+  ``rankwatch``), a ``service.instance.id`` unique per rank (a UUID; a value given in
+  ``OTEL_RESOURCE_ATTRIBUTES`` gets ``-rank<N>`` appended, since every rank of a torchrun job
+  shares that variable), ``host.name``, ``process.pid``, and the job identity
+  ``rankwatch.run``, ``rankwatch.group``, ``rankwatch.rank``, ``rankwatch.local_rank``.
+  Values set in the environment win over these defaults.
+* **Failures** (refused, black-holed, rejected) are counted through ``on_failure`` (the hub
+  turns that into ``rankwatch_export_failures_total{exporter="otlp_metrics"|"otlp_logs"}``) and
+  logged once per outage; the exporters' own per-attempt log lines from this thread are muted.
+  :meth:`OtlpPublisher.close` returns within its timeout even if an export hangs: the worker is a
+  daemon thread and is abandoned.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import (
+    LogRecordExporter,
+    LogRecordExportResult,
+    SimpleLogRecordProcessor,
+)
+from opentelemetry.sdk.metrics import MeterProvider, ObservableCounter, ObservableGauge
+from opentelemetry.sdk.metrics.export import (
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+from .catalogue import CATALOGUE, MetricSpec
+from .config import RankwatchConfig
+from .events import event_log_record
+from .incidents import IncidentEvent
+from .samples import Sample
+
+__all__ = [
+    "OTLP_LOGS",
+    "OTLP_METRICS",
+    "PROTOCOLS",
+    "OtlpPublisher",
+    "OtlpSettings",
+    "otel_resource",
+    "otlp_settings",
+]
+
+log = logging.getLogger("rankwatch.otlp")
+
+OTLP_METRICS = "otlp_metrics"
+OTLP_LOGS = "otlp_logs"
+PROTOCOLS: tuple[str, ...] = ("http/protobuf", "grpc")
+SCOPE_NAME = "rankwatch"
+WORKER_NAME = "rankwatch-otlp"
+# Far above anything the cell budget lets through; the SDK default (2,000) is not.
+CARDINALITY_LIMIT = 1_000_000
+# Incident events waiting for the worker; beyond this the oldest are dropped (and counted).
+MAX_PENDING_EVENTS = 256
+
+# The OTel exporters log every failed attempt; from our worker thread that would be one line per
+# interval for as long as a collector is down. We log once per outage instead.
+_EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+    "opentelemetry.exporter.otlp.proto.http._log_exporter",
+    "opentelemetry.exporter.otlp.proto.http._common",
+    "opentelemetry.exporter.otlp.common.http",
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.grpc.metric_exporter",
+    "opentelemetry.exporter.otlp.proto.grpc._log_exporter",
+    "opentelemetry.sdk.metrics._internal.export",
+    "opentelemetry.sdk._logs._internal.export",
+)
+
+
+class _MuteWorkerThreads(logging.Filter):
+    """Drops records logged from rankwatch's OTLP worker threads (only those)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.threadName or not record.threadName.startswith(WORKER_NAME)
+
+
+_MUTE = _MuteWorkerThreads()
+
+
+@dataclass(frozen=True)
+class OtlpSettings:
+    """Which OTLP signals are on, and over which protocol."""
+
+    metrics: bool
+    logs: bool
+    metrics_protocol: str = "http/protobuf"
+    logs_protocol: str = "http/protobuf"
+
+
+def _protocol(env: Mapping[str, str], signal: str) -> str:
+    name = f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL"
+    raw = env.get(name) or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    source = name if env.get(name) else "OTEL_EXPORTER_OTLP_PROTOCOL"
+    value = raw.strip().lower()
+    if value not in PROTOCOLS:
+        raise ValueError(
+            f"{source}: must be one of {list(PROTOCOLS)} (the OpenTelemetry Python exporters "
+            f"have no http/json), got {raw!r}"
+        )
+    return value
+
+
+def otlp_settings(env: Mapping[str, str] | None = None) -> OtlpSettings:
+    """Read the standard OTel variables: which signals have an endpoint, and their protocols.
+
+    Raises ``ValueError`` naming the variable for an unknown protocol.
+    """
+    src = os.environ if env is None else env
+    if not isinstance(src, Mapping):
+        raise TypeError(f"env: expected a mapping of strings, got {type(src).__name__}")
+    metrics_protocol = _protocol(src, "METRICS")
+    logs_protocol = _protocol(src, "LOGS")
+    if src.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return OtlpSettings(False, False, metrics_protocol, logs_protocol)
+    general = bool(src.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip())
+    metrics = general or bool(src.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "").strip())
+    logs = general or bool(src.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", "").strip())
+    if src.get("OTEL_METRICS_EXPORTER", "").strip().lower() == "none":
+        metrics = False
+    if src.get("OTEL_LOGS_EXPORTER", "").strip().lower() == "none":
+        logs = False
+    return OtlpSettings(metrics, logs, metrics_protocol, logs_protocol)
+
+
+def otel_resource(
+    config: RankwatchConfig,
+    *,
+    rank: int = 0,
+    local_rank: int = 0,
+    hostname: str | None = None,
+) -> Resource:
+    """The OTel resource of this rank (see the module docstring); environment values win."""
+    if not isinstance(config, RankwatchConfig):
+        raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
+    for name, value in (("rank", rank), ("local_rank", local_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    host = (hostname if hostname is not None else socket.gethostname()).lower()
+    from_env = dict(OTELResourceDetector().detect().attributes)
+    ours: dict[str, Any] = {
+        "service.name": "rankwatch",
+        "host.name": host,
+        "process.pid": os.getpid(),
+        "rankwatch.group": config.group_name,
+        "rankwatch.rank": rank,
+        "rankwatch.local_rank": local_rank,
+    }
+    if config.run_id:
+        ours["rankwatch.run"] = config.run_id
+    for key in from_env:
+        ours.pop(key, None)
+    given = from_env.get("service.instance.id")
+    ours["service.instance.id"] = f"{given}-rank{rank}" if given else str(uuid.uuid4())
+    return Resource.create(ours)
+
+
+class _FailureLog:
+    """Counts failures and logs the first of each outage (and the recovery)."""
+
+    def __init__(self, exporter: str, where: str, on_failure: Callable[[str], None]) -> None:
+        self.exporter, self.where, self.on_failure = exporter, where, on_failure
+        self.failing = 0
+
+    def failed(self, why: str) -> None:
+        self.on_failure(self.exporter)
+        if self.failing == 0:
+            log.warning(
+                "rankwatch: %s export to %s failed (%s); further failures are counted in "
+                "rankwatch_export_failures_total{exporter=%r} and not logged until it recovers",
+                self.exporter,
+                self.where,
+                why,
+                self.exporter,
+            )
+        self.failing += 1
+
+    def succeeded(self) -> None:
+        if self.failing:
+            log.info(
+                "rankwatch: %s export to %s recovered after %d failed attempts",
+                self.exporter,
+                self.where,
+                self.failing,
+            )
+        self.failing = 0
+
+
+class _CountingMetricExporter(MetricExporter):
+    """Delegates to the real exporter; a failure or exception is counted, never raised."""
+
+    def __init__(self, inner: MetricExporter, failures: _FailureLog) -> None:
+        super().__init__(
+            preferred_temporality=inner._preferred_temporality,
+            preferred_aggregation=inner._preferred_aggregation,
+        )
+        self._inner, self._failures = inner, failures
+
+    def export(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> MetricExportResult:
+        try:
+            result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        except Exception as exc:  # network errors must never reach the caller
+            self._failures.failed(repr(exc))
+            return MetricExportResult.FAILURE
+        if result is MetricExportResult.SUCCESS:
+            self._failures.succeeded()
+        else:
+            self._failures.failed("the exporter reported a failure")
+        return result
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return self._inner.force_flush(timeout_millis=timeout_millis)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+
+class _CountingLogExporter(LogRecordExporter):
+    """Delegates to the real log exporter; a failure or exception is counted, never raised."""
+
+    def __init__(self, inner: LogRecordExporter, failures: _FailureLog) -> None:
+        self._inner, self._failures = inner, failures
+
+    def export(self, batch: Sequence[Any]) -> LogRecordExportResult:
+        try:
+            result = self._inner.export(batch)
+        except Exception as exc:
+            self._failures.failed(repr(exc))
+            return LogRecordExportResult.FAILURE
+        if result is LogRecordExportResult.SUCCESS:
+            self._failures.succeeded()
+        else:
+            self._failures.failed("the exporter reported a failure")
+        return result
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+
+def _metric_exporter(protocol: str) -> MetricExporter:
+    # Imported here: the gRPC stack is slow to import and most jobs never use it.
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+            OTLPMetricExporter as GrpcMetricExporter,
+        )
+
+        return GrpcMetricExporter()
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+        OTLPMetricExporter as HttpMetricExporter,
+    )
+
+    return HttpMetricExporter()
+
+
+def _log_exporter(protocol: str) -> LogRecordExporter:
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import (
+            OTLPLogExporter as GrpcLogExporter,
+        )
+
+        return GrpcLogExporter()
+    from opentelemetry.exporter.otlp.proto.http._log_exporter import (
+        OTLPLogExporter as HttpLogExporter,
+    )
+
+    return HttpLogExporter()
+
+
+def _endpoint_of(exporter: Any) -> str:
+    for attr in ("_endpoint", "_endpoint_url"):
+        value = getattr(exporter, attr, None)
+        if isinstance(value, str):
+            return value
+    return type(exporter).__name__
+
+
+class OtlpPublisher:
+    """OTLP metrics from ``source()`` and incident log records, exported by one worker thread.
+
+    ``source`` returns the current samples (it is called on the worker thread once per export).
+    ``on_failure(exporter)`` is called once per failed export attempt (``otlp_metrics``,
+    ``otlp_logs``) and once per incident event dropped from a full queue (``otlp_logs``).
+    ``settings`` defaults to :func:`otlp_settings` of the environment; ``metric_exporter`` /
+    ``log_exporter`` replace the OTLP exporters (for another back-end). :meth:`emit` and
+    :meth:`request_export` never block; :meth:`flush` and :meth:`close` are bounded.
+    """
+
+    def __init__(
+        self,
+        config: RankwatchConfig,
+        source: Callable[[], Sequence[Sample]],
+        *,
+        rank: int = 0,
+        local_rank: int = 0,
+        hostname: str | None = None,
+        on_failure: Callable[[str], None] | None = None,
+        settings: OtlpSettings | None = None,
+        metric_exporter: MetricExporter | None = None,
+        log_exporter: LogRecordExporter | None = None,
+    ) -> None:
+        if not isinstance(config, RankwatchConfig):
+            raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
+        if not callable(source):
+            raise TypeError(f"source: expected a callable returning samples, got {source!r}")
+        if on_failure is not None and not callable(on_failure):
+            raise TypeError(f"on_failure: expected a callable or None, got {on_failure!r}")
+        if settings is None:
+            settings = otlp_settings()
+        elif not isinstance(settings, OtlpSettings):
+            raise TypeError(f"settings: expected OtlpSettings, got {type(settings).__name__}")
+        self.config = config
+        self.settings = settings
+        self._source = source
+        self._on_failure = on_failure or (lambda _name: None)
+        self.resource = otel_resource(config, rank=rank, local_rank=local_rank, hostname=hostname)
+        self.interval_seconds = config.otlp_export_interval_seconds
+
+        for name in _EXPORTER_LOGGERS:
+            logging.getLogger(name).addFilter(_MUTE)
+
+        self._current: dict[str, list[tuple[float, dict[str, str]]]] = {}
+        self._meter_provider: MeterProvider | None = None
+        self._reader: PeriodicExportingMetricReader | None = None
+        if settings.metrics or metric_exporter is not None:
+            inner = metric_exporter or _metric_exporter(settings.metrics_protocol)
+            counting = _CountingMetricExporter(
+                inner, _FailureLog(OTLP_METRICS, _endpoint_of(inner), self._on_failure)
+            )
+            # An infinite interval: no SDK thread; our worker decides when to collect.
+            self._reader = PeriodicExportingMetricReader(
+                counting,
+                export_interval_millis=math.inf,
+                cardinality_limits={
+                    ObservableGauge: CARDINALITY_LIMIT,
+                    ObservableCounter: CARDINALITY_LIMIT,
+                },
+            )
+            self._meter_provider = MeterProvider(
+                resource=self.resource, metric_readers=[self._reader], shutdown_on_exit=False
+            )
+            meter = self._meter_provider.get_meter(SCOPE_NAME)
+            for spec in CATALOGUE:
+                self._instrument(meter, spec)
+
+        self._logger_provider: LoggerProvider | None = None
+        self._otel_logger: Any = None
+        if settings.logs or log_exporter is not None:
+            inner_log = log_exporter or _log_exporter(settings.logs_protocol)
+            self._log_failures = _FailureLog(OTLP_LOGS, _endpoint_of(inner_log), self._on_failure)
+            self._logger_provider = LoggerProvider(resource=self.resource, shutdown_on_exit=False)
+            # Synchronous processor: the export runs on our worker thread, which emits.
+            self._logger_provider.add_log_record_processor(
+                SimpleLogRecordProcessor(_CountingLogExporter(inner_log, self._log_failures))
+            )
+            self._otel_logger = self._logger_provider.get_logger(SCOPE_NAME)
+
+        self._cond = threading.Condition()
+        self._events: deque[IncidentEvent] = deque()
+        self._stop = False
+        self._requested = 0  # export generations asked for
+        self._completed = 0  # export generations finished
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=WORKER_NAME, daemon=True)
+        self._thread.start()
+
+    @property
+    def enabled(self) -> bool:
+        """True when at least one signal is exported."""
+        return self._meter_provider is not None or self._logger_provider is not None
+
+    # -- producer side (any thread; never blocks on the network) ----------------------------
+
+    def emit(self, event: IncidentEvent) -> None:
+        """Queue an incident event for export as a log record."""
+        if not isinstance(event, IncidentEvent):
+            raise TypeError(f"event: expected IncidentEvent, got {type(event).__name__}")
+        if self._logger_provider is None:
+            return
+        with self._cond:
+            if self._stop:
+                return
+            if len(self._events) >= MAX_PENDING_EVENTS:
+                self._events.popleft()
+                self._on_failure(OTLP_LOGS)
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def request_export(self) -> int:
+        """Ask for a metrics export as soon as the worker is free; returns its generation."""
+        with self._cond:
+            self._requested += 1
+            self._cond.notify_all()
+            return self._requested
+
+    def flush(self, timeout_seconds: float = 10.0) -> bool:
+        """Export pending events and the current metrics now; True if done within the timeout."""
+        _check_timeout(timeout_seconds)
+        deadline = time.monotonic() + timeout_seconds
+        generation = self.request_export()
+        with self._cond:
+            while self._completed < generation:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout_seconds: float = 5.0) -> None:
+        """One last export if time allows, then shut the providers down; bounded."""
+        _check_timeout(timeout_seconds)
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout_seconds
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        # Leave a little of the budget for the providers' own shutdown.
+        self._thread.join(max(0.0, (deadline - time.monotonic()) * 0.8))
+
+        def shutdown() -> None:
+            left_ms = max(0.0, deadline - time.monotonic()) * 1000
+            for provider in (self._meter_provider, self._logger_provider):
+                if provider is None:
+                    continue
+                try:
+                    if isinstance(provider, MeterProvider):
+                        provider.shutdown(timeout_millis=left_ms)
+                    else:
+                        provider.shutdown()
+                except Exception:  # shutting down must not raise into the caller
+                    log.debug("rankwatch: OTel provider shutdown failed", exc_info=True)
+
+        closer = threading.Thread(target=shutdown, name=f"{WORKER_NAME}-close", daemon=True)
+        closer.start()
+        closer.join(max(0.0, deadline - time.monotonic()))
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def _instrument(self, meter: Any, spec: MetricSpec) -> None:
+        def observe(_options: CallbackOptions, name: str = spec.name) -> Iterable[Observation]:
+            return [Observation(value, attrs) for value, attrs in self._current.get(name, ())]
+
+        kwargs = {"callbacks": [observe], "unit": spec.otel_unit, "description": spec.help}
+        if spec.type == "counter":
+            meter.create_observable_counter(spec.otel_name, **kwargs)
+        else:
+            meter.create_observable_gauge(spec.otel_name, **kwargs)
+
+    def _snapshot(self) -> None:
+        try:
+            samples = self._source()
+        except Exception:
+            log.exception("rankwatch: reading the samples for OTLP failed")
+            samples = []
+        current: dict[str, list[tuple[float, dict[str, str]]]] = {}
+        names: dict[str, tuple[str, ...]] = {spec.name: spec.all_labels for spec in CATALOGUE}
+        for s in samples:
+            current.setdefault(s.name, []).append(
+                (s.value, dict(zip(names[s.name], s.labels, strict=True)))
+            )
+        self._current = current
+
+    def _export_metrics(self) -> None:
+        if self._reader is None:
+            return
+        self._snapshot()
+        try:
+            self._reader.force_flush(timeout_millis=self.interval_seconds * 1000)
+        except Exception:  # e.g. a collection timeout; counted by the exporter when it exports
+            log.debug("rankwatch: OTLP metric collection failed", exc_info=True)
+
+    def _emit_events(self, events: list[IncidentEvent]) -> None:
+        for event in events:
+            try:
+                self._otel_logger.emit(event_log_record(event))
+            except Exception as exc:
+                self._log_failures.failed(repr(exc))
+
+    def _run(self) -> None:
+        next_export = time.monotonic() + self.interval_seconds
+        while True:
+            with self._cond:
+                while (
+                    not self._stop
+                    and not self._events
+                    and self._requested == self._completed
+                    and time.monotonic() < next_export
+                ):
+                    self._cond.wait(max(0.0, next_export - time.monotonic()))
+                events = list(self._events)
+                self._events.clear()
+                stop = self._stop
+                target = self._requested
+            if events:
+                self._emit_events(events)
+            if stop or target > self._completed or time.monotonic() >= next_export:
+                self._export_metrics()
+                next_export = time.monotonic() + self.interval_seconds
+            with self._cond:
+                self._completed = max(self._completed, target)
+                self._cond.notify_all()
+            if stop:
+                return
+
+
+def _check_timeout(timeout_seconds: Any) -> None:
+    if (
+        isinstance(timeout_seconds, bool)
+        or not isinstance(timeout_seconds, (int, float))
+        or not math.isfinite(timeout_seconds)
+        or timeout_seconds < 0
+    ):
+        raise ValueError(f"timeout_seconds: expected a finite number >= 0, got {timeout_seconds!r}")
