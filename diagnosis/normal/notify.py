@@ -23,7 +23,8 @@ def notify_ratios(mean_duration_ns: np.ndarray) -> np.ndarray:
     NaN for a rank without launches, and where the peer median is 0 (no ratio exists).
     """
     peers = median_excluding_self(mean_duration_ns)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    # A huge duration over a tiny peer median may overflow to inf: still "not late".
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         ratio = np.where(peers > 0, mean_duration_ns / np.where(peers > 0, peers, 1.0), np.nan)
     ratio[~np.isfinite(mean_duration_ns)] = np.nan
     return ratio
