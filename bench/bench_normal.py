@@ -1,0 +1,89 @@
+"""Normal-mode diagnosis speed: one window at EP 16, 64, 256 and 1,024 (8 ranks per node).
+
+Each window comes from the simulator in the single-HCA phase (so rows, columns, gateways and a
+localized incident are found, not only a clean pass), after three baseline windows have
+bootstrapped the global history. The baseline, measured in the same loop, is the bare numpy
+work any such rule needs at least: cost / samples, a log and row and column medians of each
+Completion matrix. Target: under 100 ms per window at EP 1,024.
+
+Usage: ``python -m bench.bench_normal``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from rankwatch.diagnosis.normal import COMPLETION_PROBES, NormalDiagnoser, NormalSimulator
+
+EP_SIZES = (16, 64, 256, 1024)
+RANKS_PER_NODE = 8
+TARGET_MS = 100.0
+
+
+def _bare_passes(window: Any) -> float:
+    """The baseline: the minimum numpy passes over the same matrices."""
+    total = 0.0
+    for probe in COMPLETION_PROBES:
+        cost, samples, _ = window.completion[probe]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            x = np.log(cost / samples)
+        total += float(np.median(x, axis=1).sum() + np.median(x, axis=0).sum())
+    return total
+
+
+def _repeats(ep: int) -> int:
+    return 9 if ep >= 1024 else 15
+
+
+def run() -> list[dict[str, Any]]:
+    """One row per EP size: median and spread (interquartile range) of diagnose time in ms."""
+    rows: list[dict[str, Any]] = []
+    for ep in EP_SIZES:
+        sim = NormalSimulator(ep, RANKS_PER_NODE, seed=0)
+        diagnoser = NormalDiagnoser()
+        for _ in range(3):
+            diagnoser.diagnose(sim.window("baseline"))
+        window = sim.window("single_hca_pressure")
+        snapshot = diagnoser.history.values("dispatch_final")
+        diag_ms: list[float] = []
+        base_ms: list[float] = []
+        for _ in range(_repeats(ep)):
+            # Interleaved, so both see the same machine load.
+            t0 = time.perf_counter()
+            report = diagnoser.diagnose(window)
+            diag_ms.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            _bare_passes(window)
+            base_ms.append((time.perf_counter() - t0) * 1e3)
+        # The anomalous window is never learned: every repetition saw the same history.
+        assert diagnoser.history.values("dispatch_final") == snapshot
+        assert [i.cls for i in report.incidents] == ["localized_data_path_slowdown"]
+        med, base = float(np.median(diag_ms)), float(np.median(base_ms))
+        q1, q3 = np.percentile(diag_ms, [25, 75])
+        rows.append(
+            {
+                "name": f"normal_diagnose_window_ep{ep}",
+                "target": TARGET_MS,
+                "median": med,
+                "spread": float(q3 - q1),
+                "unit": "ms",
+                "baseline": base,
+                "ratio": med / base if base > 0 else None,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    for row in run():
+        print(
+            f"{row['name']:<32} median {row['median']:8.2f} {row['unit']}  "
+            f"IQR {row['spread']:6.2f}  target < {row['target']:.0f}  "
+            f"bare passes {row['baseline']:8.2f}  ratio {row['ratio']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
