@@ -1,0 +1,780 @@
+"""Cross-rank windows: every rank ships its finished step rows to the group's root, which
+aligns them, diagnoses the window and hands the report to the publishers.
+
+Transport
+---------
+Rows travel over a Gloo process group created for rankwatch alone (never the training group),
+point to point: each rank ``isend``s fixed-size messages (a header row plus ``CHUNK_ROWS`` rows
+of ``ROW_WIDTH`` float64, NaN-padded) to the root, which keeps one ``irecv`` posted per peer.
+
+Gloo cannot abandon a wait: ``work.wait(timeout)`` that times out closes *every* connection of
+the group, and a posted receive cannot be polled (``is_completed()`` stays False until waited
+on). So the root never waits on a receive that has not arrived. After a sender's send
+completed (the data is in the root's posted buffer or on the wire to it) the sender increments
+its *doorbell*, a counter in the job's c10d store; the root reads all doorbells with one
+``multi_get`` per poll and waits only on receives whose doorbell moved, which return at once.
+A rank that dies or stalls simply stops ringing: the root's round times out on its own clock
+(``gather_timeout_seconds``), the window names the rank missing, and later rounds do not wait
+for it again until it rings. A dead peer's connection failing never affects the others'.
+
+Rounds
+------
+Async mode: every rank ships every ``interval_seconds``; the root starts a round every
+``interval_seconds`` and waits (up to ``gather_timeout_seconds``) until every rank it expects
+has shipped since the previous window. Sync mode: every ``sync_step``-th ``collect()`` call
+ships (round *k* on every rank); the root's round *k* waits for every expected rank's round *k*.
+A rank is *missing* from a window when its shipment did not come in time, or when it still
+ships but its steps stopped advancing for ``gather_timeout_seconds`` while other ranks ran on
+(its training thread is stuck). Missing ranks go to the diagnosis as absent (``None``).
+
+At shutdown every rank ships what is left with a final flag, and the root builds the summary
+window (``summary_window_steps``) once every expected rank's final shipment is in or the
+shutdown budget is spent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from rankwatch.diagnosis.step_time import ROW_WIDTH, StepTimeReport, diagnose_arrays
+from rankwatch.diagnosis.window_report import RankInfo, WindowReport
+
+from .config import RankwatchConfig
+from .publisher import Publisher
+from .timer import StepTimer
+
+__all__ = [
+    "CHUNK_ROWS",
+    "GroupLayout",
+    "Message",
+    "RowBuffer",
+    "Transport",
+    "WindowCollector",
+    "decode_message",
+    "encode_message",
+    "local_identity",
+    "window_arrays",
+]
+
+log = logging.getLogger("rankwatch.exporter.windows")
+
+CHUNK_ROWS = 512  # rows per message; a message is (1 + CHUNK_ROWS) x ROW_WIDTH float64
+TAG = 5277  # Gloo tag of rankwatch messages (the group is ours alone; any fixed tag works)
+MAGIC = 52770.0
+VERSION = 1.0
+FLAG_END_OF_ROUND = 1
+FLAG_FINAL = 2
+STRATEGY_CODES: dict[str | None, int] = {None: 0, "ddp": 1, "fsdp": 2}
+_CODE_STRATEGY = {v: k for k, v in STRATEGY_CODES.items()}
+# Header columns.
+_H_MAGIC, _H_VERSION, _H_SENDER, _H_SEQ, _H_ROWS, _H_FLAGS, _H_LOST, _H_STRATEGY = range(8)
+POLL_SECONDS = 0.02  # root: doorbell poll period while a round or shutdown is waiting
+IDLE_POLL_SECONDS = 0.05  # root: doorbell poll period otherwise
+# Keep a little more than the window per rank when cutting tails, for steps some rank skipped.
+_TAIL_SLACK = 2
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Who is in the group and who this process is (all global ranks)."""
+
+    ranks: tuple[int, ...]  # ascending
+    rank: int
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            raise ValueError("GroupLayout.ranks: value () is empty")
+        if list(self.ranks) != sorted(set(self.ranks)):
+            raise ValueError(
+                f"GroupLayout.ranks: value {self.ranks!r} must be ascending without duplicates"
+            )
+
+    @property
+    def root(self) -> int:
+        """The group's root: its lowest global rank."""
+        return self.ranks[0]
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank in self.ranks
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == self.root
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Every member except the root."""
+        return self.ranks[1:]
+
+
+def local_identity() -> tuple[str, int]:
+    """(hostname in lowercase, local rank from ``LOCAL_RANK``; 0 when unset or not a number)."""
+    raw = os.environ.get("LOCAL_RANK", "0")
+    try:
+        local_rank = int(raw)
+    except ValueError:
+        log.warning("LOCAL_RANK=%r is not an integer; reporting local rank 0", raw)
+        local_rank = 0
+    return socket.gethostname().lower(), local_rank
+
+
+# ---- messages ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """One decoded shipment chunk."""
+
+    sender: int
+    seq: int
+    flags: int
+    lost: int
+    strategy: str | None
+    rows: NDArray[np.float64]
+
+    @property
+    def end_of_round(self) -> bool:
+        return bool(self.flags & FLAG_END_OF_ROUND)
+
+    @property
+    def final(self) -> bool:
+        return bool(self.flags & FLAG_FINAL)
+
+
+def message_buffer() -> NDArray[np.float64]:
+    """A message-sized float64 array."""
+    return np.full((1 + CHUNK_ROWS, ROW_WIDTH), math.nan)
+
+
+def encode_message(
+    out: NDArray[np.float64],
+    rows: NDArray[np.float64],
+    *,
+    sender: int,
+    seq: int,
+    flags: int,
+    lost: int,
+    strategy: str | None,
+) -> None:
+    """Fill ``out`` (from :func:`message_buffer`) with a header and up to ``CHUNK_ROWS`` rows."""
+    n = len(rows)
+    if n > CHUNK_ROWS:
+        raise ValueError(f"encode_message: field rows: {n} rows exceed CHUNK_ROWS={CHUNK_ROWS}")
+    if rows.ndim != 2 or rows.shape[1] != ROW_WIDTH:
+        raise ValueError(f"encode_message: field rows: shape {rows.shape}, expected [n, 13]")
+    out[0] = 0.0
+    out[0, :8] = (
+        MAGIC,
+        VERSION,
+        sender,
+        seq,
+        n,
+        flags,
+        lost,
+        STRATEGY_CODES.get(strategy, 0),
+    )
+    out[1 : 1 + n] = rows
+    out[1 + n :] = math.nan
+
+
+def decode_message(buf: NDArray[np.float64]) -> Message:
+    """Parse a received message; ``ValueError`` if it is not one of ours."""
+    head = buf[0]
+    if head[_H_MAGIC] != MAGIC or head[_H_VERSION] != VERSION:
+        raise ValueError(
+            f"decode_message: field header: magic/version {head[_H_MAGIC]!r}/"
+            f"{head[_H_VERSION]!r} is not a rankwatch v1 message"
+        )
+    n = int(head[_H_ROWS])
+    if not 0 <= n <= CHUNK_ROWS:
+        raise ValueError(f"decode_message: field rows: value {n} out of 0..{CHUNK_ROWS}")
+    return Message(
+        sender=int(head[_H_SENDER]),
+        seq=int(head[_H_SEQ]),
+        flags=int(head[_H_FLAGS]),
+        lost=int(head[_H_LOST]),
+        strategy=_CODE_STRATEGY.get(int(head[_H_STRATEGY])),
+        rows=buf[1 : 1 + n].copy(),
+    )
+
+
+# ---- root-side row buffers -----------------------------------------------------------------
+
+
+class RowBuffer:
+    """The root's bounded copy of one rank's rows, in step order.
+
+    Rows whose step id is not above the last one kept are dropped (resent or out of order).
+    ``progress_at`` is the monotonic time the rank's last step id last increased.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"RowBuffer.capacity: must be >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._data = np.full((capacity, ROW_WIDTH), math.nan)
+        self.count = 0  # rows ever appended
+        self.last_step = -1.0
+        self.progress_at = time.monotonic()
+        self.rejected = 0
+
+    def __len__(self) -> int:
+        return min(self.count, self.capacity)
+
+    def append(self, rows: NDArray[np.float64], now: float | None = None) -> int:
+        """Append rows (ascending step ids expected); returns how many were kept."""
+        if len(rows) == 0:
+            return 0
+        ids = rows[:, 0]
+        keep = ids > np.maximum.accumulate(np.concatenate(([self.last_step], ids[:-1])))
+        if not keep.all():
+            self.rejected += int((~keep).sum())
+            rows = rows[keep]
+        kept = len(rows)
+        if kept == 0:
+            return 0
+        cap = self.capacity
+        if kept > cap:  # only the newest ``cap`` rows can stay; count the rest as passed by
+            self.count += kept - cap
+            rows = rows[-cap:]
+        n = len(rows)
+        a = self.count % cap
+        split = min(n, cap - a)
+        self._data[a : a + split] = rows[:split]
+        self._data[: n - split] = rows[split:]
+        self.count += n
+        self.last_step = float(rows[-1, 0])
+        self.progress_at = time.monotonic() if now is None else now
+        return kept
+
+    def tail(self, n: int, max_step: float | None = None) -> NDArray[np.float64]:
+        """Copy of the last ``n`` rows (ascending), only rows with step id <= ``max_step``."""
+        size = len(self)
+        if size == 0 or n <= 0:
+            return np.empty((0, ROW_WIDTH))
+        end = self.count
+        start = end - size
+        cap = self.capacity
+        a, b = start % cap, end % cap
+        rows = self._data[a:b] if a < b else np.concatenate((self._data[a:], self._data[:b]))
+        if max_step is not None:
+            rows = rows[: int(np.searchsorted(rows[:, 0], max_step, side="right"))]
+        return rows[-n:].copy()
+
+
+def window_arrays(
+    buffers: Mapping[int, RowBuffer], present: Sequence[int], window: int
+) -> dict[int, NDArray[np.float64] | None]:
+    """Per expected rank: the tail the diagnosis aligns (None for absent ranks).
+
+    Tails are cut at the lowest last step among present ranks (no rank can be aligned beyond
+    it) and to ``window`` steps plus slack, so a live window costs the same however long the
+    buffers are. The diagnosis itself keeps the last ``window`` step ids every rank has.
+    """
+    present_set = set(present)
+    lasts = [buffers[r].last_step for r in present_set if len(buffers[r])]
+    top = min(lasts) if lasts else None
+    out: dict[int, NDArray[np.float64] | None] = {}
+    for rank, buf in buffers.items():
+        if rank not in present_set:
+            out[rank] = None
+            continue
+        out[rank] = buf.tail(window * _TAIL_SLACK + 16, top)
+    return out
+
+
+# ---- transport -----------------------------------------------------------------------------
+
+
+def create_gloo_group(ranks: Sequence[int], members_only: bool, timeout: timedelta) -> Any:
+    """The dedicated Gloo group over ``ranks`` (global).
+
+    ``members_only=False`` is the ordinary ``new_group``: every process of the job calls it,
+    in the same order as its other ``new_group`` calls. ``members_only=True`` lets only the
+    members call it (for a group given as a process group handle, which non-members lack).
+    """
+    import torch.distributed as dist
+
+    return dist.new_group(
+        list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=members_only
+    )
+
+
+class Transport:
+    """Point-to-point messages to the root on the dedicated Gloo group, with store doorbells.
+
+    Non-root: :meth:`send` (blocking; background thread only). Root: :meth:`poll` (returns the
+    messages that have arrived; never waits on one that has not).
+    """
+
+    def __init__(self, layout: GroupLayout, group: Any, store: Any) -> None:
+        self.layout = layout
+        self.group = group
+        self.store = store
+        self._db = {r: f"db/{r}" for r in layout.ranks}
+        self.send_buffer = message_buffer()
+        self._recv: dict[int, tuple[Any, Any]] = {}
+        self._consumed: dict[int, int] = {}
+        self.broken: set[int] = set()  # peers whose connection failed
+        self.failed = False  # the store or the root is gone: nothing more will move
+        if layout.is_root:
+            for peer in layout.peers:
+                # Create every doorbell so one multi_get never waits for a key.
+                self._consumed[peer] = int(store.add(self._db[peer], 0))
+                self._post(peer)
+
+    def publish_identity(self, hostname: str, local_rank: int) -> None:
+        """Tell the root where this rank runs (once, at start-up)."""
+        self.store.set(f"info/{self.layout.rank}", f"{hostname}\n{local_rank}")
+
+    def identity(self, rank: int) -> tuple[str, int] | None:
+        """(hostname, local rank) a rank published, or None if it has not (yet)."""
+        key = f"info/{rank}"
+        if not self.store.check([key]):
+            return None
+        host, _, local = self.store.get(key).decode().partition("\n")
+        try:
+            return host, int(local)
+        except ValueError:
+            return host, 0
+
+    def _post(self, peer: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        buf = torch.empty((1 + CHUNK_ROWS, ROW_WIDTH), dtype=torch.float64)
+        work = dist.irecv(buf, src=peer, group=self.group, tag=TAG)
+        self._recv[peer] = (work, buf)
+
+    def send(self, message: NDArray[np.float64]) -> None:
+        """Ship one message to the root and ring the doorbell (blocks until the root's posted
+        receive has taken it; raises if the root's connection failed)."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.from_numpy(message)
+        work = dist.isend(tensor, dst=self.layout.root, group=self.group, tag=TAG)
+        if work is not None:  # None only for a process outside the group
+            work.wait()
+        self.store.add(self._db[self.layout.rank], 1)
+
+    def poll(self) -> list[NDArray[np.float64]]:
+        """Messages that arrived since the last poll (root only; never blocks on a peer)."""
+        peers = [p for p in self.layout.peers if p not in self.broken]
+        if not peers:
+            return []
+        raw = self.store.multi_get([self._db[p] for p in peers])
+        out: list[NDArray[np.float64]] = []
+        for peer, value in zip(peers, raw, strict=True):
+            rung = int(value)
+            while self._consumed[peer] < rung:
+                work, buf = self._recv[peer]
+                try:
+                    work.wait()  # the doorbell says it has arrived: returns at once
+                except RuntimeError as exc:
+                    log.warning("rankwatch: connection to rank %d failed: %s", peer, exc)
+                    self.broken.add(peer)
+                    break
+                self._consumed[peer] += 1
+                out.append(buf.numpy().copy())
+                self._post(peer)
+        return out
+
+
+# ---- the collector thread ------------------------------------------------------------------
+
+
+@dataclass
+class _PeerState:
+    last_heard: float = -math.inf  # monotonic time of the last message
+    round_seq: int = -1  # highest round seq whose end arrived
+    round_end_at: float = -math.inf  # monotonic time the last end-of-round arrived
+    final: bool = False
+    missing_since: float | None = None  # set while the rank is considered missing
+    lost: int = 0
+    strategy: str | None = None
+
+
+class WindowCollector:
+    """The background thread of one rank: ships rows (every rank) and builds windows (root).
+
+    ``trigger()`` is ``collect()``'s hand-off in sync mode (sets an event, never blocks).
+    ``stop(timeout)`` ships the last rows, lets the root build the summary window, and joins
+    the thread within the timeout.
+    """
+
+    def __init__(
+        self,
+        layout: GroupLayout,
+        timer: StepTimer,
+        config: RankwatchConfig,
+        publishers: Sequence[Publisher],
+        transport: Transport | None,
+        strategy: Callable[[], str | None],
+        identity: tuple[str, int] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.timer = timer
+        self.config = config
+        self.publishers = tuple(publishers)
+        self.transport = transport
+        self._strategy = strategy
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._final_deadline = math.inf
+        self._sync_requested = 0
+        self._cursor = 0
+        self.lost = 0  # rows overwritten in the local ring before they were shipped
+        self.sent_messages = 0
+        self.latest_report: WindowReport | None = None
+        self.reports_published = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"rankwatch-{layout.rank}", daemon=True
+        )
+        # Root state.
+        cap = max(config.max_buffered_steps, 2)
+        self._buffers = {r: RowBuffer(cap) for r in layout.ranks}
+        self._peers = {r: _PeerState() for r in layout.peers}
+        host, local = identity if identity is not None else local_identity()
+        self._info: dict[int, RankInfo] = {layout.rank: RankInfo(layout.rank, host, local)}
+        self._window_index = 0
+        self._last_key: tuple[Any, ...] | None = None
+        self._prev_window_at = time.monotonic()
+
+    # ---- control (training thread) -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def trigger(self) -> None:
+        """Sync mode: one more round is due (called every ``sync_step`` collects)."""
+        self._sync_requested += 1
+        self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_seconds: float) -> bool:
+        """Ship the rest, build the summary (root), join; True if the thread ended in time."""
+        if not self._thread.is_alive():
+            return True
+        start = time.monotonic()
+        # The root waits for final shipments for at most half the budget (and never longer
+        # than the gather timeout), keeping the rest for the summary and the publishers.
+        self._final_deadline = start + min(self.config.gather_timeout_seconds, timeout_seconds / 2)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(max(0.0, timeout_seconds - (time.monotonic() - start)))
+        if self._thread.is_alive():
+            log.warning(
+                "rankwatch: rank %d background thread still busy after %.1f s (blocked on the "
+                "root?); leaving it behind",
+                self.layout.rank,
+                timeout_seconds,
+            )
+            return False
+        return True
+
+    # ---- thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self.layout.is_root:
+                self._run_root()
+            else:
+                self._run_sender()
+        except Exception:  # the thread must never take training down with it
+            log.exception("rankwatch: rank %d background thread failed", self.layout.rank)
+
+    # sender ---------------------------------------------------------------------------------
+
+    def _run_sender(self) -> None:
+        cfg = self.config
+        shipped_rounds = 0
+        next_ship = time.monotonic() + cfg.interval_seconds
+        while True:
+            if cfg.async_mode:
+                self._wake.wait(max(0.0, next_ship - time.monotonic()))
+            else:
+                self._wake.wait()
+            self._wake.clear()
+            stopping = self._stop.is_set()
+            if stopping:
+                self._ship(self._sync_requested, FLAG_END_OF_ROUND | FLAG_FINAL)
+                return
+            if cfg.async_mode:
+                if time.monotonic() >= next_ship:
+                    shipped_rounds += 1
+                    self._ship(shipped_rounds, FLAG_END_OF_ROUND)
+                    next_ship = time.monotonic() + cfg.interval_seconds
+            elif self._sync_requested > shipped_rounds:
+                shipped_rounds = self._sync_requested
+                self._ship(shipped_rounds, FLAG_END_OF_ROUND)
+            if self.transport is not None and self.transport.failed:
+                return
+
+    def _ship(self, seq: int, flags: int) -> None:
+        transport = self.transport
+        if transport is None or transport.failed:
+            return
+        rows, self._cursor, lost = self.timer.read(self._cursor)
+        self.lost += lost
+        buf = transport.send_buffer
+        chunks = max(1, math.ceil(len(rows) / CHUNK_ROWS))
+        try:
+            for k in range(chunks):
+                part = rows[k * CHUNK_ROWS : (k + 1) * CHUNK_ROWS]
+                last = k == chunks - 1
+                encode_message(
+                    buf,
+                    part,
+                    sender=self.layout.rank,
+                    seq=seq,
+                    flags=flags if last else 0,
+                    lost=self.lost,
+                    strategy=self._strategy(),
+                )
+                transport.send(buf)
+                self.sent_messages += 1
+        except Exception as exc:  # root gone, store gone: stop shipping, keep training
+            log.warning(
+                "rankwatch: rank %d cannot ship to root %d (%s); stopping shipments",
+                self.layout.rank,
+                self.layout.root,
+                exc,
+            )
+            transport.failed = True
+
+    # root -----------------------------------------------------------------------------------
+
+    def _run_root(self) -> None:
+        cfg = self.config
+        next_tick = time.monotonic() + cfg.interval_seconds
+        rounds_done = 0
+        round_start: float | None = None
+        round_seq = 0
+        while True:
+            self._drain()
+            now = time.monotonic()
+            if self._stop.is_set():
+                self._final_round()
+                return
+            if round_start is None:
+                if cfg.async_mode and now >= next_tick:
+                    round_start, round_seq = now, rounds_done + 1
+                elif not cfg.async_mode and self._sync_requested > rounds_done:
+                    round_start, round_seq = now, self._sync_requested
+            if round_start is not None:
+                waiting = self._waiting_for(round_seq)
+                if not waiting or now >= round_start + cfg.gather_timeout_seconds:
+                    for peer in waiting:
+                        self._mark_missing(peer, now)
+                    self._window("live", cfg.diagnosis.step_time.live_window_steps)
+                    self._prev_window_at = now
+                    rounds_done = round_seq
+                    round_start = None
+                    next_tick = now + cfg.interval_seconds
+            if round_start is not None:
+                timeout = POLL_SECONDS
+            elif cfg.async_mode:
+                timeout = min(IDLE_POLL_SECONDS, max(0.0, next_tick - now))
+            else:
+                timeout = IDLE_POLL_SECONDS
+            self._wake.wait(timeout)
+            self._wake.clear()
+
+    def _drain(self) -> None:
+        """Move the root's own new rows and every arrived message into the row buffers."""
+        now = time.monotonic()
+        rows, self._cursor, lost = self.timer.read(self._cursor)
+        self.lost += lost
+        self._buffers[self.layout.rank].append(rows, now)
+        if self.transport is None or self.transport.failed:
+            return
+        try:
+            messages = self.transport.poll()
+        except Exception as exc:  # the store is gone: no more rows will arrive
+            log.warning("rankwatch: root cannot read shipments (%s); windows stop", exc)
+            self.transport.failed = True
+            return
+        for raw in messages:
+            try:
+                msg = decode_message(raw)
+            except ValueError as exc:
+                log.warning("rankwatch: dropped a malformed message: %s", exc)
+                continue
+            state = self._peers.get(msg.sender)
+            if state is None:
+                log.warning("rankwatch: message from rank %d, not in the group", msg.sender)
+                continue
+            self._buffers[msg.sender].append(msg.rows, now)
+            state.last_heard = now
+            state.lost = msg.lost
+            if msg.strategy is not None:
+                state.strategy = msg.strategy
+            if msg.end_of_round:
+                state.round_seq = max(state.round_seq, msg.seq)
+                state.round_end_at = now
+            if msg.final:
+                state.final = True
+            if state.missing_since is not None and now > state.missing_since:
+                log.info("rankwatch: rank %d is back", msg.sender)
+                state.missing_since = None
+
+    def _waiting_for(self, round_seq: int) -> list[int]:
+        """Peers expected in this round that have not shipped for it yet."""
+        out = []
+        for peer, st in self._peers.items():
+            if st.missing_since is not None or st.final or peer in self._broken():
+                continue
+            done = (
+                st.round_end_at > self._prev_window_at
+                if self.config.async_mode
+                else st.round_seq >= round_seq
+            )
+            if not done:
+                out.append(peer)
+        return out
+
+    def _broken(self) -> set[int]:
+        return self.transport.broken if self.transport is not None else set()
+
+    def _mark_missing(self, peer: int, now: float) -> None:
+        st = self._peers[peer]
+        if st.missing_since is None:
+            log.warning(
+                "rankwatch: rank %d did not ship within %.1f s; marked missing",
+                peer,
+                self.config.gather_timeout_seconds,
+            )
+            st.missing_since = now
+
+    def _missing(self, now: float) -> list[int]:
+        """Ranks absent from the window: not shipping, or shipping without progress."""
+        missing = {p for p, st in self._peers.items() if st.missing_since is not None}
+        missing |= self._broken()
+        # Stalled: still shipping (or the root itself) but no new step for the gather timeout
+        # while another rank ran further.
+        lasts = {r: b.last_step for r, b in self._buffers.items() if r not in missing and len(b)}
+        if len(lasts) > 1:
+            top = max(lasts.values())
+            limit = self.config.gather_timeout_seconds
+            for r, last in lasts.items():
+                if last < top and now - self._buffers[r].progress_at > limit:
+                    missing.add(r)
+        return sorted(missing)
+
+    def _final_round(self) -> None:
+        """Shutdown: wait (bounded) for every expected final shipment, then the summary."""
+        while time.monotonic() < self._final_deadline:
+            waiting = [
+                p
+                for p, st in self._peers.items()
+                if not st.final and st.missing_since is None and p not in self._broken()
+            ]
+            if not waiting or self.transport is None or self.transport.failed:
+                break
+            time.sleep(POLL_SECONDS)
+            self._drain()
+        now = time.monotonic()
+        for peer, st in self._peers.items():
+            if not st.final and st.missing_since is None and peer not in self._broken():
+                self._mark_missing(peer, now)
+        self._window("summary", self.config.diagnosis.step_time.summary_window_steps)
+
+    def _rank_infos(self) -> tuple[RankInfo, ...]:
+        if self.transport is not None and not self.transport.failed:
+            for r in self.layout.ranks:
+                if r in self._info:
+                    continue
+                try:
+                    ident = self.transport.identity(r)
+                except Exception:  # the store is gone; report what we know
+                    break
+                if ident is not None:
+                    self._info[r] = RankInfo(r, ident[0], ident[1])
+        return tuple(self._info.get(r, RankInfo(r)) for r in self.layout.ranks)
+
+    def strategy(self) -> str | None:
+        """The root's own strategy, else the first one a peer detected."""
+        mine = self._strategy()
+        if mine is not None:
+            return mine
+        for st in self._peers.values():
+            if st.strategy is not None:
+                return st.strategy
+        return None
+
+    def _window(self, kind: str, window: int) -> None:
+        now = time.monotonic()
+        missing = self._missing(now)
+        present = [r for r in self.layout.ranks if r not in missing]
+        per_rank = window_arrays(self._buffers, present, window)
+        started = time.perf_counter()
+        try:
+            step_time: StepTimeReport = diagnose_arrays(
+                per_rank,
+                strategy=self.strategy(),
+                window=window,
+                config=self.config.diagnosis.step_time,
+            )
+        except Exception:
+            log.exception("rankwatch: step-time diagnosis failed for this window")
+            return
+        elapsed = time.perf_counter() - started
+        key = (step_time.step_range, tuple(missing))
+        if kind == "live" and (
+            key == self._last_key or (step_time.step_range is None and not missing)
+        ):
+            return  # nothing new since the last window: do not publish it twice
+        self._last_key = key
+        report = WindowReport(
+            group=self.config.group_name,
+            window_index=self._window_index,
+            created_at_s=time.time(),
+            ranks=self._rank_infos(),
+            run=self.config.run_id,
+            window_kind=kind,
+            missing_ranks=tuple(missing),
+            step_time=step_time,
+            diagnosis_seconds={"step_time": elapsed},
+        )
+        self._window_index += 1
+        self.latest_report = report
+        self.reports_published += 1
+        for pub in self.publishers:
+            try:
+                pub.publish(report)
+            except Exception:  # one failing publisher must not starve the others
+                log.exception("rankwatch: publisher %r failed", pub)
+
+
+def dedicated_store(group: Any) -> Any:
+    """A prefix of the job's c10d store private to rankwatch's group (doorbells, identities)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore(f"rankwatch/{group.group_name}/", _get_default_store())
+
+
+def group_timeout(config: RankwatchConfig) -> timedelta:
+    """Timeout of the dedicated group's blocking operations.
+
+    Only a sender waits on Gloo (its send completes when the root's posted receive takes it);
+    the root never waits on anything that has not arrived. A long timeout keeps a slow root
+    from tearing down the senders' connections.
+    """
+    return timedelta(seconds=max(600.0, 20 * config.gather_timeout_seconds))
