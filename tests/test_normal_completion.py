@@ -298,3 +298,26 @@ def test_diagnoser_reports_the_same_local_anomalies():
     report = NormalDiagnoser().diagnose(w)
     assert scopes(report.probes[DF]) == [("row", 3, None)]
     assert report.probes[DF].global_status == "bootstrapping"
+
+
+def test_worked_example_of_the_docs():
+    # docs/diagnosis-deepep.md: EP 8 on two nodes, row 5 1.5x, path 1 -> 6 2.5x.
+    w = make_window(8, 4, factors={DF: row_factor(8, 5, 1.5) * cell_factor(8, 1, 6, 2.5)})
+    report = NormalDiagnoser().diagnose(w)
+    row, point = report.probes[DF].anomalies
+    assert (row.scope, row.src, row.factor, row.score) == (
+        "row",
+        5,
+        pytest.approx(1.5, rel=1e-6),
+        pytest.approx(6.38, abs=0.01),
+    )
+    assert (point.scope, point.src, point.dst, point.factor, point.score) == (
+        "point",
+        1,
+        6,
+        pytest.approx(2.5, rel=1e-6),
+        pytest.approx(51.1, abs=0.05),
+    )
+    assert report.probes[DF].aggregate == pytest.approx(1732.05, abs=0.01)
+    (incident,) = report.incidents
+    assert (incident.cls, incident.ranks) == ("unclassified", (1, 5, 6))
