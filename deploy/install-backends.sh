@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install the real Prometheus, promtool, Alertmanager and VictoriaMetrics binaries that the
-# end-to-end tests talk to. They come from Debian trixie's packages, fetched with a private apt
-# configuration (the system's sources and lists are left untouched) and unpacked with dpkg -x.
+# Install the real Prometheus, promtool, Alertmanager (with amtool) and VictoriaMetrics binaries
+# that the end-to-end and configuration tests run. They come from Debian trixie's packages,
+# fetched with a private apt configuration (the system's sources and lists are left untouched)
+# and unpacked with dpkg -x.
 #
 # Usage: deploy/install-backends.sh [DEST]     (default: .cache/backends in the repository)
 # Prints nothing but progress; the binaries end up in DEST/bin. Idempotent.
@@ -12,7 +13,7 @@ dest=${1:-${RANKWATCH_BACKENDS_DIR:-$repo/.cache/backends}}
 suite=${RANKWATCH_BACKENDS_SUITE:-trixie}
 mirror=${RANKWATCH_BACKENDS_MIRROR:-http://deb.debian.org/debian}
 packages=(prometheus promtool prometheus-alertmanager victoria-metrics)
-bins=(prometheus promtool prometheus-alertmanager victoria-metrics)
+bins=(prometheus promtool prometheus-alertmanager amtool victoria-metrics)
 
 mkdir -p "$dest/bin"
 have_all=1
@@ -40,7 +41,8 @@ apt-get -qq "${apt_opts[@]}" update
 for deb in "$work"/*.deb; do
     dpkg -x "$deb" "$work/root"
 done
-# Debian ships the binaries under /usr/bin; VictoriaMetrics' single-node server is victoria-metrics.
+# Debian ships the binaries under /usr/bin (amtool comes with prometheus-alertmanager);
+# VictoriaMetrics' single-node server is victoria-metrics.
 for b in "${bins[@]}"; do
     src="$work/root/usr/bin/$b"
     [ -x "$src" ] || { echo "missing $b in the unpacked packages" >&2; exit 1; }
