@@ -491,20 +491,23 @@ def _parse_json(r: _Reader, key: str, text: str) -> dict[str, Any]:
 
 
 class ArtifactStore:
-    """A folder of artifacts that keeps only the newest ``retention`` files (0 keeps all).
+    """A folder of artifacts that keeps only the newest ``retention`` files (at least 1).
+
+    The folder is always bounded: a caller configured to keep no artifact (the exporter's
+    ``RANKWATCH_ARTIFACT_RETENTION=0``) simply does not build a store.
 
     Only files named like artifacts (``deepep-normal-*.npz``) are counted and pruned, so other
     files in the folder are never deleted. Newest means latest modification time, ties broken
     by name (the window index is zero-padded in default names). Safe to share between threads.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], retention: int = 0) -> None:
+    def __init__(self, directory: str | os.PathLike[str], retention: int = 100) -> None:
         if not isinstance(directory, (str, os.PathLike)) or not str(directory):
             raise TypeError(f"directory: expected a non-empty path, got {directory!r}")
         if isinstance(retention, bool) or not isinstance(retention, int):
             raise TypeError(f"retention: expected an int, got {retention!r}")
-        if retention < 0:
-            raise ValueError(f"retention: must be >= 0 (0 keeps every file), got {retention}")
+        if retention < 1:
+            raise ValueError(f"retention: must be >= 1 (files kept), got {retention}")
         self.directory = Path(directory)
         self.retention = retention
         self._lock = threading.Lock()
@@ -559,8 +562,6 @@ class ArtifactStore:
             return self._prune()
 
     def _prune(self) -> list[Path]:
-        if self.retention == 0:
-            return []
         existing = self.paths()
         doomed = existing[: max(0, len(existing) - self.retention)]
         for path in doomed:

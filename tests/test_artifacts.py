@@ -427,12 +427,14 @@ def test_store_keeps_the_newest_files_only(tmp_path: Path) -> None:
     assert store.paths()[-1] == paths[3]
 
 
-def test_store_retention_zero_keeps_everything(tmp_path: Path) -> None:
-    store = ArtifactStore(tmp_path, retention=0)
-    for index in range(4):
-        store.save(_window(ep=8, rpn=4, index=index))
-    assert len(store.paths()) == 4 and store.prune() == []
+def test_store_retention_one_keeps_the_last_file_and_prune_is_idempotent(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path, retention=1)
+    for index in range(3):
+        last = store.save(_window(ep=8, rpn=4, index=index))
+        os.utime(last, ns=(10**18 + index * 10**9, 10**18 + index * 10**9))
+    assert store.paths() == [last] and store.prune() == []
     assert ArtifactStore(tmp_path / "absent").paths() == []
+    assert ArtifactStore(tmp_path).retention == 100  # the exporter's default
 
 
 def test_store_names_cannot_escape_the_folder(tmp_path: Path) -> None:
@@ -453,13 +455,15 @@ def test_store_names_cannot_escape_the_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "exc", "needle"),
     [
-        ({"retention": -1}, ValueError, "retention: must be >= 0"),
+        ({"retention": 0}, ValueError, "retention: must be >= 1 (files kept), got 0"),
+        ({"retention": -1}, ValueError, "retention: must be >= 1"),
         ({"retention": True}, TypeError, "retention: expected an int"),
         ({"retention": "3"}, TypeError, "retention: expected an int"),
     ],
 )
 def test_store_rejects_bad_settings(tmp_path: Path, kwargs: dict, exc: type, needle: str) -> None:
-    with pytest.raises(exc, match=needle):
+    with pytest.raises(exc) as info:
         ArtifactStore(tmp_path, **kwargs)
+    assert needle in str(info.value)
     with pytest.raises(TypeError, match="directory: expected a non-empty path"):
         ArtifactStore("")
