@@ -129,13 +129,15 @@ def _dense_effects(
     in natural-log units, NaN wherever there was no sample.
     """
     n = cps.shape[0] // rpn
-    x = np.log(np.maximum(cps, MIN_COST_PER_SAMPLE))  # NaN stays NaN
+    x = np.maximum(cps, MIN_COST_PER_SAMPLE)  # NaN stays NaN
+    np.log(x, out=x)
     # Shifted by a typical value, log costs are small numbers near 0: float32 then keeps about
     # 1e-7 of precision at half the memory traffic of float64 (sorting dominates the cost).
     sample = x.ravel()[:: max(1, x.size // 1024)]
     sample = sample[np.isfinite(sample)]
     anchor = float(np.median(sample)) if sample.size else float(np.nanmedian(x))
-    x32 = (x - anchor).astype(np.float32)
+    x32 = np.empty(x.shape, dtype=np.float32)
+    np.subtract(x, anchor, out=x32, casting="same_kind")
     blocks = x32.reshape(n, rpn, n, rpn).transpose(0, 2, 1, 3).reshape(n * n, rpn * rpn)
     block_rel = lane_medians(blocks, axis=1).reshape(n, n)
     block_log = block_rel + anchor
