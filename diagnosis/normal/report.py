@@ -137,7 +137,9 @@ class ProbeResult:
     no launch); Completion probes fill ``cost_per_sample`` and ``tokens_per_sample`` ([src, dst],
     NaN where a cell had no sample), ``aggregate`` (the topology-aggregated cost per sample
     compared with history), ``global_factor`` (None until the history is bootstrapped) and
-    ``global_status``. ``detail`` says in words why a probe is ``insufficient``.
+    ``global_status`` (None for Notify probes and for an ``insufficient`` Completion probe).
+    ``detail`` says in words why a probe is ``insufficient`` (or that point anomalies were
+    capped).
     """
 
     probe: str
