@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -467,3 +468,14 @@ def test_store_rejects_bad_settings(tmp_path: Path, kwargs: dict, exc: type, nee
     assert needle in str(info.value)
     with pytest.raises(TypeError, match="directory: expected a non-empty path"):
         ArtifactStore("")
+
+
+def test_docs_schema_table_lists_every_key() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "artifacts.md").read_text()
+    section = doc.split("### Schema", 1)[1].split("### What loading checks", 1)[0]
+    documented = set(re.findall(r"`([a-z_.<>]+)`", section))
+    for key in artifact_keys():
+        parts = key.split(".")
+        generic = key if len(parts) == 1 else f"{parts[0]}.<probe>.{parts[2]}"
+        assert generic in documented, generic
+    assert f"`{SCHEMA_VERSION}`" in section
