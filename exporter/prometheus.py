@@ -64,7 +64,9 @@ def families_from_samples(samples: Sequence[Sample]) -> dict[str, Metric]:
     families: dict[str, Metric] = {}
     for s in samples:
         fam = families.get(s.name)
-        spec = _SPECS[s.name]
+        spec = _SPECS.get(s.name)
+        if spec is None:
+            raise ValueError(f"samples: {s.name!r} is not a catalogue metric name")
         if fam is None:
             fam = families[s.name] = _family(spec)
         # Counter and info sample names already carry their _total / _info suffix.

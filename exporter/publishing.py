@@ -2,10 +2,11 @@
 thread.
 
 :class:`PublisherHub` implements the :class:`~rankwatch.exporter.publisher.Publisher` protocol.
-``publish(report)`` only hands the report over: a one-slot queue where the newest report wins (a
-report replaced before it was published is counted in
-``rankwatch_export_failures_total{exporter="publish_queue"}``), and returns at once. The hub's
-thread then
+``publish(report)`` only hands the report over and returns at once: a bounded queue
+(``MAX_QUEUED_REPORTS``) where the newest report wins, so a burst of windows is still fed to the
+incident tracker in order while a stuck hub can never hold more than a few reports (the oldest
+one dropped is counted in ``rankwatch_export_failures_total{exporter="publish_queue"}``). The
+hub's thread then
 
 1. feeds the report to the :class:`~rankwatch.exporter.incidents.IncidentTracker`,
 2. swaps in the new latest state, which ``/metrics`` scrapes and OTLP collections read (both
@@ -29,6 +30,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,12 +44,21 @@ from .prometheus import MetricsServer, SampleParts, start_metrics_server
 from .publisher import Publisher
 from .samples import ExporterHealth, Sample, clock_samples, report_samples, state_samples
 
-__all__ = ["PUBLISH_QUEUE", "HealthCounters", "LatestState", "PublisherHub", "default_publishers"]
+__all__ = [
+    "MAX_QUEUED_REPORTS",
+    "PUBLISH_QUEUE",
+    "HealthCounters",
+    "LatestState",
+    "PublisherHub",
+    "default_publishers",
+]
 
 log = logging.getLogger("rankwatch.publishing")
 event_log = logging.getLogger("rankwatch.incidents")
 
 PUBLISH_QUEUE = "publish_queue"
+# Reports waiting for the hub thread; beyond this the oldest is dropped (and counted).
+MAX_QUEUED_REPORTS = 8
 
 
 class HealthCounters:
@@ -220,7 +231,7 @@ class PublisherHub:
             raise
 
         self._cond = threading.Condition()
-        self._pending: WindowReport | None = None
+        self._pending: deque[WindowReport] = deque()
         self._received = 0  # reports accepted by publish()
         self._handled = 0  # reports taken off the queue (published or replaced)
         self._closing = False
@@ -231,16 +242,18 @@ class PublisherHub:
     # -- Publisher protocol -----------------------------------------------------------------
 
     def publish(self, report: WindowReport) -> None:
-        """Hand over one window report; returns at once (the newest pending report wins)."""
+        """Hand over one window report; returns at once (when the queue is full the oldest
+        waiting report is dropped: the newest wins)."""
         if not isinstance(report, WindowReport):
             raise TypeError(f"report: expected WindowReport, got {type(report).__name__}")
         with self._cond:
             if self._closing:
                 return
-            if self._pending is not None:
+            if len(self._pending) >= MAX_QUEUED_REPORTS:
+                self._pending.popleft()
                 self.health.export_failed(PUBLISH_QUEUE)
                 self._handled += 1
-            self._pending = report
+            self._pending.append(report)
             self._received += 1
             self._cond.notify_all()
 
@@ -256,8 +269,8 @@ class PublisherHub:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        # The hub thread only computes (milliseconds); it ends as soon as the report in hand is
-        # published, including one that arrived just before closing.
+        # The hub thread only computes (milliseconds per report); it ends as soon as the reports
+        # already handed over are published.
         self._thread.join(max(0.0, (deadline - time.monotonic()) * 0.25))
         if self.otlp is not None:
             # Keep a little for the HTTP server's shutdown (it polls every 0.1 s).
@@ -299,10 +312,10 @@ class PublisherHub:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closing:
+                while not self._pending and not self._closing:
                     self._cond.wait()
-                report, self._pending = self._pending, None
-                closing = self._closing
+                report = self._pending.popleft() if self._pending else None
+                closing = self._closing and not self._pending
             if report is not None:
                 try:
                     self._handle(report)

@@ -1,0 +1,263 @@
+"""Incidents: k-of-n opening, m-clean closing, identities, events (``exporter/incidents.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.events import (
+    event_attributes,
+    event_json,
+    event_log_record,
+    event_message,
+)
+from rankwatch.exporter.incidents import (
+    IncidentEvent,
+    IncidentTracker,
+    signals_from_report,
+)
+
+from tests.publish_reports import normal_reports, step_report, window
+
+
+def straggling(i: int, culprit: int = 2, **kw):
+    return window(i, n=4, step_time=step_report(4, culprit=culprit, **kw))
+
+
+def clean(i: int):
+    return window(i, n=4, step_time=step_report(4, culprit=None))
+
+
+def feed(tracker: IncidentTracker, pattern: str, culprit: int = 2) -> list[list[IncidentEvent]]:
+    """Feed windows: 'S' straggler, '.' clean, '-' a window without a step-time report."""
+    out = []
+    for i, c in enumerate(pattern):
+        if c == "S":
+            report = straggling(i, culprit)
+        elif c == ".":
+            report = clean(i)
+        else:
+            report = window(i, n=4)
+        out.append(tracker.update(report))
+    return out
+
+
+def actions(events: list[list[IncidentEvent]]) -> list[str]:
+    return ["".join(e.action[0] for e in w) or "_" for w in events]
+
+
+def test_defaults_come_from_the_config():
+    t = IncidentTracker.from_config(RankwatchConfig())
+    assert (t.open_k, t.open_n, t.close_m) == (2, 3, 3)
+
+
+def test_a_single_noisy_window_does_not_open():
+    t = IncidentTracker(2, 3, 3)
+    assert actions(feed(t, "S...S...S")) == ["_"] * 9
+    assert t.snapshot().open == ()
+
+
+def test_opens_on_the_kth_agreeing_window_of_the_last_n():
+    t = IncidentTracker(2, 3, 3)
+    # S . S : 2 of the last 3 at the third window
+    assert actions(feed(t, "S.S")) == ["_", "_", "o"]
+    t = IncidentTracker(2, 3, 3)
+    # S . . S: only 1 of the last 3 at the fourth window, 2 of 3 at the fifth
+    assert actions(feed(t, "S..SS")) == ["_", "_", "_", "_", "o"]
+
+
+def test_closes_after_m_clean_windows_and_a_noisy_window_does_not_flap():
+    t = IncidentTracker(2, 3, 3)
+    got = actions(feed(t, "SS..S...."))
+    #                    0123456789
+    assert got == ["_", "o", "_", "_", "_", "_", "_", "c", "_"]
+    events = [e for w in feed(IncidentTracker(2, 3, 3), "SS...") for e in w]
+    assert [e.action for e in events] == ["open", "close"]
+    assert events[0].incident.incident_id == events[1].incident.incident_id
+
+
+def test_windows_without_the_engine_are_not_clean_windows():
+    t = IncidentTracker(2, 3, 3)
+    got = actions(feed(t, "SS------.--..--"))
+    assert got.count("c") == 1 and got.index("c") == 12
+    # and they do not count towards opening either: S - - S is 2 of the last 3 step windows
+    t = IncidentTracker(2, 3, 3)
+    assert actions(feed(t, "S--S")) == ["_", "_", "_", "o"]
+
+
+def test_summary_window_is_ignored():
+    t = IncidentTracker(1, 1, 1)
+    summary = window(0, n=4, step_time=step_report(4, culprit=2), window_kind="summary")
+    assert t.update(summary) == []
+    assert t.tracked == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(lambda n: st.tuples(st.integers(1, n), st.just(n))),
+    st.integers(1, 4),
+    st.lists(st.booleans(), max_size=30),
+)
+def test_matches_a_reference_model(kn, m, seen):
+    k, n = kn
+    t = IncidentTracker(k, n, max(m, 1))
+    history: list[bool] = []
+    is_open, clean_run = False, 0
+    for i, present in enumerate(seen):
+        report = straggling(i) if present else clean(i)
+        got = [e.action for e in t.update(report)]
+        history.append(present)
+        want: list[str] = []
+        if is_open:
+            clean_run = 0 if present else clean_run + 1
+            if clean_run >= m:
+                want, is_open, history = ["close"], False, []
+        elif present and sum(history[-n:]) >= k:
+            want, is_open, clean_run = ["open"], True, 0
+        assert got == want, (k, n, m, seen[: i + 1])
+
+
+def test_straggler_identity_is_the_culprit_and_cause_follows_the_latest_window():
+    t = IncidentTracker(2, 3, 3)
+    t.update(straggling(0, culprit=2))
+    # same culprit, attribution changes (input 15 ms: not enough to name the input)
+    (opened,) = t.update(straggling(1, culprit=2, input_ms=15.0))
+    assert opened.action == "open" and opened.incident.ranks == (2,)
+    assert opened.incident.cls == "step_time_straggler"
+    # another culprit is another incident
+    t.update(straggling(2, culprit=1))
+    assert [i.ranks for i in t.snapshot().open] == [(2,)]
+    (second,) = t.update(straggling(3, culprit=1))
+    assert second.incident.ranks == (1,)
+    assert len(t.snapshot().open) == 2
+
+
+def test_severity_escalates_and_opening_is_counted_by_its_severity():
+    t = IncidentTracker(2, 3, 3)
+    # fewer than 20 steps caps the finding at warning
+    t.update(straggling(0, steps=10))
+    (opened,) = t.update(straggling(1, steps=10))
+    assert opened.incident.severity == "warning"
+    assert t.update(straggling(2, steps=50)) == []
+    (inc,) = t.snapshot().open
+    assert inc.severity == "critical"
+    assert dict(t.snapshot().opened_total) == {("step_time_straggler", "warning"): 1}
+
+
+def test_normal_mode_incidents_keep_class_probes_and_ranks():
+    reports = normal_reports(["pre_dispatch_delay", "pre_dispatch_delay", "baseline"])
+    t = IncidentTracker(2, 3, 3)
+    events = []
+    for i, nr in enumerate(reports):
+        events += t.update(window(i, n=16, normal=nr))
+    opened = [e.incident for e in events if e.action == "open"]
+    assert sorted(i.probe for i in opened) == ["cached_notify_dispatch", "notify_dispatch"]
+    assert all(i.cls == "pre_stage_arrival_skew" and i.ranks == (9,) for i in opened)
+    assert all(i.hostnames == ("node-1",) for i in opened)
+    # the score of an arrival skew is the (small) Notify ratio
+    assert all(i.score is not None and i.score <= 0.25 for i in opened)
+
+
+def test_global_slowdown_incident_scores_its_factor():
+    reports = normal_reports(["all_hca_pressure"] * 2)
+    t = IncidentTracker(2, 3, 3)
+    t.update(window(0, n=16, normal=reports[0]))
+    (opened,) = t.update(window(1, n=16, normal=reports[1]))
+    assert opened.incident.cls == "global_data_path_slowdown"
+    assert opened.incident.severity == "critical"
+    assert opened.incident.score is not None and opened.incident.score >= 1.3
+
+
+def test_state_is_bounded():
+    t = IncidentTracker(2, 3, 3, max_tracked=16)
+    for i in range(200):
+        # a different culprit rank every window, on a 64-rank group
+        t.update(window(i, n=64, step_time=step_report(64, culprit=i % 64)))
+        assert t.tracked <= 16
+
+
+def test_signals_ignore_info_findings():
+    # a balanced window diagnoses COMPUTE_BOUND at severity info: no incident signal
+    assert signals_from_report(clean(0)) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "match"),
+    [
+        ((0, 3, 3), ValueError, "open_k"),
+        ((4, 3, 3), ValueError, "open_k"),
+        ((2, 3, 0), ValueError, "close_m"),
+        ((2, 3.0, 3), TypeError, "open_n"),
+        ((True, 3, 3), TypeError, "open_k"),
+    ],
+)
+def test_tracker_rejects_bad_parameters(args, exc, match):
+    with pytest.raises(exc, match=match):
+        IncidentTracker(*args)
+
+
+def test_tracker_rejects_bad_reports_and_configs():
+    t = IncidentTracker()
+    with pytest.raises(TypeError, match="report"):
+        t.update({"window_index": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="report"):
+        signals_from_report(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config"):
+        IncidentTracker.from_config({"incident_open_k": 2})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_tracked"):
+        IncidentTracker(max_tracked="many")  # type: ignore[arg-type]
+
+
+# --- the two written forms of an event ---------------------------------------------------------
+
+
+def _opened_and_closed() -> list[IncidentEvent]:
+    t = IncidentTracker(2, 3, 1, group="g0", run="r0")
+    events = []
+    for i, c in enumerate("SS."):
+        events += t.update(straggling(i) if c == "S" else clean(i))
+    return events
+
+
+def test_event_json_is_one_line_with_the_incident_fields():
+    opened, closed = _opened_and_closed()
+    line = event_json(opened)
+    assert "\n" not in line
+    doc = json.loads(line)
+    assert doc["event"] == "rankwatch.incident.open" and doc["level"] == "ERROR"
+    assert doc["incident.class"] == "step_time_straggler"
+    assert doc["incident.severity"] == "critical"
+    assert doc["incident.culprit_ranks"] == [2]
+    assert doc["incident.hostnames"] == ["node-0"]
+    assert doc["incident.cause"] == "input_straggler"
+    assert doc["incident.evidence"]["victim_rank"] == 1
+    assert (doc["group"], doc["run"]) == ("world", "run-1")
+    closed_doc = json.loads(event_json(closed))
+    assert closed_doc["event"] == "rankwatch.incident.close" and closed_doc["level"] == "INFO"
+    assert closed_doc["incident.id"] == doc["incident.id"]
+
+
+def test_event_log_record_carries_event_name_severity_and_attributes():
+    opened, closed = _opened_and_closed()
+    rec = event_log_record(opened)
+    assert rec.event_name == "rankwatch.incident.open"
+    assert rec.severity_text == "ERROR" and rec.severity_number is not None
+    assert rec.attributes is not None
+    assert rec.attributes["rankwatch.incident.culprit_ranks"] == [2]
+    assert "rank 2" in str(rec.body) and "node-0" in str(rec.body)
+    assert rec.timestamp == int(opened.time_s * 1e9)
+    assert event_log_record(closed).event_name == "rankwatch.incident.close"
+    assert "closed" in event_message(closed)
+
+
+def test_event_builders_reject_bad_input():
+    for fn in (event_json, event_log_record, event_attributes, event_message):
+        with pytest.raises(TypeError, match="event"):
+            fn({"action": "open"})  # type: ignore[arg-type]
+    opened, _ = _opened_and_closed()
+    bad = IncidentEvent("reopen", opened.incident, 1, 0.0, "", "")
+    with pytest.raises(ValueError, match="action"):
+        event_json(bad)
