@@ -194,6 +194,7 @@ class Diagnose:
         normal_config: NormalConfig,
         low_latency_config: LowLatencyConfig,
         gather_timeout_seconds: float,
+        log_to_file: bool = False,
     ) -> None:
         self.group = group
         self.config = config
@@ -216,6 +217,7 @@ class Diagnose:
         self.normal_config = normal_config
         self.low_latency_config = low_latency_config
         self.gather_timeout_seconds = gather_timeout_seconds
+        self._log_to_file = log_to_file
         self._dispatch_bundle = counters.dispatch_bundle()
         self._combine_bundle = counters.combine_bundle()
         self._snapshotter = OrderedSnapshotter(counters.storage, snapshot_stream)
@@ -375,6 +377,7 @@ class Diagnose:
             normal_config=normal_config,
             low_latency_config=ll_config,
             gather_timeout_seconds=float(gather_timeout_seconds),
+            log_to_file="DEEPEP_DIAGNOSE_LOG_PATH" in source,
         )
 
     def _make_cpu_group(self) -> None:
@@ -730,14 +733,21 @@ class Diagnose:
 
     # ------------------------------------------------------------------ log lines
 
+    def _prefix(self, window_index: int) -> str:
+        return (
+            f"{LINE_PREFIX} InstanceID: {self.instance_id} EPSize: {self.ep_size} "
+            f"WindowIndex: {window_index}"
+        )
+
     def _log_rejection(self, part: str, window_index: int, reason: str, detail: str) -> None:
         # An idle window is routine; a reset or a bad counter is worth a warning.
         level = logging.DEBUG if reason == "empty_window" else logging.WARNING
-        message = f"{part}: {detail}"
-        log.log(
-            level,
-            invalid_window_line(self.instance_id, self.ep_size, window_index, reason, message),
-        )
+        if part == "normal":
+            line = invalid_window_line(self.instance_id, self.ep_size, window_index, reason, detail)
+        else:
+            payload = json.dumps({"reason": reason, "message": detail}, separators=(",", ":"))
+            line = f"{self._prefix(window_index)} LowLatency invalid: {payload}"
+        log.log(level, line)
 
     def _log_report(self, window: DeepEPWindow, report: WindowReport) -> None:
         if report.normal is not None:
@@ -750,10 +760,7 @@ class Diagnose:
                 log.info(line)
         for phase, result in (report.low_latency or {}).items():
             payload = json.dumps(result.to_dict(), separators=(",", ":"))
-            log.info(
-                f"{LINE_PREFIX} InstanceID: {self.instance_id} EPSize: {self.ep_size} "
-                f"WindowIndex: {window.window_index} LowLatency {phase}: {payload}"
-            )
+            log.info(f"{self._prefix(window.window_index)} LowLatency {phase}: {payload}")
 
     def _save_artifact(self, window: DeepEPWindow, report: WindowReport) -> None:
         if self._artifacts is None or window.normal is None:
@@ -766,11 +773,15 @@ class Diagnose:
     def _attach_log_file(self) -> None:
         # DeepXTrace writes its log lines to a file under DEEPEP_DIAGNOSE_LOG_PATH; do the same
         # when the variable is set, and otherwise leave the lines to the application's logging.
-        if "DEEPEP_DIAGNOSE_LOG_PATH" not in os.environ:
+        if not self._log_to_file:
             return
-        os.makedirs(self.config.log_path, exist_ok=True)
         path = os.path.join(self.config.log_path, f"deepep_diagnose_rank{self.global_rank}.log")
-        handler = logging.FileHandler(path, encoding="utf-8")
+        try:
+            os.makedirs(self.config.log_path, exist_ok=True)
+            handler = logging.FileHandler(path, encoding="utf-8")
+        except OSError as exc:  # an unwritable log folder must not stop training
+            log.warning("DeepEP log file %s cannot be opened: %s", path, exc)
+            return
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
         handler.setLevel(logging.INFO)
         log.addHandler(handler)

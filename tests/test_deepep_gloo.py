@@ -8,6 +8,7 @@ simulator's windows. Worlds are small (2 to 4 ranks) because the machine has two
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import socket
 import time
@@ -21,8 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rankwatch.diagnosis.artifacts import load_window_artifact
 from rankwatch.diagnosis.normal import NormalSimulator, NormalWindow, snapshot_counters
 from rankwatch.diagnosis.normal.schema import COMBINE_BUNDLE, DISPATCH_BUNDLE, counter_slots
+from rankwatch.diagnosis.normal_log import parse_log_line
 from rankwatch.diagnosis.window_report import WindowReport
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -47,6 +50,7 @@ def _free_port() -> int:
 
 def _entry(fn: Callable[[int, int], Any], rank: int, world: int, port: int, out: str) -> None:
     result: dict[str, Any]
+    os.environ["RANKWATCH_TEST_OUT"] = out
     try:
         dist.init_process_group(
             "gloo",
@@ -93,6 +97,16 @@ def run_world(fn: Callable[[int, int], Any], world: int, tmp_path: Path) -> list
         results.append(res.get("ok"))
     assert not errors, "\n".join(errors)
     return results
+
+
+class Broken:
+    """A publisher that always fails: the others must still get every report."""
+
+    def publish(self, report: WindowReport) -> None:
+        raise RuntimeError("publisher down")
+
+    def close(self, timeout_seconds: float) -> None:
+        pass
 
 
 class Collect:
@@ -216,9 +230,17 @@ def _sync_windows_reset_and_warmup(rank: int, world: int) -> dict[str, Any]:
     }
 
     # Warm-up: everything written before the first snapshot after warm-up is discarded.
-    warm_env = dict(BASE_ENV, DEEPEP_DIAGNOSE_WARMUP_SECONDS="0.8")
+    # Also: log lines with details and NPZ windows under the log path.
+    log_dir = os.path.join(os.environ["RANKWATCH_TEST_OUT"], "logs")
+    warm_env = dict(
+        BASE_ENV,
+        DEEPEP_DIAGNOSE_WARMUP_SECONDS="0.8",
+        DEEPEP_DIAGNOSE_LOG_PATH=log_dir,
+        DEEPEP_DIAGNOSE_LOG_DETAILS="1",
+        DEEPEP_DIAGNOSE_EXPORT_NPZ="1",
+    )
     pub2 = Collect()
-    diag2 = _create(group, warm_env, enable_normal_diagnose=True, publishers=[pub2])
+    diag2 = _create(group, warm_env, enable_normal_diagnose=True, publishers=[Broken(), pub2])
     diag2.start()
     t0 = time.time()
     sim2 = NormalSimulator(ep_size=world, ranks_per_node=2, seed=11, slow_rank=1)
@@ -236,6 +258,8 @@ def _sync_windows_reset_and_warmup(rank: int, world: int) -> dict[str, Any]:
     first["warm_windows"] = list(diag2.recent_windows)
     first["warm_want"] = wins
     first["warm_reports"] = _summary(pub2.reports)
+    first["instance_id"] = diag2.instance_id
+    first["log_dir"] = log_dir
     return first
 
 
@@ -283,6 +307,24 @@ def test_sync_windows_match_simulator_reset_and_warmup(tmp_path: Path) -> None:
     assert_same_window(warm[0].normal, root["warm_want"][2])
     assert_same_window(warm[1].normal, root["warm_want"][3])
     assert [r["reason"] for r in root["warm_reports"]] == [None, None]
+
+    # The root's log file and NPZ windows; the other ranks write neither.
+    log_dir = Path(root["log_dir"])
+    assert sorted(p.name for p in log_dir.glob("*.log")) == ["deepep_diagnose_rank0.log"]
+    text = (log_dir / "deepep_diagnose_rank0.log").read_text()
+    assert "publisher down" in text  # the broken publisher is logged, the others still served
+    lines = [parse_log_line(x) for x in text.splitlines() if "[Diagnose]" in x]
+    assert {(x.window_index, x.record) for x in lines} == {
+        (w, r) for w in (0, 1) for r in ("summary", "detail", "values")
+    }
+    assert {x.instance_id for x in lines} == {root["instance_id"]}
+    assert sum(x.record == "detail" for x in lines) == 12  # six probes, two windows
+    npz = sorted(log_dir.glob("*.npz"))
+    assert len(npz) == 2
+    for path, want in zip(npz, root["warm_want"][2:], strict=True):
+        window, diagnosis, _ = load_window_artifact(path)
+        assert_same_window(window, want)
+        assert diagnosis is not None
 
 
 def _sum_windows(windows: list[Any]) -> dict[str, np.ndarray]:
