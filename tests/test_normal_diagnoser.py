@@ -23,6 +23,7 @@ from rankwatch.diagnosis.normal import (
     ProbeResult,
     phase_timeline,
 )
+from rankwatch.diagnosis.normal.simulator import SimulatorProfile
 
 from .test_normal_support import block_factor, cell_factor, make_window, row_factor
 
@@ -214,6 +215,10 @@ def test_bad_input_raises_naming_the_field():
         NormalSimulator().window("baseline", extra_cost_factor={DF: np.ones(3)})
     with pytest.raises(ValueError, match="extra_cost_factor"):
         NormalSimulator().window("baseline", extra_cost_factor={"nope": 2.0})
+    with pytest.raises(ValueError, match="channels"):
+        SimulatorProfile(channels=0)
+    with pytest.raises(ValueError, match="dispatch_cycles"):
+        SimulatorProfile(dispatch_cycles=(1.0, float("nan")))
     with pytest.raises(ValueError, match="windows_per_phase"):
         list(phase_timeline(windows_per_phase=-1))
     with pytest.raises(ValueError, match="phases"):

@@ -33,7 +33,7 @@ Phases (the five of the validation run, see ``PHASES``):
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -82,6 +82,17 @@ class SimulatorProfile:
     # (their channels stall behind the congested sends).
     hca_rdma_factor: float = 1.9
     hca_nvlink_factor: float = 1.35
+
+    def __post_init__(self) -> None:
+        # Spreads and the load exponent may be 0 (switch the effect off); the rest must be > 0.
+        may_be_zero = ("load_exponent", "path_spread", "window_noise", "arrival_skew_ns")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            for v in value if isinstance(value, tuple) else (value,):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+                    raise ValueError(f"SimulatorProfile.{f.name}: expected numbers, got {value!r}")
+                if v < 0 or (v == 0 and f.name not in may_be_zero):
+                    raise ValueError(f"SimulatorProfile.{f.name}: must be > 0, got {value!r}")
 
 
 class NormalSimulator:
