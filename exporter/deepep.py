@@ -195,6 +195,7 @@ class Diagnose:
         low_latency_config: LowLatencyConfig,
         gather_timeout_seconds: float,
         log_to_file: bool = False,
+        run: str = "",
     ) -> None:
         self.group = group
         self.config = config
@@ -221,7 +222,7 @@ class Diagnose:
         self._dispatch_bundle = counters.dispatch_bundle()
         self._combine_bundle = counters.combine_bundle()
         self._snapshotter = OrderedSnapshotter(counters.storage, snapshot_stream)
-        self._run = os.environ.get("RANKWATCH_RUN_ID", "")
+        self._run = run
         self._calls = {"normal": 0, "low_latency": 0}
         self._state = "created"
         self._lock = threading.Lock()
@@ -378,6 +379,7 @@ class Diagnose:
             low_latency_config=ll_config,
             gather_timeout_seconds=float(gather_timeout_seconds),
             log_to_file="DEEPEP_DIAGNOSE_LOG_PATH" in source,
+            run=source.get("RANKWATCH_RUN_ID", ""),
         )
 
     def _make_cpu_group(self) -> None:
