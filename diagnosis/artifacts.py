@@ -58,6 +58,7 @@ ARTIFACT_PREFIX = "deepep-normal-"
 MAX_EP_SIZE = 4096
 MAX_INSTANCE_ID_CHARS = 256
 MAX_JSON_CHARS = 32 * 2**20
+COMPRESS_LEVEL = 1
 # An artifact has at most 9 scalar keys + 4 per Notify probe + 5 per Completion probe.
 MAX_MEMBERS = 64
 
@@ -272,16 +273,22 @@ def save_window_artifact(
     fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
     try:
         with os.fdopen(fd, "wb") as fh:
-            # A file object, not a name: numpy would otherwise append its own ".npz". Every
-            # array is float64, int64 or str, so nothing is pickled.
-            # (Typed loosely: numpy's stubs read ``**payload`` as its own keyword options.)
-            savez: Any = np.savez_compressed
-            savez(fh, **payload)
+            _write_npz(fh, payload)
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return target
+
+
+def _write_npz(fh: IO[bytes], payload: Mapping[str, np.ndarray]) -> None:
+    """The layout ``np.savez_compressed`` writes (one ``<key>.npy`` per array in a zip), at
+    deflate level 1: at EP 1,024 the default level takes about 6x longer for ~15% fewer bytes.
+    Every array is float64, int64 or str, so nothing is pickled."""
+    with zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED, compresslevel=COMPRESS_LEVEL) as zf:
+        for key, arr in payload.items():
+            with zf.open(key + ".npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(arr), allow_pickle=False)
 
 
 def _header(path: Path, zf: zipfile.ZipFile, key: str) -> tuple[tuple[int, ...], np.dtype[Any]]:

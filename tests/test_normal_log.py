@@ -225,3 +225,21 @@ def test_insufficient_probe_values_are_null_not_zero() -> None:
     assert values.payload["notify_ratio"] == [None] * 16
     assert lines[0].payload["probes"]["cached_notify_combine"] == "insufficient"
     assert set(NOTIFY_PROBES) | set(COMPLETION_PROBES) == set(PROBES)
+
+
+def test_non_finite_values_become_null() -> None:
+    window = _window()
+    report = _report(window)
+    probes = dict(report.probes)
+    ratio = np.linspace(0.5, 1.5, 16)
+    ratio[[2, 5, 7]] = [np.inf, -np.inf, np.nan]
+    probes["notify_dispatch"] = ProbeResult(
+        probe="notify_dispatch", kind="notify", status="ok", notify_ratio=ratio
+    )
+    report2 = NormalReport(3, 16, 8, probes, instance_id="job-7f3a")
+    line = normal_log_lines(report2, window, details=True)[2]
+    payload = _no_nan(line.split("notify_dispatch: ", 1)[1])
+    assert isinstance(payload, dict)
+    got = payload["notify_ratio"]
+    assert [got[2], got[5], got[7]] == [None, None, None]
+    assert got[0] == 0.5 and got[15] == 1.5
