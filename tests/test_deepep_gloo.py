@@ -397,8 +397,13 @@ def _sum_windows_of(wins: list[NormalWindow]) -> dict[str, np.ndarray]:
     return total
 
 
-def _check_async(res: dict[str, Any], ranks: list[int], group_name: str) -> None:
+def _check_async(
+    res: dict[str, Any], ranks: list[int], group_name: str, single_window: bool = False
+) -> None:
     assert res["is_root"] and res["root_global"] == ranks[0]
+    if single_window:
+        # No tick after the warm-up boundary: the only window is stop()'s final snapshot.
+        assert [w.window_index for w in res["windows"]] == [0]
     assert not res["collector_alive"] and res["collector_error"] is None
     assert res["cpu_group_released"]
     windows = res["windows"]
@@ -466,7 +471,12 @@ def _subgroups(rank: int, world: int) -> dict[str, Any]:
         "reports": _summary(pub.reports),
         "want": want,
     }
-    env = dict(BASE_ENV, DEEPEP_DIAGNOSE_ASYNC="1", DEEPEP_DIAGNOSE_WARMUP_SECONDS="0.3")
+    env = dict(
+        BASE_ENV,
+        DEEPEP_DIAGNOSE_ASYNC="1",
+        DEEPEP_DIAGNOSE_WARMUP_SECONDS="0.3",
+        DEEPEP_DIAGNOSE_INTERVAL="60",
+    )
     out["async"] = _async_run(rank, mine, env, sim_seed=40 + rank % 2, group_name=name)
     return out
 
@@ -483,7 +493,7 @@ def test_non_contiguous_subgroups_gather_to_their_global_root(tmp_path: Path) ->
             assert_same_window(got.normal, want)
         for r in sync["reports"]:
             assert [x[0] for x in r["ranks"]] == root["ranks"]
-        _check_async(root["async"], root["ranks"], root["name"])
+        _check_async(root["async"], root["ranks"], root["name"], single_window=True)
         assert not other["async"]["is_root"] and other["async"]["reports"] == []
 
 
