@@ -221,7 +221,13 @@ def completion_matrix(probe: str) -> Panel:
         "rank, both in numeric order. Colours run from the cheapest (green) to the most "
         "expensive (red) cell of this matrix. A red row is a slow sender, a red column a slow "
         "receiver, a red block a slow node pair. Above the cell budget only flagged cells are "
-        "exported and the matrix has holes.",
+        "exported and the matrix has holes."
+        + (
+            " This probe is gateway-oriented (source gateway proxy -> destination): only the "
+            "gateway edges that carried RDMA traffic have cells."
+            if probe == "dispatch_rdma_recv"
+            else ""
+        ),
         [target(f"max by (src, dst, key) ({expr})", instant=True)],
         (8, 10),
         "none",

@@ -162,6 +162,8 @@ class StandIn(Collector):
                 for p in COMPLETION_PROBES
                 for s in rank
                 for d in rank
+                # RDMA receive is gateway-oriented: only inter-node edges carry traffic.
+                if p != "dispatch_rdma_recv" or HOSTS[int(s)] != HOSTS[int(d)]
             ],
         )
         yield gauge(
@@ -409,12 +411,17 @@ def check_panel(stack: Stack, dashboard: str, panel: dict[str, Any]) -> None:
     if "(src x dst)" in title:
         (cells,) = results
         pairs = {(c["metric"]["src"], c["metric"]["dst"]) for c in cells}
-        assert len(cells) == N * N == len(pairs), f"{title}: {len(cells)} cells"
+        assert len(pairs) == len(cells), f"{title}: duplicate cells"
         padded = sorted(f"{r:03d}" for r in range(N))
-        assert {s for s, _ in pairs} == set(padded) == {d for _, d in pairs}
-        # Sorting by "key" (what the sortBy transformation does) gives row-major rank order.
+        if "dispatch_rdma_recv" in title:
+            # Gateway-oriented and sparse: only edges that carried traffic have cells.
+            assert 1 <= len(cells) <= N * N and pairs <= {(s, d) for s in padded for d in padded}
+        else:
+            assert len(cells) == N * N, f"{title}: {len(cells)} cells, want {N * N}"
+            assert {s for s, _ in pairs} == set(padded) == {d for _, d in pairs}
+        # Sorting by "key" (what the sortBy transformation does) gives row-major numeric order.
         keys = sorted(c["metric"]["key"] for c in cells)
-        assert keys == [f"{s}-{d}" for s in padded for d in padded]
+        assert keys == [f"{s}-{d}" for s, d in sorted(pairs, key=lambda p: (int(p[0]), int(p[1])))]
     if kind == "heatmap":
         (rows,) = results
         assert sorted(r["metric"]["r"] for r in rows) == [f"{r:03d}" for r in range(N)]
