@@ -7,7 +7,8 @@ is replaced):
 * the loader wrapper's ``__next__`` times ``input_wait`` (fetching the batch) and ``h2d``
   (moving it to the model's device) and opens the step if none is open, so the step's bracket
   starts where an explicit ``with step():`` around the fetch would start it;
-* forward pre/post hooks on the top module time ``forward``;
+* forward pre/post hooks on the top module time ``forward``, wrapped around any hooks a
+  wrapper installed (FSDP's parameter all-gather runs in a pre hook);
 * ``backward`` starts when the gradient of the module's output is computed (a tensor hook
   registered by the forward post hook) and ends in an autograd *final callback* queued twice:
   DDP and FSDP queue their own final callbacks (gradient reduction, waits on the reduction)
@@ -238,7 +239,9 @@ def install(
             if torch.is_grad_enabled():
                 tracker.watch_output(output)
 
-        handles.append(model.register_forward_pre_hook(forward_pre))
+        # First of the pre hooks, last of the post hooks: the FSDP all-gather (its own pre
+        # hook) and any wait in it belong to forward, as they do to the wall time of model(x).
+        handles.append(model.register_forward_pre_hook(forward_pre, prepend=True))
         handles.append(model.register_forward_hook(forward_post, always_call=True))
     for k, opt in enumerate(optimizers):
         last = k == len(optimizers) - 1

@@ -83,6 +83,13 @@ def _resolve_layout(group: Any) -> tuple[GroupLayout | None, bool]:
             f"RankWatch: field group: expected None, a list of ranks or a ProcessGroup, got "
             f"{group!r}"
         )
+    if not (group is None or isinstance(group, (list, tuple))) and not (
+        dist.is_available() and isinstance(group, dist.ProcessGroup)
+    ):
+        raise TypeError(
+            f"RankWatch: field group: expected None, a list of ranks or a ProcessGroup, got "
+            f"{type(group).__name__} {group!r}"
+        )
     if not initialised:
         if group is None:
             return GroupLayout((0,), 0), False
