@@ -187,13 +187,33 @@ class _Server(ThreadingHTTPServer):
         registry: Collector,
         tls: ssl.SSLContext | None,
         auth_header: bytes | None,
+        max_connections: int,
     ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.registry = registry
         self.tls = tls
         self.auth_header = auth_header
+        # Connections served at once; more are closed at once rather than given a thread each,
+        # so a flood of idle connections cannot grow the process without bound.
+        self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         # Runs in the connection's own thread: the TLS handshake happens here, not in accept().
@@ -216,6 +236,8 @@ class MetricsServer:
 
     ``port=0`` picks a free port (read it back from :attr:`port`). ``certfile``/``keyfile``
     enable TLS; ``basic_auth=(user, password)`` makes every request need those credentials.
+    At most ``max_connections`` connections are served at once (each on its own thread, closed
+    after 10 s of silence); further ones are closed straight away.
     """
 
     def __init__(
@@ -227,11 +249,18 @@ class MetricsServer:
         certfile: str = "",
         keyfile: str = "",
         basic_auth: tuple[str, str] | None = None,
+        max_connections: int = 128,
     ) -> None:
         if not isinstance(addr, str):
             raise TypeError(f"addr: expected a string, got {addr!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port: expected an int in 0..65535, got {port!r}")
+        if (
+            isinstance(max_connections, bool)
+            or not isinstance(max_connections, int)
+            or max_connections < 1
+        ):
+            raise ValueError(f"max_connections: expected an int >= 1, got {max_connections!r}")
         if bool(certfile) != bool(keyfile):
             raise ValueError(f"certfile/keyfile: set both or neither, got {certfile!r}/{keyfile!r}")
         tls: ssl.SSLContext | None = None
@@ -255,7 +284,7 @@ class MetricsServer:
             token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
             auth = f"Basic {token}".encode()
         try:
-            self._server = _Server((addr, port), registry, tls, auth)
+            self._server = _Server((addr, port), registry, tls, auth, max_connections)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot listen on {addr}:{port}: {exc.strerror}") from None
         self.scheme = "https" if tls is not None else "http"

@@ -226,6 +226,33 @@ def test_tls_serves_https_only(hub, tls_files):
         server.close(2)
 
 
+def test_connections_beyond_the_bound_are_closed_not_queued_forever():
+    registry = CollectorRegistry()
+    server = MetricsServer(registry, "127.0.0.1", 0, max_connections=4)
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    try:
+        time.sleep(0.3)  # all four now hold a serving thread
+        extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        extra.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            answer = extra.recv(100)
+        except ConnectionResetError:
+            answer = b""
+        assert answer == b""  # closed without an answer
+        extra.close()
+        for s in idle:
+            s.close()
+        wait_until(
+            lambda: get(f"http://127.0.0.1:{server.port}/metrics")[0] == 200,
+            10,
+            what="a slot to free up",
+        )
+    finally:
+        for s in idle:
+            s.close()
+        server.close(2)
+
+
 def _basic(user: str, password: str) -> dict[str, str]:
     token = base64.b64encode(f"{user}:{password}".encode()).decode()
     return {"Authorization": f"Basic {token}"}
@@ -309,6 +336,8 @@ def test_bad_input_is_refused_by_name(tls_files):
         MetricsServer(registry, "127.0.0.1", 0, certfile=tls_files[0])
     with pytest.raises(ValueError, match="certfile/keyfile"):
         MetricsServer(registry, "127.0.0.1", 0, certfile=tls_files[1], keyfile=tls_files[1])
+    with pytest.raises(ValueError, match="max_connections"):
+        MetricsServer(registry, "127.0.0.1", 0, max_connections=0)
     with pytest.raises(ValueError, match="basic_auth"):
         MetricsServer(registry, "127.0.0.1", 0, basic_auth=("a:b", "c"))
     with pytest.raises(TypeError, match="source"):
