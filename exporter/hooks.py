@@ -197,6 +197,10 @@ class _BackwardTracker:
 
     def watch_output(self, output: Any) -> None:
         """Register the gradient hook on every tensor of ``output`` that needs a gradient."""
+        if isinstance(output, torch.Tensor):  # the common case, without the generator
+            if output.requires_grad:
+                output.register_hook(self.on_output_grad)
+            return
         for tensor in _tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(self.on_output_grad)
