@@ -276,6 +276,15 @@ def scenario_world4(rank: int, world: int, result: dict[str, Any]) -> None:
     rw.close(10.0)
     result["sub_reports"] = rec.reports
     result["sub_latest"] = None if rw.latest_report is None else rw.latest_report.to_dict()
+    if rank in (1, 3):
+        # The same subgroup given as a process-group handle: only its members construct it.
+        rw = RankWatch(group=train_pg, config=cfg)
+        for _ in range(5):
+            with rw.step(), rw.phase("forward"):
+                pass
+        rw.close(10.0)
+        latest = rw.latest_report
+        result["handle_ranks"] = None if latest is None else [i.rank for i in latest.ranks]
 
     # ---- part 2
     rec = Recorder()
@@ -423,6 +432,8 @@ def test_subgroup_global_ranks_and_dead_and_stalled_ranks(tmp_path: Path) -> Non
     assert st["ranks"] == [1, 3] and st["strategy"] == "ddp"
     top = st["findings"][0]
     assert (top["kind"], top["culprit_rank"]) == ("INPUT_STRAGGLER", 3), st
+    assert res[1]["handle_ranks"] == [1, 3]
+    assert res[3]["handle_ranks"] is None  # not the root
 
     # ---- part 2: rank 2 dies, rank 3 stalls for 4 s then recovers
     reports = res[0]["reports"]
