@@ -1,0 +1,306 @@
+"""Step-time windows: per-step rows in, per-rank window means out.
+
+The collectors of every rank time six signals per training step, in milliseconds, on two
+clocks (CUDA events and the CPU). One rank's steps travel as a float64 array of
+``ROW_WIDTH`` columns::
+
+    [step_id, cpu input_wait, h2d, forward, backward, optimizer, step,
+              gpu input_wait, h2d, forward, backward, optimizer, step]
+
+NaN means *absent* (the signal was not timed on that step); a measured zero is ``0.0``.
+:func:`.step_rows.rows_to_array` builds that array from row dictionaries.
+
+:func:`reduce_window` turns one array per rank into a :class:`WindowMeans`:
+
+* it aligns the ranks on the step ids every present rank has, keeping the last ``window`` of
+  them (the live view uses 100, the final summary 10,000);
+* it picks the clock: GPU only when every present rank has GPU timing of ``step`` and
+  ``input_wait`` on every aligned step, and of every phase the step ran (a phase timed on the
+  CPU clock must be timed on the GPU clock too); otherwise CPU;
+* it reduces each rank to means over the aligned steps. ``input_wait``, ``forward``,
+  ``backward`` and ``step`` are measured only when present on every aligned step; ``h2d`` and
+  ``optimizer`` are measured when present on any aligned step, and count as 0 on the others
+  (not every step transfers or runs the optimizer). The residual of a step is
+  ``max(0, step - h2d - forward - backward - optimizer)``; it is measured when ``step``,
+  ``forward`` and ``backward`` are.
+
+Everything is vectorised over ranks and steps; the only Python loops run once per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = [
+    "CLOCKS",
+    "MEAN_KEYS",
+    "ROW_WIDTH",
+    "SIGNALS",
+    "WindowMeans",
+    "column",
+    "rank_items",
+    "reduce_window",
+    "validate_rank_id",
+    "validate_window",
+]
+
+SIGNALS: tuple[str, ...] = ("input_wait", "h2d", "forward", "backward", "optimizer", "step")
+CLOCKS: tuple[str, ...] = ("cpu", "gpu")
+ROW_WIDTH = 1 + len(CLOCKS) * len(SIGNALS)
+# Keys of a rank's window means: the six signals, then the derived residual.
+MEAN_KEYS: tuple[str, ...] = (*SIGNALS, "residual")
+
+IW, H2D, FWD, BWD, OPT, STEP, RES = range(7)
+_EVERY_STEP = np.array([True, False, True, True, False, True])  # measured only if on every step
+_PHASES = [H2D, FWD, BWD, OPT]
+
+FloatArray = NDArray[np.float64]
+BoolArray = NDArray[np.bool_]
+
+
+def column(clock: str, signal: str) -> int:
+    """Column of ``clock``/``signal`` in a step-time row array."""
+    return 1 + CLOCKS.index(clock) * len(SIGNALS) + SIGNALS.index(signal)
+
+
+def _field_name(col: int) -> str:
+    if col == 0:
+        return "step_id"
+    c, s = divmod(col - 1, len(SIGNALS))
+    return f"{CLOCKS[c]}.{SIGNALS[s]}"
+
+
+def rank_items(per_rank: Mapping[Any, Any]) -> list[tuple[int, Any]]:
+    """``(rank, value)`` pairs sorted by rank id, each id checked; a repeated id is an error."""
+    items = sorted(((validate_rank_id(r), v) for r, v in per_rank.items()), key=lambda x: x[0])
+    for (a, _), (b, _) in pairwise(items):
+        if a == b:
+            raise ValueError(f"rank {a}: field rank_id: value {a} is given more than once")
+    return items
+
+
+def validate_rank_id(rank: object) -> int:
+    """A global rank id as ``int``; ``ValueError`` naming the value for anything else."""
+    if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, (int, np.integer)):
+        raise ValueError(
+            f"rank {rank!r}: field rank_id: value {rank!r} is not an int "
+            f"(got {type(rank).__name__})"
+        )
+    if rank < 0:
+        raise ValueError(f"rank {rank}: field rank_id: value {rank!r} is negative")
+    return int(rank)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation, alignment, reduction
+# --------------------------------------------------------------------------------------------
+
+
+def _rank_at(index: int, lengths: Sequence[int], ranks: Sequence[int | None]) -> tuple[Any, int]:
+    """(rank, row-within-rank) of a table row."""
+    for rank, n in zip(ranks, lengths, strict=True):
+        if index < n:
+            return rank, index
+        index -= n
+    raise IndexError(index)
+
+
+def _check_table(table: FloatArray, lengths: Sequence[int], ranks: Sequence[int | None]) -> None:
+    """Step ids non-negative integers; times NaN (absent) or finite and >= 0."""
+    ids = table[:, 0]
+    bad_id = ~np.isfinite(ids) | (ids < 0) | (ids != np.floor(ids))
+    times = table[:, 1:]
+    bad_time = np.isinf(times) | (times < 0)
+    if not (bad_id.any() or bad_time.any()):
+        return
+    if bad_id.any():
+        at, col = int(np.flatnonzero(bad_id)[0]), 0
+        what = "is not a non-negative integer"
+    else:
+        at, c = (int(x) for x in np.argwhere(bad_time)[0])
+        col = c + 1
+        what = "is not finite" if np.isinf(table[at, col]) else "is negative"
+    rank, row = _rank_at(at, lengths, ranks)
+    step = table[at, 0]
+    step_txt = f" (step_id {int(step)})" if col and np.isfinite(step) else ""
+    head = "" if rank is None else f"rank {rank}: "
+    raise ValueError(
+        f"{head}row {row}{step_txt}: field {_field_name(col)}: "
+        f"value {float(table[at, col])!r} {what}"
+    )
+
+
+@dataclass(frozen=True)
+class WindowMeans:
+    """Per-rank window means of the selected clock, ready for the policy.
+
+    ``ranks`` are the expected global ranks, ascending. ``means[r, k]`` follows
+    ``MEAN_KEYS`` (ms; 0 where unmeasured) and ``measured[r, k]`` says whether it was
+    measured. ``present[r]`` is False for a rank that sent no rows. ``step_range`` is the first
+    and last aligned step id.
+    """
+
+    ranks: tuple[int, ...]
+    means: FloatArray
+    measured: BoolArray
+    present: BoolArray
+    steps: int
+    clock: str
+    step_range: tuple[int, int] | None = None
+
+
+def _as_rank_array(rank: int, value: object) -> FloatArray | None:
+    if value is None:
+        return None
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"rank {rank}: field rows: value of type {type(value).__name__} is not a numeric "
+            f"[n, {ROW_WIDTH}] array ({exc})"
+        ) from None
+    if arr.size == 0:
+        return None
+    if arr.ndim != 2 or arr.shape[1] != ROW_WIDTH:
+        raise ValueError(
+            f"rank {rank}: field rows: value has shape {arr.shape}, expected [n, {ROW_WIDTH}] "
+            "(step_id, 6 cpu signals, 6 gpu signals)"
+        )
+    return arr
+
+
+def validate_window(window: object) -> int:
+    """The window size in steps: an int >= 1, else ``ValueError``."""
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+        raise ValueError(f"field window: value {window!r} is not an int number of steps")
+    if window < 1:
+        raise ValueError(f"field window: value {window!r} must be >= 1 step")
+    return int(window)
+
+
+def reduce_window(per_rank: Mapping[Any, Any], *, window: int = 100) -> WindowMeans:
+    """Align, pick the clock and reduce one array per rank (None or empty = missing rank)."""
+    window = validate_window(window)
+    if not isinstance(per_rank, Mapping):
+        raise ValueError(
+            f"field per_rank: value of type {type(per_rank).__name__} is not a mapping "
+            "{rank: rows}"
+        )
+    if not per_rank:
+        raise ValueError("field per_rank: value {} is empty (no rank expected)")
+    items = rank_items(per_rank)
+    arrays = [(r, _as_rank_array(r, v)) for r, v in items]
+    present_ranks = [r for r, a in arrays if a is not None]
+    blocks = [a for _, a in arrays if a is not None]
+    if blocks:
+        table = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+        lengths = [len(b) for b in blocks]
+    else:
+        table, lengths = np.empty((0, ROW_WIDTH)), []
+    return _reduce_table([r for r, _ in arrays], present_ranks, table, lengths, window)
+
+
+def _reduce_table(
+    ranks: list[int],
+    present_ranks: list[int],
+    table: FloatArray,
+    lengths: list[int],
+    window: int,
+) -> WindowMeans:
+    n_all = len(ranks)
+    present = np.isin(np.asarray(ranks), np.asarray(present_ranks, dtype=np.int64))
+    means = np.zeros((n_all, len(MEAN_KEYS)))
+    measured = np.zeros((n_all, len(MEAN_KEYS)), dtype=bool)
+    if not present_ranks:
+        return WindowMeans(tuple(ranks), means, measured, present, 0, "cpu")
+    _check_table(table, lengths, present_ranks)
+    with np.errstate(over="ignore", invalid="ignore"):  # times near the float maximum
+        return _reduce_aligned(ranks, present, present_ranks, table, lengths, window)
+
+
+def _reduce_aligned(
+    ranks: list[int],
+    present: BoolArray,
+    present_ranks: list[int],
+    table: FloatArray,
+    lengths: list[int],
+    window: int,
+) -> WindowMeans:
+    n_all = len(ranks)
+    means = np.zeros((n_all, len(MEAN_KEYS)))
+    measured = np.zeros((n_all, len(MEAN_KEYS)), dtype=bool)
+    cube, step_ids = _align(table, lengths, present_ranks, window)
+    steps = cube.shape[1]
+    if steps == 0:
+        return WindowMeans(tuple(ranks), means, measured, present, 0, "cpu")
+    cpu, gpu = cube[:, :, 1:7], cube[:, :, 7:13]
+    cpu_has, gpu_has = ~np.isnan(cpu), ~np.isnan(gpu)
+    use_gpu = bool(
+        gpu_has[:, :, STEP].all()
+        and gpu_has[:, :, IW].all()
+        and (gpu_has[:, :, _PHASES] | ~cpu_has[:, :, _PHASES]).all()
+    )
+    values, has = (gpu, gpu_has) if use_gpu else (cpu, cpu_has)
+    filled = np.where(has, values, 0.0)
+    sums = filled.sum(axis=1)
+    sig_measured = np.where(_EVERY_STEP, has.all(axis=1), has.any(axis=1))
+    residual = np.maximum(
+        filled[:, :, STEP]
+        - filled[:, :, H2D]
+        - filled[:, :, FWD]
+        - filled[:, :, BWD]
+        - filled[:, :, OPT],
+        0.0,
+    ).mean(axis=1)
+    res_measured = sig_measured[:, STEP] & sig_measured[:, FWD] & sig_measured[:, BWD]
+    sub_means = np.concatenate([sums / steps, residual[:, None]], axis=1)
+    sub_measured = np.concatenate([sig_measured, res_measured[:, None]], axis=1)
+    sub_means[~sub_measured] = 0.0
+    means[present] = sub_means
+    measured[present] = sub_measured
+    return WindowMeans(
+        tuple(ranks),
+        means,
+        measured,
+        present,
+        steps,
+        "gpu" if use_gpu else "cpu",
+        (int(step_ids[0]), int(step_ids[-1])),
+    )
+
+
+def _align(
+    table: FloatArray, lengths: list[int], ranks: list[int], window: int
+) -> tuple[FloatArray, FloatArray]:
+    """``[ranks, steps, ROW_WIDTH]`` over the last ``window`` step ids common to all ranks."""
+    n = len(ranks)
+    if len(set(lengths)) == 1:
+        # Fast path: every rank sent the same strictly increasing step ids.
+        length = lengths[0]
+        cube = table.reshape(n, length, ROW_WIDTH)
+        ids = cube[0, :, 0]
+        if bool((cube[:, :, 0] == ids).all()) and bool((np.diff(ids) > 0).all()):
+            return cube[:, -window:, :], ids[-window:]
+    ids = table[:, 0]
+    owner = np.repeat(np.arange(n), lengths)
+    order = np.lexsort((ids, owner))
+    ids_sorted, owner_sorted = ids[order], owner[order]
+    dup = (owner_sorted[1:] == owner_sorted[:-1]) & (ids_sorted[1:] == ids_sorted[:-1])
+    if dup.any():
+        at = int(np.flatnonzero(dup)[0]) + 1
+        raise ValueError(
+            f"rank {ranks[owner_sorted[at]]}: field step_id: value {int(ids_sorted[at])} "
+            "appears more than once"
+        )
+    unique, counts = np.unique(ids, return_counts=True)
+    common = unique[counts == n][-window:]
+    if common.size == 0:
+        return np.empty((n, 0, ROW_WIDTH)), common
+    keep = order[np.isin(ids_sorted, common)]
+    return table[keep].reshape(n, common.size, ROW_WIDTH), common
