@@ -133,14 +133,20 @@ class LatestState:
 
     def update(self, report: WindowReport, incidents: IncidentSnapshot) -> None:
         """Make ``report`` (and the incidents as of it) the state every reader sees."""
+        if not isinstance(report, WindowReport):
+            raise TypeError(f"report: expected WindowReport, got {type(report).__name__}")
+        if not isinstance(incidents, IncidentSnapshot):
+            raise TypeError(f"incidents: expected IncidentSnapshot, got {type(incidents).__name__}")
         self._latest = (report, report_samples(report, self.config), incidents)
 
     @property
     def report(self) -> WindowReport | None:
+        """The latest published window report (None before the first)."""
         return self._latest[0]
 
     @property
     def incidents(self) -> IncidentSnapshot:
+        """The incidents as of the latest report."""
         return self._latest[2]
 
     def parts(self) -> SampleParts:

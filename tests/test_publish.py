@@ -9,11 +9,13 @@ import pytest
 import rankwatch.exporter as exporter
 from rankwatch.diagnosis.window_report import WindowReport
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.incidents import IncidentSnapshot
 from rankwatch.exporter.publisher import Publisher
 from rankwatch.exporter.publishing import (
     MAX_QUEUED_REPORTS,
     PUBLISH_QUEUE,
     HealthCounters,
+    LatestState,
     PublisherHub,
     default_publishers,
 )
@@ -153,6 +155,13 @@ def test_hub_entry_points_reject_bad_input():
         hub.close()
     with pytest.raises(ValueError, match="exporter"):
         HealthCounters(0.0).export_failed("")
+    state = LatestState(RankwatchConfig(), HealthCounters(0.0))
+    with pytest.raises(TypeError, match="report"):
+        state.update(None, IncidentSnapshot())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="incidents"):
+        state.update(window(0, n=2), ())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config"):
+        LatestState(None, HealthCounters(0.0))  # type: ignore[arg-type]
 
 
 def test_rank_comes_from_the_environment(monkeypatch):
