@@ -2,8 +2,9 @@
 
 Each ``bench/bench_*.py`` module exposes ``run() -> list[dict]``; a row has ``name``,
 ``target``, ``median``, ``spread``, ``unit``, ``baseline`` and ``ratio`` (the median over the
-baseline measured side by side in the same run). The table replaces the block between the
-``<!-- results -->`` markers of ``docs/benchmarks.md``; the method text around it is kept.
+baseline measured side by side in the same run). Each module's table replaces its own block
+between the ``<!-- results -->`` markers of ``docs/benchmarks.md``; other blocks and the method
+text around them are kept.
 
 Usage: ``python -m bench.run_all [--only NAME ...] [--no-write]``.
 """
@@ -50,6 +51,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return head + body
 
 
+def merge_sections(text: str, sections: dict[str, str]) -> str:
+    """Replace (or add) each benchmark's block between the results markers; keep the others.
+
+    Running one benchmark with ``--only`` then updates its own table and leaves the figures
+    of the others as they were measured.
+    """
+    if BEGIN not in text or END not in text:
+        text = (text or "# Benchmarks\n") + f"\n{BEGIN}\n{END}\n"
+    before, rest = text.split(BEGIN, 1)
+    inner, after = rest.split(END, 1)
+    blocks: dict[str, str] = {}
+    for chunk in inner.split("\n### ")[1:]:
+        title, _, body = chunk.partition("\n")
+        blocks[title.strip()] = body.strip("\n") + "\n"
+    blocks.update(sections)
+    body = "".join(f"\n### {name}\n\n{blocks[name].strip()}\n" for name in sorted(blocks))
+    return f"{before}{BEGIN}\n{body}\n{END}{after}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=None, help="module names, e.g. bench_normal")
@@ -61,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--only: unknown benchmark(s) {sorted(unknown)}; known: {modules}")
         modules = [m for m in modules if m in args.only]
-    rows: list[dict[str, Any]] = []
+    sections: dict[str, str] = {}
     failed: list[str] = []
     for name in modules:
         started = time.perf_counter()
@@ -73,21 +93,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   FAILED: {exc!r}", flush=True)
             failed.append(name)
             continue
-        rows.extend(got)
+        stamp = (
+            f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, "
+            f"Python {platform.python_version()}, {_cpu_count()} cores.\n\n"
+        )
+        sections[name] = stamp + table(got)
         print(table(got), end="")
         print(f"   ({time.perf_counter() - started:.1f} s)", flush=True)
-    result = table(rows)
-    stamp = (
-        f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, "
-        f"Python {platform.python_version()}, {_cpu_count()} cores.\n\n"
-    )
-    if not args.no_write and rows:
-        text = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-        if BEGIN not in text or END not in text:
-            text += f"\n{BEGIN}\n{END}\n"
-        before, rest = text.split(BEGIN, 1)
-        _, after = rest.split(END, 1)
-        DOC.write_text(f"{before}{BEGIN}\n{stamp}{result}{END}{after}")
+    if not args.no_write and sections:
+        DOC.write_text(merge_sections(DOC.read_text() if DOC.exists() else "", sections))
         print(f"wrote {DOC}")
     return 1 if failed else 0
 
