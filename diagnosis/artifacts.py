@@ -83,6 +83,19 @@ _SCALARS: dict[str, str] = {
 }
 
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_-]+")
+# What reading a damaged archive can raise. Besides the obvious ones, zipfile raises
+# NotImplementedError for a member that claims an unknown zip version, compression method or
+# patched data, and RuntimeError for one whose header says it is encrypted: one flipped bit in
+# a header is enough, and the caller must still get an ArtifactError naming the file.
+_READ_ERRORS = (
+    ValueError,
+    OSError,
+    EOFError,
+    zipfile.BadZipFile,
+    zlib.error,
+    NotImplementedError,
+    RuntimeError,
+)
 
 
 class ArtifactError(ValueError):
@@ -304,7 +317,7 @@ def _header(path: Path, zf: zipfile.ZipFile, key: str) -> tuple[tuple[int, ...],
         raise
     except KeyError:
         raise ArtifactError(f"{path}: missing key {key!r}") from None
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+    except _READ_ERRORS as exc:
         raise ArtifactError(f"{path}: key {key!r}: corrupt or truncated ({exc})") from None
     return tuple(shape), dtype
 
@@ -351,7 +364,7 @@ class _Reader:
                 )
         try:
             arr = self.npz[key]
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        except _READ_ERRORS as exc:
             raise self.fail(key, f"corrupt or truncated data ({exc})") from None
         if arr.shape != shape:
             raise self.fail(key, f"expected shape {shape}, got {arr.shape}")
@@ -387,7 +400,7 @@ def load_window_artifact(
         raise ArtifactError(f"{p}: not an NPZ (zip) archive, or truncated")
     try:
         npz = np.load(p, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+    except _READ_ERRORS as exc:
         raise ArtifactError(f"{p}: cannot open as NPZ ({exc})") from None
     if not isinstance(npz, np.lib.npyio.NpzFile):
         raise ArtifactError(f"{p}: not an NPZ archive")
