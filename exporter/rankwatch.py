@@ -390,7 +390,9 @@ class RankWatch:
         if on and timer.gpu is None:
             if not self._cuda_available():
                 raise ValueError("RankWatch: field gpu_timing: value True needs CUDA")
-            pool = EventPool(_GPU_STEPS_IN_FLIGHT * _EVENTS_PER_STEP, cuda_event_factory())
-            timer.set_gpu(GpuTimeline(pool, len(PHASES), 0, _GPU_STEPS_IN_FLIGHT))
+            # A pending step's ring slot must not come round again before its GPU times land.
+            in_flight = max(1, min(_GPU_STEPS_IN_FLIGHT, timer.capacity // 2))
+            pool = EventPool(in_flight * _EVENTS_PER_STEP, cuda_event_factory())
+            timer.set_gpu(GpuTimeline(pool, len(PHASES), 0, in_flight))
         elif not on and timer.gpu is not None:
             timer.set_gpu(None)

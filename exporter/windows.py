@@ -81,6 +81,7 @@ _CODE_STRATEGY = {v: k for k, v in STRATEGY_CODES.items()}
 _H_MAGIC, _H_VERSION, _H_SENDER, _H_SEQ, _H_ROWS, _H_FLAGS, _H_LOST, _H_STRATEGY = range(8)
 POLL_SECONDS = 0.02  # root: doorbell poll period while a round or shutdown is waiting
 IDLE_POLL_SECONDS = 0.05  # root: doorbell poll period otherwise
+_MAX_POLLS_PER_DRAIN = 16
 # Keep a little more than the window per rank when cutting tails, for steps some rank skipped.
 _TAIL_SLACK = 2
 
@@ -604,12 +605,18 @@ class WindowCollector:
         self._buffers[self.layout.rank].append(rows, now)
         if self.transport is None or self.transport.failed:
             return
+        messages: list[NDArray[np.float64]] = []
         try:
-            messages = self.transport.poll()
+            # A multi-chunk shipment's next chunk lands once we re-posted the receive: ask
+            # again while messages keep coming (bounded), instead of one chunk per poll period.
+            for _ in range(_MAX_POLLS_PER_DRAIN):
+                got = self.transport.poll()
+                if not got:
+                    break
+                messages.extend(got)
         except Exception as exc:  # the store is gone: no more rows will arrive
             log.warning("rankwatch: root cannot read shipments (%s); windows stop", exc)
             self.transport.failed = True
-            return
         for raw in messages:
             try:
                 msg = decode_message(raw)
@@ -662,10 +669,14 @@ class WindowCollector:
             )
             st.missing_since = now
 
-    def _missing(self, now: float) -> list[int]:
-        """Ranks absent from the window: not shipping, or shipping without progress."""
+    def _missing(self, now: float, summary: bool) -> list[int]:
+        """Ranks absent from the window: not shipping, or (live windows) shipping without
+        progress. The summary counts a rank that shipped its final rows as present, however
+        early it stopped stepping."""
         missing = {p for p, st in self._peers.items() if st.missing_since is not None}
         missing |= self._broken()
+        if summary:
+            return sorted(missing)
         # Stalled: still shipping (or the root itself) but no new step for the gather timeout
         # while another rank ran further.
         lasts = {r: b.last_step for r, b in self._buffers.items() if r not in missing and len(b)}
@@ -720,7 +731,7 @@ class WindowCollector:
 
     def _window(self, kind: str, window: int) -> None:
         now = time.monotonic()
-        missing = self._missing(now)
+        missing = self._missing(now, summary=kind == "summary")
         present = [r for r in self.layout.ranks if r not in missing]
         per_rank = window_arrays(self._buffers, present, window)
         started = time.perf_counter()

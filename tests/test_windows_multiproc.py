@@ -155,6 +155,7 @@ def _entry(rank: int, world: int, port: int, scenario: str, out: str) -> None:
 # ---- scenarios (one per spawned world) -----------------------------------------------------
 
 PHASE_STEPS = 20  # steps per scenario phase; also sync_step and the live window
+BULK_STEPS = 1300  # more than two messages' worth of rows
 
 
 def scenario_kinds(rank: int, world: int, result: dict[str, Any]) -> None:
@@ -253,6 +254,16 @@ def scenario_equivalence(rank: int, world: int, result: dict[str, Any]) -> None:
     result["fsdp_strategy"] = rw.strategy
     rw.close(10.0)
     result["fsdp_reports"] = rec.reports
+
+    # One shipment of more rows than a message holds: it travels as several chunks.
+    rec = Recorder()
+    rw = RankWatch(config=_config(async_mode=False, sync_step=10_000), publishers=[rec])
+    for _ in range(BULK_STEPS):
+        with rw.step(), rw.phase("forward"):
+            pass
+        rw.collect()
+    rw.close(10.0)
+    result["bulk_reports"] = rec.reports
 
 
 def scenario_world4(rank: int, world: int, result: dict[str, Any]) -> None:
@@ -412,6 +423,13 @@ def test_watch_gives_the_explicit_rows_and_detects_ddp_and_fsdp(tmp_path: Path) 
         assert len(summaries) == 1, key
         st = summaries[0]["step_time"]
         assert st["strategy"] == strategy and st["step_range"] == [0, 7], (key, st)
+    from rankwatch.exporter.windows import CHUNK_ROWS
+
+    assert BULK_STEPS > 2 * CHUNK_ROWS
+    (bulk,) = res[0]["bulk_reports"]  # no round before close: only the summary
+    assert bulk["window_kind"] == "summary" and bulk["missing_ranks"] == []
+    assert bulk["step_time"]["step_range"] == [0, BULK_STEPS - 1]
+    assert bulk["step_time"]["steps"] == BULK_STEPS
 
 
 def test_subgroup_global_ranks_and_dead_and_stalled_ranks(tmp_path: Path) -> None:
