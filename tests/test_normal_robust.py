@@ -93,3 +93,12 @@ def test_bad_input():
         lane_medians(np.ones(3), 0)
     with pytest.raises(ValueError, match="axis"):
         lane_medians(np.ones((3, 3)), 2)
+
+
+def test_lane_medians_leave_the_input_alone():
+    rng = np.random.default_rng(1)
+    for a in (rng.normal(size=(6, 5)), np.asfortranarray(rng.normal(size=(6, 5)))):
+        before = a.copy()
+        lane_medians(a, 0)
+        lane_medians(a, 1)
+        assert np.array_equal(a, before)

@@ -39,10 +39,17 @@ def nan_median(values: np.ndarray) -> float:
     return float(np.median(finite))
 
 
-def _sorted_lane_medians(mat: np.ndarray) -> np.ndarray:
-    """Medians along axis 1 of a 2-D array whose invalid entries are NaN (sorted last)."""
-    ordered = np.sort(mat, axis=1)
+def _sorted_lane_medians(mat: np.ndarray, in_place: bool = False) -> np.ndarray:
+    """Medians along axis 1 of a 2-D array whose invalid entries are NaN (sorted last).
+
+    ``in_place`` sorts ``mat`` itself (for a scratch copy the caller owns).
+    """
     counts = np.count_nonzero(~np.isnan(mat), axis=1)
+    if in_place:
+        mat.sort(axis=1)
+        ordered = mat
+    else:
+        ordered = np.sort(mat, axis=1)
     lo = np.maximum((counts - 1) // 2, 0)
     hi = np.maximum(counts // 2, 0)
     rows = np.arange(mat.shape[0])
@@ -87,8 +94,10 @@ def lane_medians(mat: np.ndarray, axis: int) -> np.ndarray:
     if arr.size and n_valid < _SPARSE_SHARE * arr.size:
         idx = np.nonzero(valid)
         return grouped_medians(arr[idx], idx[1 - axis], arr.shape[1 - axis])
-    lanes = arr if axis == 1 else np.ascontiguousarray(arr.T)
-    return _sorted_lane_medians(lanes)
+    if axis == 1:
+        return _sorted_lane_medians(arr)
+    # An explicit copy (never a view of the caller's data), so it can be sorted where it lies.
+    return _sorted_lane_medians(arr.T.copy(order="C"), in_place=True)
 
 
 def median_excluding_self(values: np.ndarray) -> np.ndarray:
