@@ -282,7 +282,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoOptions, run_demo, scenario_timeline
+    from .demo import DemoOptions, preflight, run_demo, scenario_timeline
 
     if args.straggler_rank >= args.ranks:
         raise UsageError(
@@ -303,6 +303,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         interval_seconds=args.interval,
         live=None if not args.plain else False,
     )
+    try:
+        preflight(options)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"invalid configuration: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"--addr/--port: {exc.strerror or exc}") from None
     return run_demo(options)
 
 

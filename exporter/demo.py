@@ -39,6 +39,7 @@ __all__ = [
     "Segment",
     "Timeline",
     "parse_timeline",
+    "preflight",
     "run_demo",
     "scenario_timeline",
 ]
@@ -402,10 +403,19 @@ def _run_rank(
     )
     config = _rank_config(options, run_id)
     publishers: list[Any] = []
+    deepep_publishers: list[Any] = []
+    deepep_hub = None
     if rank == 0:
         # Only the root publishes; /metrics lives on the root's port.
         hub = PublisherHub(config, local_rank=0, rank=0)
-        publishers = [hub, ChannelPublisher(channel)]
+        channel_pub = ChannelPublisher(channel)
+        publishers = [hub, channel_pub]
+        # A PublisherHub shows the latest report it was handed, whichever engine made it, so
+        # the DeepEP windows (which arrive right after the step-time ones) would hide the
+        # step-time series. Until the hub keeps one report per engine, DeepEP gets a hub of its
+        # own without the HTTP endpoint (OTLP and incident log lines still flow).
+        deepep_hub = PublisherHub(config, local_rank=0, rank=0, metrics=False)
+        deepep_publishers = [deepep_hub, channel_pub]
         channel.put(("ready", hub.metrics_url))
     model = DistributedDataParallel(_tiny_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -417,7 +427,7 @@ def _run_rank(
     deepep = Diagnose.create_from_env(
         group=world,
         enable_normal_diagnose=True,
-        publishers=publishers,
+        publishers=deepep_publishers,
         ranks_per_node=options.ranks_per_node,
     )
     assert deepep is not None  # enabled just above
@@ -477,6 +487,8 @@ def _run_rank(
     # Stop DeepEP first (its last gather is collective), then the step collector, which
     # publishes the final long-window summary on the root and closes the publishers.
     deepep.stop(timeout_seconds=config.shutdown_timeout_seconds + options.interval_seconds)
+    if deepep_hub is not None:
+        deepep_hub.close()  # the DeepEP collector leaves its publishers to their owner
     rw.close(config.shutdown_timeout_seconds)
     dist.destroy_process_group()
     if rank == 0:
@@ -550,6 +562,17 @@ class _RunState:
     segment_of_step: list[tuple[int, int]] = field(default_factory=list)
 
 
+def preflight(options: DemoOptions) -> None:
+    """Refuse, before spawning anything, what would make the demo fail at once: a bad
+    ``RANKWATCH_*``/``DEEPEP_*`` environment (``ValueError``/``TypeError``) or a ``/metrics``
+    port already taken (``OSError``)."""
+    from .config import DeepEPConfig
+
+    _rank_config(options, "preflight")
+    DeepEPConfig.from_env()
+    check_port(options.addr, options.port)
+
+
 def run_demo(options: DemoOptions) -> int:
     """Run the demo end to end; returns the exit code (0, 1, or 130 after Ctrl-C)."""
     import torch.multiprocessing as mp
@@ -557,9 +580,9 @@ def run_demo(options: DemoOptions) -> int:
     from .live_table import LiveView
     from .summary import RunRecorder, summary_text, write_summary
 
+    preflight(options)
     run_id = "demo-" + time.strftime("%Y%m%d-%H%M%S")
-    config = _rank_config(options, run_id)  # a bad environment fails here, before spawning
-    check_port(options.addr, options.port)
+    config = _rank_config(options, run_id)
     options.out.mkdir(parents=True, exist_ok=True)
     recorder = RunRecorder(config)
     ctx = mp.get_context("spawn")

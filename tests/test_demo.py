@@ -1,0 +1,265 @@
+"""``rankwatch demo`` end to end: real ranks (Gloo), a real Prometheus, the files it leaves.
+
+One demo run (3 ranks, rank 2 slowed first in its data loading, then in its forward pass, then
+healthy again) is shared by the tests of this module; a second run checks Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.servers import free_port, prom_query, prometheus
+from tests.test_cli import CLI, run_cli
+
+pytestmark = [pytest.mark.multiproc]
+
+STRAGGLER = 2
+TIMELINE = "balanced:4,input:8,compute:8,balanced:10"
+
+
+@dataclass
+class DemoRun:
+    returncode: int
+    output: str
+    out: Path
+    seen: dict[tuple[str, str], float]  # (kind, culprit_rank) of critical diagnoses -> scrapes
+    max_score: float
+    straggler_incidents: float
+
+
+def _demo_env() -> dict[str, str]:
+    # The demo must not pick up a developer's own rankwatch or OTLP settings.
+    prefixes = ("RANKWATCH_", "DEEPEP_", "OTEL_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
+    port = free_port()
+    config = f"""
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: rankwatch-demo
+    static_configs:
+      - targets: ["127.0.0.1:{port}"]
+"""
+    out = tmp_path_factory.mktemp("demo") / "out"
+    with prometheus(config) as prom:
+        proc = subprocess.run(
+            [
+                str(CLI), "demo", "--ranks", "3", "--straggler-rank", str(STRAGGLER),
+                "--timeline", TIMELINE, "--port", str(port), "--out", str(out), "--plain",
+            ],
+            capture_output=True, text=True, timeout=300, env=_demo_env(),
+        )  # fmt: skip
+        critical = prom_query(
+            prom,
+            "sum by (kind, culprit_rank) (count_over_time("
+            'rankwatch_diagnosis_info{job="rankwatch-demo", severity="critical"}[15m]))',
+        )
+        score = prom_query(prom, "max(max_over_time(rankwatch_straggler_score[15m]))")
+        opened = prom_query(
+            prom,
+            'max(max_over_time(rankwatch_incidents_total{class="step_time_straggler"}[15m]))',
+        )
+    yield DemoRun(
+        returncode=proc.returncode,
+        output=proc.stdout + proc.stderr,
+        out=out,
+        seen={
+            (r["metric"]["kind"], r["metric"]["culprit_rank"]): float(r["value"][1])
+            for r in critical
+        },
+        max_score=float(score[0]["value"][1]) if score else 0.0,
+        straggler_incidents=float(opened[0]["value"][1]) if opened else 0.0,
+    )
+
+
+def test_demo_finishes_and_prints_where_the_files_are(demo_run: DemoRun) -> None:
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    assert "timeline: input for 8 s" in demo_run.output
+    assert "timeline: compute for 8 s" in demo_run.output
+    assert "rankwatch summary" in demo_run.output
+    assert f"summary: {demo_run.out / 'summary.json'}" in demo_run.output
+
+
+def test_prometheus_names_the_injected_straggler(demo_run: DemoRun) -> None:
+    # What a user's Prometheus saw while the demo ran: the critical diagnoses blame rank 2,
+    # first for its input pipeline, then for its forward pass.
+    assert demo_run.seen.get(("INPUT_STRAGGLER", str(STRAGGLER)), 0) >= 2, demo_run.seen
+    assert demo_run.seen.get(("COMPUTE_STRAGGLER", str(STRAGGLER)), 0) >= 2, demo_run.seen
+    assert {culprit for _, culprit in demo_run.seen} == {str(STRAGGLER)}
+    assert demo_run.max_score >= 0.2
+    assert demo_run.straggler_incidents >= 1
+
+
+def test_live_lines_follow_the_timeline(demo_run: DemoRun) -> None:
+    lines = demo_run.output.splitlines()
+    assert any(f"INPUT_STRAGGLER critical culprit={STRAGGLER}" in ln for ln in lines)
+    assert any(f"COMPUTE_STRAGGLER critical culprit={STRAGGLER}" in ln for ln in lines)
+    opened = [ln for ln in lines if "incident opened: step_time_straggler" in ln]
+    closed = [ln for ln in lines if "incident closed: step_time_straggler" in ln]
+    assert opened and closed, "the straggler incident opens, then closes once it is removed"
+    assert lines.index(opened[0]) < lines.index(closed[0])
+
+
+def _summary(demo_run: DemoRun) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((demo_run.out / "summary.json").read_text())
+    return data
+
+
+def test_summary_names_the_straggler(demo_run: DemoRun) -> None:
+    summary = _summary(demo_run)
+    assert summary["run"]["ranks"] == 3
+    assert summary["run"]["interrupted"] is False
+    assert summary["run"]["steps"] > 100
+    step = summary["step_time"]
+    assert step["window_kind"] == "summary"  # the long window, not the last live one
+    assert step["verdict"]["rank"] == STRAGGLER
+    assert step["report"]["findings"][0]["culprit_rank"] == STRAGGLER
+    stragglers = [i for i in summary["incidents"] if i["class"] == "step_time_straggler"]
+    assert [i["ranks"] for i in stragglers] == [[STRAGGLER]]
+    (incident,) = stragglers
+    assert incident["severity"] == "critical"
+    assert incident["causes"][0] == "input_straggler"
+    assert "compute_straggler" in incident["causes"]
+    assert incident["closed_at_s"] is not None
+    deepep = [i for i in summary["incidents"] if i["class"] == "pre_stage_arrival_skew"]
+    assert deepep and all(i["ranks"] == [STRAGGLER] for i in deepep)
+    text = (demo_run.out / "summary.txt").read_text()
+    assert f"rank {STRAGGLER}" in text
+    assert "What to do:" in text
+
+
+def test_step_windows_diagnose_offline(demo_run: DemoRun) -> None:
+    folder = demo_run.out / "step-windows"
+    expected = {
+        "step-window-1-balanced.json": None,
+        "step-window-2-input.json": "INPUT_STRAGGLER",
+        "step-window-3-compute.json": "COMPUTE_STRAGGLER",
+        "step-window-4-balanced.json": None,
+        "step-window-run.json": None,
+    }
+    assert sorted(p.name for p in folder.iterdir()) == sorted(expected)
+    for name, kind in expected.items():
+        if kind is None:
+            continue
+        result = run_cli("diagnose", "--json", str(folder / name))
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)["report"]
+        assert report["kind"] == kind
+        assert report["findings"][0]["culprit_rank"] == STRAGGLER
+
+
+def test_deepep_artifacts_replay_and_heatmaps(demo_run: DemoRun) -> None:
+    npz = sorted((demo_run.out / "deepep").glob("*.npz"))
+    assert len(npz) >= 20  # about one per second of the 30 s timeline
+    result = run_cli("replay", str(demo_run.out))
+    assert result.returncode == 0, result.stderr
+    assert f"pre_stage_arrival_skew[{STRAGGLER}]" in result.stdout
+    assert "global_data_path_slowdown" in result.stdout
+    assert "0 differ from the saved diagnosis; 0 unreadable" in result.stdout
+    phases = sorted(p.name for p in (demo_run.out / "heatmaps").iterdir())
+    assert phases == [
+        "1-baseline",
+        "2-pre_dispatch_delay",
+        "3-pre_combine_delay",
+        "4-all_hca_pressure",
+        "5-single_hca_pressure",
+    ]
+    for phase in phases:
+        pictures = list((demo_run.out / "heatmaps" / phase).glob("*.png"))
+        assert len(pictures) == 4, phase
+
+
+def test_incident_events_are_logged_as_json(demo_run: DemoRun) -> None:
+    events = []
+    for line in (demo_run.out / "logs" / "rank0.log").read_text().splitlines():
+        if "rankwatch.incidents" in line:
+            events.append(json.loads(line[line.index("{") :]))
+    opened = [e for e in events if e["event"] == "rankwatch.incident.open"]
+    assert any(
+        e["incident.class"] == "step_time_straggler" and e["incident.culprit_ranks"] == [STRAGGLER]
+        for e in opened
+    )
+
+
+def _reader(stream: Any, lines: queue.Queue[str | None]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def test_ctrl_c_stops_every_rank_and_still_writes_the_summary(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # A session of its own, so the signal can go to the whole process group, as a terminal's
+    # Ctrl-C does: the parent and every rank receive it.
+    proc = subprocess.Popen(
+        [
+            str(CLI), "demo", "--ranks", "2", "--duration", "300", "--port", "0",
+            "--out", str(out), "--plain",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_demo_env(),
+        start_new_session=True,
+    )  # fmt: skip
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line is None:
+                break
+            seen.append(line)
+            if line.split("] ", 1)[-1].startswith("step w3:"):
+                break
+        assert any("step w3:" in ln for ln in seen), "".join(seen)[-3000:]
+        interrupted_at = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        returncode = proc.wait(timeout=60)
+        took = time.monotonic() - interrupted_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    while (line := lines.get(timeout=10)) is not None:
+        seen.append(line)
+    output = "".join(seen)
+    assert returncode == 130, output[-3000:]
+    assert took < 30, f"took {took:.1f} s to stop"
+    assert "Ctrl-C: stopping every rank" in output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["interrupted"] is True
+    assert summary["run"]["stop_reason"] == "interrupted"
+    assert summary["run"]["steps"] > 0
+    assert summary["step_time"]["window_kind"] == "summary"
+    assert "rankwatch summary" in output
+    # Nothing of the demo is left running (multiprocessing's resource tracker leaves last,
+    # once it sees the parent gone).
+    gone_by = time.monotonic() + 15
+    while time.monotonic() < gone_by:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        left = subprocess.run(
+            ["ps", "-o", "pid,args", "-g", str(proc.pid)], capture_output=True, text=True
+        ).stdout
+        pytest.fail(f"processes of the demo still running 15 s after it exited:\n{left}")
