@@ -22,6 +22,7 @@ import re
 import tempfile
 import threading
 import time
+import tokenize
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -85,8 +86,10 @@ _SCALARS: dict[str, str] = {
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_-]+")
 # What reading a damaged archive can raise. Besides the obvious ones, zipfile raises
 # NotImplementedError for a member that claims an unknown zip version, compression method or
-# patched data, and RuntimeError for one whose header says it is encrypted: one flipped bit in
-# a header is enough, and the caller must still get an ArtifactError naming the file.
+# patched data, and RuntimeError for one whose header says it is encrypted; numpy parses a
+# garbled .npy header with ast.literal_eval and then the tokenize module, which raise
+# SyntaxError, TypeError or tokenize.TokenError. One damaged byte is enough for any of them,
+# and the caller must still get an ArtifactError naming the file.
 _READ_ERRORS = (
     ValueError,
     OSError,
@@ -95,6 +98,9 @@ _READ_ERRORS = (
     zlib.error,
     NotImplementedError,
     RuntimeError,
+    SyntaxError,
+    TypeError,
+    tokenize.TokenError,
 )
 
 
