@@ -58,3 +58,19 @@ def test_every_scenario_is_documented() -> None:
     text = DOC.read_text()
     for name in SCENARIOS:
         assert f"| `{name}` |" in text, name
+
+
+README = DOC.parent.parent / "README.md"
+
+
+def test_readme_starts_with_the_two_commands() -> None:
+    lines = README.read_text().splitlines()
+    assert lines[:4] == ["```", "make demo", "make test", "```"]
+
+
+def test_readme_and_configuration_links_resolve() -> None:
+    for page in (README, DOC):
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if target.startswith("http"):
+                continue
+            assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
