@@ -20,9 +20,10 @@ for it again until it rings. A dead peer's connection failing never affects the 
 Rounds
 ------
 Async mode: every rank ships every ``interval_seconds``; the root starts a round every
-``interval_seconds`` and waits (up to ``gather_timeout_seconds``) until every rank it expects
-has shipped since the previous window. Sync mode: every ``sync_step``-th ``collect()`` call
-ships (round *k* on every rank); the root's round *k* waits for every expected rank's round *k*.
+``interval_seconds``; a rank that shipped within the last interval is in at once, and the root
+waits (up to ``gather_timeout_seconds``) for the others' next shipment. Sync mode: every
+``sync_step``-th ``collect()`` call ships (round *k* on every rank); the root's round *k* waits
+for every expected rank's round *k*.
 A rank is *missing* from a window when its shipment did not come in time, or when it still
 ships but its steps stopped advancing for ``gather_timeout_seconds`` while other ranks ran on
 (its training thread is stuck). Missing ranks go to the diagnosis as absent (``None``).
@@ -80,7 +81,9 @@ _CODE_STRATEGY = {v: k for k, v in STRATEGY_CODES.items()}
 # Header columns.
 _H_MAGIC, _H_VERSION, _H_SENDER, _H_SEQ, _H_ROWS, _H_FLAGS, _H_LOST, _H_STRATEGY = range(8)
 POLL_SECONDS = 0.02  # root: doorbell poll period while a round or shutdown is waiting
-IDLE_POLL_SECONDS = 0.05  # root: doorbell poll period otherwise
+# Root: doorbell poll period otherwise (each poll is one store request, answered by a thread
+# of the store's host, usually rank 0: polling fast costs that process CPU time).
+IDLE_POLL_SECONDS = 0.1
 _MAX_POLLS_PER_DRAIN = 16
 # Keep a little more than the window per rank when cutting tails, for steps some rank skipped.
 _TAIL_SLACK = 2
@@ -452,7 +455,6 @@ class WindowCollector:
         self._info: dict[int, RankInfo] = {layout.rank: RankInfo(layout.rank, host, local)}
         self._window_index = 0
         self._last_key: tuple[Any, ...] | None = None
-        self._prev_window_at = time.monotonic()
 
     # ---- control (training thread) -------------------------------------------------------
 
@@ -579,12 +581,11 @@ class WindowCollector:
                 elif not cfg.async_mode and self._sync_requested > rounds_done:
                     round_start, round_seq = now, self._sync_requested
             if round_start is not None:
-                waiting = self._waiting_for(round_seq)
+                waiting = self._waiting_for(round_seq, round_start)
                 if not waiting or now >= round_start + cfg.gather_timeout_seconds:
                     for peer in waiting:
                         self._mark_missing(peer, now)
                     self._window("live", cfg.diagnosis.step_time.live_window_steps)
-                    self._prev_window_at = now
                     rounds_done = round_seq
                     round_start = None
                     next_tick = now + cfg.interval_seconds
@@ -641,16 +642,20 @@ class WindowCollector:
                 log.info("rankwatch: rank %d is back", msg.sender)
                 state.missing_since = None
 
-    def _waiting_for(self, round_seq: int) -> list[int]:
-        """Peers expected in this round that have not shipped for it yet."""
+    def _waiting_for(self, round_seq: int, round_start: float) -> list[int]:
+        """Peers expected in this round that have not shipped for it yet.
+
+        Async: a peer is in when it shipped within the last interval (it ships once per
+        interval, on its own clock), so a healthy round closes at once. Sync: a peer is in
+        when its round ``round_seq`` (or a later one) has arrived.
+        """
+        recent = round_start - self.config.interval_seconds - POLL_SECONDS
         out = []
         for peer, st in self._peers.items():
             if st.missing_since is not None or st.final or peer in self._broken():
                 continue
             done = (
-                st.round_end_at > self._prev_window_at
-                if self.config.async_mode
-                else st.round_seq >= round_seq
+                st.round_end_at >= recent if self.config.async_mode else st.round_seq >= round_seq
             )
             if not done:
                 out.append(peer)
