@@ -60,9 +60,16 @@ MAX_POINT_ANOMALIES = 256
 
 
 def cost_per_sample(cost: np.ndarray, samples: np.ndarray) -> np.ndarray:
-    """``cost / samples`` per cell, NaN where there was no sample (not a zero cost)."""
+    """``cost / samples`` per cell, NaN where there was no sample (not a zero cost).
+
+    A quotient beyond float64 (only possible with a fractional sample count far below one,
+    e.g. 1 / 5e-324) is NaN too: it is no measurement, and an infinite cell would turn the
+    window's aggregate into NaN.
+    """
     out = np.full(np.shape(cost), np.nan)
-    np.divide(cost, samples, out=out, where=np.asarray(samples) > 0)
+    with np.errstate(over="ignore"):
+        np.divide(cost, samples, out=out, where=np.asarray(samples) > 0)
+    out[np.isinf(out)] = np.nan
     return out
 
 
@@ -201,7 +208,7 @@ def diagnose_completion(
     gateway = probe in GATEWAY_PROBES
     cps = cost_per_sample(cost, samples)
     tps = None if tokens is None else cost_per_sample(np.asarray(tokens, np.float64), samples)
-    valid = samples > 0
+    valid = np.isfinite(cps)  # a sample and a cost per sample float64 can hold
     n_valid = int(np.count_nonzero(valid))
     if n_valid == 0:
         return ProbeResult(
