@@ -125,7 +125,8 @@ def median_excluding_self(values: np.ndarray) -> np.ndarray:
         # i-th order statistic of the remaining values, per removed position k.
         return np.where(i < k, v[i], v[min(i + 1, n - 1)])
 
-    out[idx] = 0.5 * (remaining(lo_i) + remaining(hi_i))
+    # Halves first: the sum of two durations near float64's top would overflow to inf.
+    out[idx] = 0.5 * remaining(lo_i) + 0.5 * remaining(hi_i)
     return out
 
 
