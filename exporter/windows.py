@@ -444,6 +444,9 @@ class WindowCollector:
         self.sent_messages = 0
         self.latest_report: WindowReport | None = None
         self.reports_published = 0
+        # CPU time this thread has used (its own clock): what rankwatch costs besides hooks.
+        self.cpu_seconds = 0.0
+        self._cpu0 = 0.0
         self._thread = threading.Thread(
             target=self._run, name=f"rankwatch-{layout.rank}", daemon=True
         )
@@ -494,6 +497,7 @@ class WindowCollector:
     # ---- thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._cpu0 = time.thread_time()
         try:
             if self.layout.is_root:
                 self._run_root()
@@ -501,6 +505,11 @@ class WindowCollector:
                 self._run_sender()
         except Exception:  # the thread must never take training down with it
             log.exception("rankwatch: rank %d background thread failed", self.layout.rank)
+        finally:
+            self._account()
+
+    def _account(self) -> None:
+        self.cpu_seconds = time.thread_time() - self._cpu0
 
     # sender ---------------------------------------------------------------------------------
 
@@ -514,6 +523,7 @@ class WindowCollector:
             else:
                 self._wake.wait()
             self._wake.clear()
+            self._account()
             stopping = self._stop.is_set()
             if stopping:
                 self._ship(self._sync_requested, FLAG_END_OF_ROUND | FLAG_FINAL)
@@ -595,6 +605,7 @@ class WindowCollector:
                 timeout = min(IDLE_POLL_SECONDS, max(0.0, next_tick - now))
             else:
                 timeout = IDLE_POLL_SECONDS
+            self._account()
             self._wake.wait(timeout)
             self._wake.clear()
 
