@@ -221,14 +221,15 @@ class RowBuffer:
     """The root's bounded copy of one rank's rows, in step order.
 
     Rows whose step id is not above the last one kept are dropped (resent or out of order).
-    ``progress_at`` is the monotonic time the rank's last step id last increased.
+    ``progress_at`` is the monotonic time the rank's last step id last increased. Memory grows
+    with the rows received, up to ``capacity`` rows (``ROW_WIDTH`` float64 each).
     """
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"RowBuffer.capacity: must be >= 1, got {capacity!r}")
         self.capacity = capacity
-        self._data = np.full((capacity, ROW_WIDTH), math.nan)
+        self._data = np.empty((0, ROW_WIDTH))
         self.count = 0  # rows ever appended
         self.last_step = -1.0
         self.progress_at = time.monotonic()
@@ -254,6 +255,16 @@ class RowBuffer:
             self.count += kept - cap
             rows = rows[-cap:]
         n = len(rows)
+        if len(self._data) < cap:
+            # Still filling for the first time, so rows sit in slots 0..count-1: grow in order
+            # (or start at full size when this batch overwrites every slot anyway).
+            if n == cap:
+                self._data = np.empty((cap, ROW_WIDTH))
+            elif len(self._data) < self.count + n:
+                size = min(cap, max(self.count + n, 2 * len(self._data), 256))
+                grown = np.empty((size, ROW_WIDTH))
+                grown[: self.count] = self._data[: self.count]
+                self._data = grown
         a = self.count % cap
         split = min(n, cap - a)
         self._data[a : a + split] = rows[:split]
@@ -450,9 +461,9 @@ class WindowCollector:
         self._thread = threading.Thread(
             target=self._run, name=f"rankwatch-{layout.rank}", daemon=True
         )
-        # Root state.
+        # Root state (buffers only on the root: the others just ship).
         cap = max(config.max_buffered_steps, 2)
-        self._buffers = {r: RowBuffer(cap) for r in layout.ranks}
+        self._buffers = {r: RowBuffer(cap) for r in layout.ranks} if layout.is_root else {}
         self._peers = {r: _PeerState() for r in layout.peers}
         host, local = identity if identity is not None else local_identity()
         self._info: dict[int, RankInfo] = {layout.rank: RankInfo(layout.rank, host, local)}

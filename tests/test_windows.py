@@ -75,6 +75,25 @@ def test_row_buffer_keeps_the_newest_rows_in_order() -> None:
     assert buf.tail(100)[:, 0].tolist() == list(range(35, 45))
 
 
+def test_row_buffer_grows_with_what_it_receives() -> None:
+    buf = RowBuffer(5000)
+    assert buf._data.nbytes == 0  # nothing allocated before the first rows
+    buf.append(rows(0, 10))
+    assert len(buf._data) < 5000
+    for k in range(1, 12):
+        buf.append(rows(k * 1000, 1000))
+    assert len(buf._data) == 5000 and len(buf) == 5000
+    assert buf.tail(3)[:, 0].tolist() == [11997, 11998, 11999]
+    ids = buf.tail(5000)[:, 0]
+    assert (np.diff(ids) > 0).all() and ids[0] == 7000
+    # A first batch larger than the buffer.
+    big = RowBuffer(7)
+    assert big.append(rows(0, 20)) == 20
+    assert big.tail(10)[:, 0].tolist() == list(range(13, 20))
+    big.append(rows(20, 2))
+    assert big.tail(10)[:, 0].tolist() == list(range(15, 22))
+
+
 def test_row_buffer_rejects_resent_and_out_of_order_rows() -> None:
     buf = RowBuffer(8)
     buf.append(rows(0, 3))
