@@ -10,8 +10,11 @@ exporter counts (``counter_reset``, ``counter_wraparound``, ``shape_mismatch``, 
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -28,9 +31,14 @@ class InvalidWindowError(ValueError):
         self.reason = reason
 
 
-def _as_array(name: str, value: object, shape: tuple[int, ...]) -> np.ndarray:
+def _as_array(name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
     try:
+        # Casting would silently drop an imaginary part: complex data is no counter delta.
+        if np.iscomplexobj(value):
+            raise InvalidWindowError("bad_value", f"{name}: complex values are not counts")
         arr = np.asarray(value, dtype=np.float64)
+    except InvalidWindowError:
+        raise
     except (TypeError, ValueError) as exc:
         raise InvalidWindowError("bad_value", f"{name}: not numeric ({exc})") from None
     if arr.shape != shape:
@@ -49,6 +57,49 @@ def _as_array(name: str, value: object, shape: tuple[int, ...]) -> np.ndarray:
         )
     arr.setflags(write=False)
     return arr
+
+
+def _entries(name: str, value: object, arity: int, fields: str) -> dict[Any, tuple[Any, ...]]:
+    """``value`` as ``{probe: (arity arrays)}``, or InvalidWindowError naming ``name``."""
+    if not isinstance(value, Mapping):
+        raise InvalidWindowError(
+            "bad_value", f"{name}: expected a mapping {{probe: ({fields})}}, got {value!r}"[:200]
+        )
+    out: dict[Any, tuple[Any, ...]] = {}
+    for probe, entry in value.items():
+        try:
+            items = None if isinstance(entry, (str, bytes)) else tuple(entry)
+        except TypeError:
+            items = None
+        if items is None or len(items) != arity:
+            raise InvalidWindowError(
+                "shape_mismatch", f"{name}[{probe}]: expected ({fields}), got {entry!r}"[:200]
+            )
+        out[probe] = items
+    return out
+
+
+def _check_identity(window: NormalWindow) -> None:
+    """The window's identity fields: what artifacts, log lines and reports carry along."""
+    index = window.window_index
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or index < 0:
+        raise InvalidWindowError("bad_value", f"window_index: must be an int >= 0, got {index!r}")
+    object.__setattr__(window, "window_index", int(index))
+    if not isinstance(window.instance_id, str):
+        raise InvalidWindowError(
+            "bad_value", f"instance_id: expected a string, got {window.instance_id!r}"
+        )
+    for name in ("start_time_s", "end_time_s"):
+        value = getattr(window, name)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+        ):
+            raise InvalidWindowError("bad_value", f"{name}: must be a finite number, got {value!r}")
+        object.__setattr__(window, name, float(value))
+    if not isinstance(window.extra, Mapping):
+        raise InvalidWindowError("bad_value", f"extra: expected a mapping, got {window.extra!r}")
 
 
 @dataclass(frozen=True)
@@ -81,27 +132,22 @@ class NormalWindow:
             )
         object.__setattr__(self, "ep_size", int(ep))
         object.__setattr__(self, "ranks_per_node", int(rpn))
-        unknown = (set(self.notify) - set(NOTIFY_PROBES)) | (
-            set(self.completion) - set(COMPLETION_PROBES)
+        _check_identity(self)
+        raw_notify = _entries("notify", self.notify, 2, "duration_ns, count")
+        raw_completion = _entries("completion", self.completion, 3, "cost, samples, tokens")
+        unknown = (set(raw_notify) - set(NOTIFY_PROBES)) | (
+            set(raw_completion) - set(COMPLETION_PROBES)
         )
         if unknown:
             raise InvalidWindowError("bad_value", f"probe: unknown probe name(s) {sorted(unknown)}")
         notify: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for probe, pair in self.notify.items():
-            if len(pair) != 2:
-                raise InvalidWindowError(
-                    "shape_mismatch", f"notify[{probe}]: expected (duration_ns, count)"
-                )
+        for probe, pair in raw_notify.items():
             notify[probe] = (
                 _as_array(f"notify[{probe}].duration_ns", pair[0], (ep,)),
                 _as_array(f"notify[{probe}].count", pair[1], (ep,)),
             )
         completion: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        for probe, triple in self.completion.items():
-            if len(triple) != 3:
-                raise InvalidWindowError(
-                    "shape_mismatch", f"completion[{probe}]: expected (cost, samples, tokens)"
-                )
+        for probe, triple in raw_completion.items():
             completion[probe] = (
                 _as_array(f"completion[{probe}].cost", triple[0], (ep, ep)),
                 _as_array(f"completion[{probe}].samples", triple[1], (ep, ep)),
@@ -145,6 +191,10 @@ class NormalWindow:
         instance_id: str = "",
     ) -> NormalWindow:
         """The window between two gathered cumulative snapshots (``prev=None``: since zero)."""
+        if prev is not None and not isinstance(prev, CounterSnapshot):
+            raise TypeError(f"prev: expected a CounterSnapshot or None, got {type(prev).__name__}")
+        if not isinstance(cur, CounterSnapshot):
+            raise TypeError(f"cur: expected a CounterSnapshot, got {type(cur).__name__}")
         ep = cur.ep_size
         if prev is not None:
             if prev.ep_size != ep:
@@ -207,7 +257,25 @@ class CounterSnapshot:
     taken_at_s: float = 0.0
 
     def __post_init__(self) -> None:
+        seq = self.sequence
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)):
+            raise InvalidWindowError("bad_value", f"sequence: expected an int, got {seq!r}")
+        object.__setattr__(self, "sequence", int(seq))
+        taken = self.taken_at_s
+        if (
+            isinstance(taken, bool)
+            or not isinstance(taken, numbers.Real)
+            or not math.isfinite(taken)
+        ):
+            raise InvalidWindowError(
+                "bad_value", f"taken_at_s: must be a finite unix time, got {taken!r}"
+            )
+        object.__setattr__(self, "taken_at_s", float(taken))
         arr = np.asarray(self.counters)
+        if arr.dtype.kind not in "biuf":
+            raise InvalidWindowError(
+                "bad_value", f"counters: expected integer counts, got dtype {arr.dtype}"
+            )
         if arr.ndim != 2 or arr.shape[0] < 1:
             raise InvalidWindowError(
                 "shape_mismatch", f"counters: expected [EP, L], got shape {arr.shape}"
