@@ -12,22 +12,30 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO
 
 from rankwatch.diagnosis.window_report import WindowReport
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
-from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from .summary import RunRecorder, describe_normal, describe_step, normal_verdict, step_verdict
+from .summary import (
+    RunRecorder,
+    describe_normal,
+    describe_step,
+    incident_label,
+    normal_verdict,
+    step_verdict,
+)
 
 __all__ = ["LiveView", "Progress"]
 
 _PHASE_COLUMNS = ("input_wait", "forward", "backward", "optimizer", "step", "visible")
 _SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+_MAX_INCIDENT_LINES = 4
 
 
 @dataclass(frozen=True)
@@ -146,9 +154,10 @@ class LiveView:
             self._seen_incidents[inc.incident_id] = closed
             if not self.live:
                 action = "closed" if closed else "opened"
-                ranks = ",".join(str(r) for r in inc.ranks) or "-"
+                label = incident_label(inc.cls, inc.cause, inc.probe)
                 self._line(
-                    f"incident {action}: {inc.cls} {inc.severity} ranks {ranks} ({inc.cause})"
+                    f"incident {action}: {inc.cls} {inc.severity} ranks {_ranks(inc.ranks)} "
+                    f"({label})"
                 )
 
     def _refresh(self) -> None:
@@ -156,23 +165,23 @@ class LiveView:
             self._live.update(self.render())
 
     def render(self) -> RenderableType:
-        """The whole live view as one rich renderable."""
-        parts: list[RenderableType] = [Text(self.header, style="bold")]
+        """The whole live view as one rich renderable, compact enough for a 24-line terminal."""
+        parts: list[RenderableType] = [Text(self.header, style="bold", overflow="ellipsis")]
         parts.append(self._timeline())
         parts.append(self._rank_table())
-        parts.append(self._diagnosis())
+        parts.extend(self._diagnosis())
         if self.notes:
-            parts.append(Text("\n".join(self.notes), style="dim"))
+            parts.append(Text(self.notes[-1], style="dim", overflow="ellipsis", no_wrap=True))
         return Group(*parts)
 
     def _timeline(self) -> RenderableType:
         state = self.progress_state
         elapsed = state.elapsed_s if state is not None else 0.0
-        line = Text("timeline  ")
+        line = Text("timeline ")
         for i, (name, seconds) in enumerate(self.segments):
             current = state is not None and i == state.step_phase
             line.append(f" {name} {seconds:.0f}s ", style="reverse bold" if current else "dim")
-        line.append("\ndeepep    ")
+        line.append("\ndeepep   ")
         for i, name in enumerate(self.deepep_phases):
             current = state is not None and i == state.deepep_phase
             line.append(f" {name} ", style="reverse bold" if current else "dim")
@@ -185,31 +194,29 @@ class LiveView:
 
     def _rank_table(self) -> RenderableType:
         report = self.step_report
-        title = "step time: waiting for the first window"
-        table = Table(expand=False)
+        table = Table(box=box.SIMPLE_HEAD, title_justify="left", padding=(0, 1), pad_edge=False)
         table.add_column("rank", justify="right")
         table.add_column("host")
         for col in _PHASE_COLUMNS:
             table.add_column(f"{col} ms", justify="right")
         table.add_column("role")
         if report is None or report.step_time is None:
-            return Panel(table, title=title)
+            table.title = "step time: waiting for the first window"
+            return table
         st = report.step_time
         finding = st.findings[0] if st.findings else None
-        culprit = finding.culprit_rank if finding is not None and finding.is_straggler else None
-        victim = finding.victim_rank if finding is not None and finding.is_straggler else None
-        title = (
-            f"step time: window {report.window_index}, {st.steps} steps, {st.clock} clock, "
+        straggler = finding is not None and finding.is_straggler
+        culprit = finding.culprit_rank if finding is not None and straggler else None
+        victim = finding.victim_rank if finding is not None and straggler else None
+        table.title = (
+            f"step time: window {report.window_index}, last {st.steps} steps, {st.clock} clock, "
             f"{st.strategy}"
         )
         for rank in sorted(st.rank_means):
             means = st.rank_means[rank]
             role, style = "", ""
-            if rank == culprit:
-                role, style = (
-                    "culprit",
-                    _SEVERITY_STYLE.get(finding.severity if finding else "", ""),
-                )
+            if rank == culprit and finding is not None:
+                role, style = "culprit", _SEVERITY_STYLE.get(finding.severity, "")
             elif rank == victim:
                 role = "victim (median)"
             table.add_row(
@@ -219,33 +226,43 @@ class LiveView:
                 role,
                 style=style,
             )
-        return Panel(table, title=title)
+        return table
 
-    def _diagnosis(self) -> RenderableType:
-        lines: list[Any] = []
+    def _diagnosis(self) -> list[RenderableType]:
+        lines: list[RenderableType] = []
         if self.step_report is not None and self.step_report.step_time is not None:
-            v = step_verdict(self.step_report.step_time, self.step_report)
+            st = self.step_report.step_time
+            v = step_verdict(st, self.step_report)
+            sev = f" [{v.severity}]" if v.severity else ""
             style = _SEVERITY_STYLE.get(v.severity or "", "green")
-            lines.append(Text(f"step time: {v.what}", style=style))
-            lines.append(Text(f"  {v.why}", style="dim"))
+            lines.append(Text(f"step time: {v.what}{sev}", style=style, no_wrap=True))
+            lines.append(Text(f"  {describe_step(st)}", style="dim", no_wrap=True))
         if self.normal_report is not None and self.normal_report.normal is not None:
             nr = self.normal_report.normal
             v = normal_verdict(nr, self.normal_report)
+            sev = f" [{v.severity}]" if v.severity else ""
             style = _SEVERITY_STYLE.get(v.severity or "", "green")
-            lines.append(
-                Text(f"deepep (window {nr.window_index}, EP{nr.ep_size}): {v.what}", style)
-            )
+            head = f"deepep window {nr.window_index} (EP{nr.ep_size}): {v.what}{sev}"
+            lines.append(Text(head, style=style, no_wrap=True, overflow="ellipsis"))
         open_incidents = [i for i in self.recorder.incidents() if i.closed_at_s is None]
         if open_incidents:
-            lines.append(Text("open incidents:", style="bold"))
-            for inc in open_incidents:
-                ranks = ",".join(str(r) for r in inc.ranks) or "-"
+            lines.append(Text(f"open incidents ({len(open_incidents)}):", style="bold"))
+            for inc in open_incidents[:_MAX_INCIDENT_LINES]:
                 lines.append(
                     Text(
-                        f"  {inc.cls} {inc.severity} ranks {ranks} ({inc.cause})",
+                        f"  {inc.cls} {inc.severity} ranks {_ranks(inc.ranks)} "
+                        f"({incident_label(inc.cls, inc.cause, inc.probe)})",
                         style=_SEVERITY_STYLE.get(inc.severity, ""),
+                        no_wrap=True,
+                        overflow="ellipsis",
                     )
                 )
+            if len(open_incidents) > _MAX_INCIDENT_LINES:
+                lines.append(Text(f"  ... and {len(open_incidents) - _MAX_INCIDENT_LINES} more"))
         if not lines:
             lines.append(Text("diagnosis: waiting for the first window", style="dim"))
-        return Panel(Group(*lines), title="diagnosis")
+        return lines
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ",".join(str(r) for r in ranks) or "-"

@@ -39,6 +39,7 @@ __all__ = [
     "Verdict",
     "describe_normal",
     "describe_step",
+    "incident_label",
     "normal_verdict",
     "step_verdict",
     "summary_text",
@@ -130,6 +131,12 @@ def _straggler_verdict(
         f"{finding.score:.2f} of the median rank's step"
     )
     coverage = finding.component_coverage
+    where = _host(window, culprit)
+    actions = _straggler_actions(culprit, where)
+    action = actions[finding.kind]
+    # Several components that each explain a real share: the rank was slow for more than one
+    # reason within this window (typical of a long window spanning several episodes).
+    split = {c: v for c, v in coverage.items() if v is not None and v >= 0.25}
     if finding.kind != "STRAGGLER" and finding.component in coverage:
         comp = finding.component
         why += (
@@ -137,13 +144,7 @@ def _straggler_verdict(
             f"step {_COMPONENT_WORDS.get(comp, comp)} than rank {victim}, which explains "
             f"{_pct(coverage[comp])} of the gap"
         )
-    where = _host(window, culprit)
-    actions = _straggler_actions(culprit, where)
-    action = actions[finding.kind]
-    # Several components that each explain a real share: the rank was slow for more than one
-    # reason within this window (typical of a long window spanning several episodes).
-    split = {c: v for c, v in coverage.items() if v is not None and v >= 0.25}
-    if finding.kind == "STRAGGLER" and len(split) >= 2:
+    elif len(split) >= 2:
         parts = " and ".join(f"{c} ({_pct(v)})" for c, v in sorted(split.items()))
         why += (
             f". The gap is split between {parts}: rank {culprit} was slow for more than one "
@@ -153,7 +154,7 @@ def _straggler_verdict(
     elif coverage:
         parts = ", ".join(f"{c} {_pct(v)}" for c, v in sorted(coverage.items()))
         why += f". No measured component explains enough of the gap alone ({parts})"
-    elif finding.kind == "STRAGGLER":
+    else:
         why += ". No component was measured on both ranks, so none can be blamed"
     return Verdict(
         kind=finding.kind,
@@ -389,6 +390,13 @@ def describe_normal(report: NormalReport) -> str:
 # --- the run's incidents and the final summary -----------------------------------------------
 
 
+def incident_label(cls: str, cause: str, probe: str) -> str:
+    """What an incident is about in a few words: the step-time cause, or the DeepEP probe(s)."""
+    if cls.startswith("step_time") or not probe:
+        return cause
+    return probe if cause == "rank" else f"{cause}: {probe}"
+
+
 @dataclass(frozen=True)
 class IncidentRecord:
     """One incident of the run: when it opened, when (if) it closed, and its last evidence."""
@@ -601,7 +609,10 @@ def summary_text(summary: Mapping[str, Any]) -> str:
     for inc in incidents:
         ranks = ",".join(str(r) for r in inc["ranks"]) or "-"
         score = "" if inc.get("score") is None else f" score {inc['score']:.2f}"
-        causes = " then ".join(inc.get("causes") or [inc["cause"]])
+        causes = " then ".join(
+            incident_label(inc["class"], c, inc.get("probe") or "")
+            for c in inc.get("causes") or [inc["cause"]]
+        )
         opened, closed = _clock(inc["opened_at_s"], start), _clock(inc["closed_at_s"], start)
         lines.append(
             f"  {inc['class']} {inc['severity']} ranks {ranks} ({causes}){score}: "
