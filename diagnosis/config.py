@@ -260,6 +260,19 @@ class DiagnosisConfig:
     normal: NormalConfig = field(default_factory=NormalConfig)
     low_latency: LowLatencyConfig = field(default_factory=LowLatencyConfig)
 
+    def __post_init__(self) -> None:
+        # The engines read these on background threads: a wrong type must fail here, by name.
+        for name, kind in (
+            ("step_time", StepTimeConfig),
+            ("normal", NormalConfig),
+            ("low_latency", LowLatencyConfig),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise TypeError(
+                    f"DiagnosisConfig.{name}: expected a {kind.__name__}, got {value!r}"
+                )
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DiagnosisConfig:
         source = os.environ if env is None else env
