@@ -85,6 +85,11 @@ class RankwatchConfig:
 
     def __post_init__(self) -> None:
         validate_options(self)
+        # Read by the collector threads only: a wrong type would otherwise fail there, silently.
+        if not isinstance(self.diagnosis, DiagnosisConfig):
+            raise TypeError(
+                f"RankwatchConfig.diagnosis: expected a DiagnosisConfig, got {self.diagnosis!r}"
+            )
         if self.incident_open_k > self.incident_open_n:
             raise ValueError(
                 "RankwatchConfig.incident_open_k (RANKWATCH_INCIDENT_OPEN_K): must be <= "
