@@ -97,13 +97,17 @@ class RankwatchConfig:
             )
         if bool(self.metrics_tls_cert_file) != bool(self.metrics_tls_key_file):
             raise ValueError(
-                "RankwatchConfig.metrics_tls_cert_file/metrics_tls_key_file: set both or neither, "
-                f"got cert={self.metrics_tls_cert_file!r} key={self.metrics_tls_key_file!r}"
+                "RankwatchConfig.metrics_tls_cert_file/metrics_tls_key_file "
+                "(RANKWATCH_METRICS_TLS_CERT_FILE/RANKWATCH_METRICS_TLS_KEY_FILE): set both or "
+                f"neither, got cert={self.metrics_tls_cert_file!r} "
+                f"key={self.metrics_tls_key_file!r}"
             )
         if bool(self.metrics_basic_auth_user) != bool(self.metrics_basic_auth_password):
             raise ValueError(
-                "RankwatchConfig.metrics_basic_auth_user/password: set both or neither, "
-                f"got user={self.metrics_basic_auth_user!r}"
+                "RankwatchConfig.metrics_basic_auth_user/metrics_basic_auth_password "
+                "(RANKWATCH_METRICS_BASIC_AUTH_USER/RANKWATCH_METRICS_BASIC_AUTH_PASSWORD): set "
+                f"both or neither, got user={self.metrics_basic_auth_user!r} and "
+                f"{'a' if self.metrics_basic_auth_password else 'no'} password"
             )
 
     @classmethod
