@@ -148,8 +148,9 @@ def _dense_effects(
     blocks = x32.reshape(n, rpn, n, rpn).transpose(0, 2, 1, 3).reshape(n * n, rpn * rpn)
     block_rel = lane_medians(blocks, axis=1).reshape(n, n)
     block_log = block_rel + anchor
-    ref = np.repeat(np.repeat(block_rel.astype(np.float32), rpn, axis=0), rpn, axis=1)
-    resid = x32 - ref
+    # Subtract each cell's block reference by broadcasting over the node layout (no copy).
+    ref = block_rel.astype(np.float32)[:, None, :, None]
+    resid = (x32.reshape(n, rpn, n, rpn) - ref).reshape(n * rpn, n * rpn)
     row_med = lane_medians(resid, axis=1)
     row_log = _remove_window_effect(row_med)
     resid -= row_med[:, None].astype(np.float32)  # window-wide + row effects
