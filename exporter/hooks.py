@@ -196,7 +196,12 @@ class _BackwardTracker:
         self._timer.end(BACKWARD)
 
     def watch_output(self, output: Any) -> None:
-        """Register the gradient hook on every tensor of ``output`` that needs a gradient."""
+        """Register the gradient hook on every tensor of ``output`` that needs a gradient.
+
+        Called after each forward, when no backward pass of this model is running: a pass
+        that failed before its final callbacks ran must not keep the next one from timing.
+        """
+        self._active = False
         if isinstance(output, torch.Tensor):  # the common case, without the generator
             if output.requires_grad:
                 output.register_hook(self.on_output_grad)

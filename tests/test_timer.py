@@ -401,6 +401,50 @@ def test_explicit_step_adopts_the_step_the_loader_opened() -> None:
     rw.close(1.0)
 
 
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward failed")
+
+
+class FailOnce(torch.nn.Module):
+    """Identity whose backward fails the first time: after the output's gradient exists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.fail = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            self.fail = False
+            x = FailingBackward.apply(x.requires_grad_())
+        return self.lin(x)
+
+
+def test_a_failed_backward_does_not_stop_backward_timing() -> None:
+    from rankwatch.exporter.hooks import install
+
+    timer = StepTimer(8)
+    model = FailOnce()
+    install(timer, model, [])
+    x = torch.randn(2, 4)
+    with timer.step():
+        out = model(x)
+        with pytest.raises(RuntimeError, match="backward failed"):
+            out.sum().backward()
+    with timer.step():
+        model(x).sum().backward()
+    rows = rows_of(timer)
+    assert len(rows) == 2
+    assert not math.isnan(rows[1, CPU["backward"]])
+    assert not math.isnan(rows[1, CPU["forward"]])
+
+
 def test_move_to_device_walks_structures() -> None:
     cpu = torch.device("cpu")
     batch = {"a": torch.zeros(2), "b": [torch.ones(1), (torch.ones(1), 3)], "c": "text"}
