@@ -202,6 +202,16 @@ def scenario_equivalence(rank: int, world: int, result: dict[str, Any]) -> None:
     import torch
     from rankwatch.exporter.rankwatch import RankWatch
 
+    # Bad groups fail before any collective call, naming the field and the value.
+    errors = []
+    for bad in ([0, world + 3], [0, 0], [], ["0"], [-1]):
+        try:
+            RankWatch(group=bad, config=_config())
+            errors.append(None)
+        except (TypeError, ValueError) as exc:
+            errors.append([type(exc).__name__, str(exc)])
+    result["bad_groups"] = errors
+
     n = 8
     inner = _mlp()
     inner.register_forward_pre_hook(SlowForward())
@@ -405,6 +415,9 @@ def test_watch_gives_the_explicit_rows_and_detects_ddp_and_fsdp(tmp_path: Path) 
     res = run_world("equivalence", 2, tmp_path)
     for r in range(2):
         _ok(res[r])
+        kinds = [e[0] for e in res[r]["bad_groups"]]
+        assert kinds == ["ValueError", "ValueError", "ValueError", "TypeError", "ValueError"]
+        assert all("field group" in e[1] for e in res[r]["bad_groups"])
         ex, wa = res[r]["explicit_rows"], res[r]["watch_rows"]
         assert [row[0] for row in ex] == [row[0] for row in wa] == list(range(8))
         # Same signals measured: all six CPU signals, no GPU signal.
