@@ -31,7 +31,8 @@ class WindowReport:
     """Everything diagnosed for one window of one group.
 
     ``step_time``/``normal``/``low_latency`` are None when that engine did not run for this
-    window; ``normal_invalid_reason`` says why a normal-mode window was rejected.
+    window; ``normal_invalid_reason`` / ``low_latency_invalid_reason`` say why a DeepEP window
+    was rejected.
     ``missing_ranks`` lists global ranks expected but absent (an incomplete window).
     """
 
@@ -46,6 +47,7 @@ class WindowReport:
     step_time: StepTimeReport | None = None
     normal: NormalReport | None = None
     normal_invalid_reason: str | None = None
+    low_latency_invalid_reason: str | None = None
     low_latency: dict[str, LowLatencyResult] | None = None
     diagnosis_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -75,6 +77,7 @@ class WindowReport:
             "step_time": None if self.step_time is None else self.step_time.to_dict(),
             "normal": None if self.normal is None else self.normal.to_dict(),
             "normal_invalid_reason": self.normal_invalid_reason,
+            "low_latency_invalid_reason": self.low_latency_invalid_reason,
             "low_latency": None
             if self.low_latency is None
             else {k: v.to_dict() for k, v in self.low_latency.items()},

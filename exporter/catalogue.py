@@ -187,7 +187,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "counter",
         "",
         ("reason",),
-        "Normal-mode windows rejected before diagnosis, by reason (counter_reset, ...).",
+        "DeepEP windows (normal or low-latency) rejected before diagnosis, by reason.",
     ),
     # --- DeepEP low-latency mode ---
     _m(

@@ -693,6 +693,7 @@ class Diagnose:
                 )
             seconds["normal"] = time.perf_counter() - t0
         ll_results: dict[str, LowLatencyResult] | None = None
+        ll_reason = None
         if window.low_latency_invalid_reason is not None:
             ll_reason = window.low_latency_invalid_reason
             self.rejected_windows[f"low_latency:{ll_reason}"] += 1
@@ -718,6 +719,7 @@ class Diagnose:
             normal=normal_report,
             normal_invalid_reason=reason,
             low_latency=ll_results,
+            low_latency_invalid_reason=ll_reason,
             diagnosis_seconds=seconds,
         )
         self._log_report(window, report)

@@ -90,7 +90,7 @@ class HealthCounters:
             self._collection[key] = self._collection.get(key, 0) + 1
 
     def window_invalid(self, reason: str) -> None:
-        """One normal-mode window rejected before diagnosis."""
+        """One DeepEP window (normal or low-latency) rejected before diagnosis."""
         key = self._key("reason", reason)
         with self._lock:
             self._invalid[key] = self._invalid.get(key, 0) + 1
@@ -335,8 +335,9 @@ class PublisherHub:
 
     def _handle(self, report: WindowReport) -> None:
         events = self.tracker.update(report)
-        if report.normal_invalid_reason:
-            self.health.window_invalid(report.normal_invalid_reason)
+        for reason in (report.normal_invalid_reason, report.low_latency_invalid_reason):
+            if reason:
+                self.health.window_invalid(reason)
         self.state.update(report, self.tracker.snapshot())
         for event in events:
             self._log_event(event)
