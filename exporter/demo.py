@@ -472,6 +472,7 @@ def _run_rank(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         feeder.add(DEEPEP_PHASES[int(control[2])])
+        rw.collect()  # ships rows every sync_step calls in sync mode; a no-op when async
         steps += 1
         if rw.timer is not None:
             segment_of_step.append((rw.timer.last_step_id, int(control[1])))
@@ -559,6 +560,9 @@ class _RunState:
     last_progress: Any = None
     stop_reason: str = ""
     rows: dict[int, Any] = field(default_factory=dict)
+    # Set when waiting for the ranks to stop on their own makes no sense any more.
+    force_stop: bool = False
+    exited: set[int] = field(default_factory=set)  # ranks seen exiting with an error
     segment_of_step: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -626,8 +630,8 @@ def run_demo(options: DemoOptions) -> int:
         "ranks": options.ranks,
         "timeline": options.timeline.spec(),
         "straggler_rank": options.straggler_rank,
-        "steps": (state.done or {}).get("steps"),
-        "duration_s": round((state.done or {}).get("elapsed_s") or 0.0, 1),
+        "steps": _steps(state),
+        "duration_s": round(_elapsed(state), 1),
         "started_at_s": state.started_at_s,
         "interrupted": interrupts.count > 0,
         "stop_reason": state.stop_reason or "timeline finished",
@@ -651,6 +655,18 @@ def run_demo(options: DemoOptions) -> int:
     if state.errors or state.done is None:
         return EXIT_FAILURE
     return EXIT_OK
+
+
+def _steps(state: _RunState) -> int | None:
+    if state.done is not None:
+        return int(state.done["steps"])
+    return None if state.last_progress is None else int(state.last_progress.steps)
+
+
+def _elapsed(state: _RunState) -> float:
+    if state.done is not None:
+        return float(state.done["elapsed_s"])
+    return 0.0 if state.last_progress is None else float(state.last_progress.elapsed_s)
 
 
 def _absorb(msg: Any, recorder: Any, state: _RunState) -> None:
@@ -688,7 +704,7 @@ def _handle_message(msg: Any, view: Any, recorder: Any, state: _RunState) -> Non
     elif kind == "ready":
         view.note(f"/metrics at {msg[1]}" if msg[1] else "/metrics disabled")
     elif kind == "error":
-        view.note(f"rank {msg[1]} failed: {state.errors[-1]}")
+        view.note(f"{state.errors[-1]}")
 
 
 def _supervise(
@@ -721,11 +737,13 @@ def _supervise(
         now = time.monotonic()
         if interrupts.count >= 2:
             state.stop_reason = "interrupted twice"
+            state.force_stop = True
             view.note("second interrupt: stopping the ranks now")
             return
         if interrupts.count == 1:
             if state.metrics_url is None and state.started_at_s is None:
                 state.stop_reason = "interrupted during start-up"
+                state.force_stop = True
                 return  # nothing to stop cleanly yet
             request_stop(
                 "interrupted",
@@ -733,22 +751,31 @@ def _supervise(
                 "(Ctrl-C again to stop at once)",
             )
         failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        for i in failed:
+            if i not in state.exited:
+                state.exited.add(i)
+                code = procs[i].exitcode
+                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                state.errors.append(f"rank {i}: {how}")
         if failed:
             request_stop("a rank failed", f"rank(s) {failed} exited early: stopping the others")
             if all(p.exitcode is not None for p in procs) or procs[0].exitcode is not None:
+                state.force_stop = True
                 return  # nobody left to report done
         if state.started_at_s is None and now - started > STARTUP_TIMEOUT_S:
             state.stop_reason = "start-up timed out"
+            state.force_stop = True
             view.note(f"the ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
             return
         if stop_since is not None and now - stop_since > STOP_TIMEOUT_S:
+            state.force_stop = True
             view.note(f"the ranks did not stop within {STOP_TIMEOUT_S:.0f} s")
             return
 
 
 def _reap(procs: list[Any], channel: Any, recorder: Any, state: _RunState) -> None:
     """Wait for every rank to exit (draining the channel so none blocks on it); then force."""
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    deadline = time.monotonic() + (0.0 if state.force_stop else JOIN_TIMEOUT_S)
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         try:
             _absorb(channel.get(timeout=0.1), recorder, state)

@@ -361,9 +361,10 @@ def normal_verdict(report: NormalReport, window: WindowReport | None = None) -> 
     return Verdict(
         inc.cls,
         inc.severity,
-        f"a completion anomaly without a second probe to confirm it (ranks {list(ranks)})",
-        f"probes {', '.join(inc.probes)} flag scope {inc.scope}, but no other probe agrees, "
-        "so rankwatch does not classify it.",
+        "a completion anomaly without a second probe to confirm it"
+        + (f" (ranks {list(ranks)})" if ranks else ""),
+        f"{', '.join(inc.probes)} flags scope {inc.scope}, but no other probe agrees, so "
+        "rankwatch does not classify it.",
         "Watch whether it persists; inspect this window's heatmaps.",
         ranks=ranks,
     )

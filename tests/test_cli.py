@@ -169,6 +169,13 @@ def test_demo_refuses_a_port_in_use(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_demo_refuses_an_address_it_cannot_listen_on(tmp_path: Path) -> None:
+    result = run_cli("demo", "--addr", "no-such-host.invalid", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "--addr/--port: cannot listen on no-such-host.invalid:9464" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_demo_refuses_a_bad_environment(tmp_path: Path) -> None:
     result = run_cli(
         "demo", "--port", str(free_port()), "--out", str(tmp_path / "out"),

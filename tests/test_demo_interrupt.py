@@ -82,6 +82,61 @@ def test_ctrl_c_stops_every_rank_and_still_writes_the_summary(tmp_path: Path) ->
         time.sleep(0.2)
     else:
         left = subprocess.run(
-            ["ps", "-o", "pid,args", "-g", str(proc.pid)], capture_output=True, text=True
+            ["ps", "-ww", "-o", "pid,args", "-g", str(proc.pid)], capture_output=True, text=True
         ).stdout
         pytest.fail(f"processes of the demo still running 15 s after it exited:\n{left}")
+
+
+def _children(pid: int) -> list[int]:
+    """The spawned ranks of a demo (not multiprocessing's resource tracker)."""
+    listing = subprocess.run(
+        # -ww: never cut the command line to the (possibly narrow) terminal width
+        ["ps", "-ww", "--ppid", str(pid), "-o", "pid=,args="],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return sorted(int(line.split()[0]) for line in listing.splitlines() if "spawn_main" in line)
+
+
+def test_a_killed_rank_ends_the_demo_with_exit_code_1(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [
+            str(CLI), "demo", "--ranks", "3", "--duration", "300", "--port", "0",
+            "--out", str(out), "--plain",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=demo_env(),
+        start_new_session=True,
+    )  # fmt: skip
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line is None:
+                break
+            seen.append(line)
+            if line.split("] ", 1)[-1].startswith("step w2:"):
+                break
+        ranks = _children(proc.pid)
+        assert len(ranks) == 3, "".join(seen)[-3000:]
+        os.kill(ranks[-1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        returncode = proc.wait(timeout=90)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    while (line := lines.get(timeout=10)) is not None:
+        seen.append(line)
+    output = "".join(seen)
+    assert returncode == 1, output[-3000:]
+    assert took < 60, f"took {took:.1f} s to give up"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["stop_reason"] == "a rank failed"
+    assert any(e.endswith("killed by signal 9") for e in summary["run"]["errors"])
+    assert summary["run"]["steps"] > 0
+    assert "rankwatch summary" in output
