@@ -657,7 +657,7 @@ def deepep_normal() -> dict[str, Any]:
             "Open DeepEP incidents",
             "Open DeepEP incidents (pre-stage arrival skew, global or "
             "localized data-path slowdown, unclassified).",
-            f'count(rankwatch_incident_active{{{SEL}, class!="step_time_straggler"}}) or vector(0)',
+            f'count(rankwatch_incident_active{{{SEL}, class!~"step_time_.*"}}) or vector(0)',
             "short",
             thresholds=steps((GREEN, None), (RED, 1)),
         ),
@@ -787,7 +787,7 @@ def deepep_normal() -> dict[str, Any]:
             "(pre_stage_arrival_skew, global_data_path_slowdown, "
             "localized_data_path_slowdown, unclassified), probe and culprit rank.",
             f"max by (class, severity, probe, culprit_rank) "
-            f'(rankwatch_incident_active{{{SEL}, class!="step_time_straggler"}})',
+            f'(rankwatch_incident_active{{{SEL}, class!~"step_time_.*"}})',
             "{{class}} {{probe}} rank {{culprit_rank}} ({{severity}})",
             mappings=OPEN_MAPPING,
             overrides=SEVERITY_COLOURS,

@@ -155,3 +155,19 @@ def test_every_alert_has_unit_tests_on_both_sides() -> None:
     names = {a["alert"] for a in _alerts()}
     assert names <= fired, f"never tested firing: {names - fired}"
     assert names <= silent, f"never tested silent: {names - silent}"
+
+
+def test_rule_classes_are_the_exporters_incident_classes() -> None:
+    """A renamed incident class in the exporter must not silently mute an alert."""
+    from rankwatch.exporter.incidents import INCIDENT_CLASSES, SEVERITIES
+
+    text = RULES.read_text()
+    used = set(re.findall(r'class="(\w+)"', text))
+    assert used <= set(INCIDENT_CLASSES)
+    assert used >= {
+        "step_time_straggler",
+        "global_data_path_slowdown",
+        "localized_data_path_slowdown",
+        "pre_stage_arrival_skew",
+    }
+    assert set(re.findall(r'severity="(\w+)"', text)) <= set(SEVERITIES)
