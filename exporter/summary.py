@@ -432,12 +432,23 @@ class RunRecorder:
 
     It follows incidents with its own :class:`IncidentTracker` (the exporter's rules and
     thresholds, so it agrees with ``rankwatch_incident_active``), keeps the latest live report of
-    each engine and the final ``summary`` window, and counts windows. ``close`` writes nothing:
-    call :meth:`write` once the collectors have closed (the summary window arrives at close).
+    each engine and the final ``summary`` window, and counts windows. :meth:`summary` returns the
+    final summary at any time. With ``out_dir``, ``close`` writes it there (``summary.json`` and
+    ``summary.txt``): ``RankWatch.close`` publishes the long window first, then closes its
+    publishers, so a recorder among them writes the run's summary at shutdown. A recorder that
+    never received a report (a rank other than the root) writes nothing.
     """
 
-    def __init__(self, config: RankwatchConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: RankwatchConfig | None = None,
+        out_dir: str | os.PathLike[str] | None = None,
+        run: Mapping[str, Any] | None = None,
+    ) -> None:
         self.config = config if config is not None else RankwatchConfig()
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        self.run = dict(run or {})
+        self.written: tuple[Path, Path] | None = None
         self._tracker = IncidentTracker.from_config(self.config)
         self._lock = threading.Lock()
         self._incidents: dict[str, IncidentRecord] = {}
@@ -503,7 +514,11 @@ class RunRecorder:
         )
 
     def close(self, timeout_seconds: float) -> None:
-        """Nothing to flush; the summary is written by :meth:`write`."""
+        """Write the summary into ``out_dir`` (when given and a report was received)."""
+        with self._lock:
+            received = bool(self.windows) or self.final_step is not None
+        if self.out_dir is not None and received:
+            self.written = write_summary(self.out_dir, self.summary(self.run))
 
     def incidents(self) -> list[IncidentRecord]:
         """Every incident of the run so far, in opening order; open ones have no close time."""

@@ -352,3 +352,19 @@ def test_live_view_fits_a_small_terminal() -> None:
     assert "open incidents (1):" in text
     assert "7.0 s / 15 s" in text
     assert len(text.splitlines()) <= 24
+
+
+def test_recorder_writes_the_summary_when_closed(tmp_path: Path) -> None:
+    recorder = RunRecorder(RankwatchConfig(), out_dir=tmp_path / "run", run={"run_id": "r1"})
+    recorder.close(1.0)  # nothing received (not the root): nothing written
+    assert not (tmp_path / "run").exists()
+    for i in range(3):
+        recorder.publish(_window(i, _step_report(1, forward_ms=20.0)))
+    recorder.publish(_window(3, _step_report(1, forward_ms=20.0), kind="summary"))
+    recorder.close(1.0)
+    assert recorder.written == (tmp_path / "run" / "summary.json", tmp_path / "run" / "summary.txt")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["run"] == {"run_id": "r1"}
+    assert summary["verdict"]["kind"] == "COMPUTE_STRAGGLER"
+    assert summary["verdict"]["rank"] == 1
+    assert "rank 1 is a compute straggler" in (tmp_path / "run" / "summary.txt").read_text()
