@@ -4,8 +4,9 @@ The parent process spawns ``ranks`` workers (Gloo on CPU). Every worker trains a
 under :class:`~rankwatch.exporter.rankwatch.RankWatch` and writes DeepEP normal-mode counters
 from the simulator into the DeepEP collector's counter bundles, so both diagnosis engines see
 real windows through the real pipeline. The root (rank 0) publishes to ``/metrics``, OTLP (when
-an endpoint is set), artifacts, and a channel back to the parent, which draws the live table
-and prints the final summary.
+an endpoint is set), log lines and NPZ artifacts, and forwards every report through a channel
+to the parent, which draws the live table, keeps the run's incidents, draws the heatmaps and
+writes the step-time window files and the final summary.
 
 The timeline is owned by the root: at the start of every step it broadcasts which phase the
 world is in and whether to stop, so all ranks agree on both without a shared clock.
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -50,7 +51,7 @@ STEP_PHASES: dict[str, str] = {
     "input": "the straggler rank sleeps in its data loading",
     "compute": "the straggler rank's forward pass is slowed",
 }
-# The simulator's five DeepEP normal-mode phases, in the order the seed's validation ran them.
+# The simulator's five DeepEP normal-mode phases, in the order of the DeepEP validation run.
 DEEPEP_PHASES: tuple[str, ...] = (
     "baseline",
     "pre_dispatch_delay",
@@ -588,6 +589,7 @@ def run_demo(options: DemoOptions) -> int:
     run_id = "demo-" + time.strftime("%Y%m%d-%H%M%S")
     config = _rank_config(options, run_id)
     options.out.mkdir(parents=True, exist_ok=True)
+    _clear_previous_run(options.out)
     recorder = RunRecorder(config)
     ctx = mp.get_context("spawn")
     channel = ctx.Queue(maxsize=4096)
@@ -621,9 +623,10 @@ def run_demo(options: DemoOptions) -> int:
         ) as view:
             _supervise(procs, channel, stop_event, interrupts, view, recorder, state, renderer)
     finally:
-        _reap(procs, channel, recorder, state)
-        interrupts.restore()
-    heatmaps = renderer.finish(state.started_at_s)
+        _reap(procs, channel, recorder, state, lambda: interrupts.count >= 2)
+    # Our handlers stay installed until the summary is written: a Ctrl-C now only shortens
+    # the wait for the heatmaps (a second one skips it).
+    heatmaps = renderer.finish(state.started_at_s, cancelled=lambda: interrupts.count >= 2)
     step_windows = _write_step_windows(options, state, config, run_id)
     run = {
         "run_id": run_id,
@@ -648,6 +651,7 @@ def run_demo(options: DemoOptions) -> int:
         "logs": str(options.out / "logs"),
     }
     write_summary(options.out, summary)
+    interrupts.restore()
     print()
     print(summary_text(summary), end="", flush=True)
     if interrupts.count:
@@ -655,6 +659,28 @@ def run_demo(options: DemoOptions) -> int:
     if state.errors or state.done is None:
         return EXIT_FAILURE
     return EXIT_OK
+
+
+# What a demo run writes under --out: a new run removes exactly these, nothing else there.
+_OWN_FILES = (
+    "summary.json",
+    "summary.txt",
+    "deepep/deepep-normal-*.npz",
+    "deepep/deepep_diagnose_rank*.log",
+    "heatmaps/*/deepep-normal-*.png",
+    "step-windows/step-window-*.json",
+    "logs/rank*.log",
+)
+
+
+def _clear_previous_run(out: Path) -> None:
+    # Windows of two runs in one folder would interleave in a replay.
+    for pattern in _OWN_FILES:
+        for path in out.glob(pattern):
+            path.unlink(missing_ok=True)
+    for folder in sorted(out.glob("heatmaps/*"), reverse=True):
+        with contextlib.suppress(OSError):  # not empty: something of the user's is in it
+            folder.rmdir()
 
 
 def _steps(state: _RunState) -> int | None:
@@ -773,10 +799,17 @@ def _supervise(
             return
 
 
-def _reap(procs: list[Any], channel: Any, recorder: Any, state: _RunState) -> None:
-    """Wait for every rank to exit (draining the channel so none blocks on it); then force."""
+def _reap(
+    procs: list[Any],
+    channel: Any,
+    recorder: Any,
+    state: _RunState,
+    hurry: Callable[[], bool],
+) -> None:
+    """Wait for every rank to exit (draining the channel so none blocks on it), unless
+    ``state.force_stop`` or ``hurry()`` says not to; then terminate what is left."""
     deadline = time.monotonic() + (0.0 if state.force_stop else JOIN_TIMEOUT_S)
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not hurry():
         try:
             _absorb(channel.get(timeout=0.1), recorder, state)
         except queue.Empty:
@@ -823,15 +856,23 @@ class _HeatmapRenderer:
                 self._scheduled.add(index)
                 self._jobs.put((index, started_at_s))
 
-    def finish(self, started_at_s: float | None, timeout_s: float = 60.0) -> list[Path]:
-        """Schedule what is left, wait (bounded) for the thread, return the written files."""
+    def finish(
+        self,
+        started_at_s: float | None,
+        timeout_s: float = 60.0,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> list[Path]:
+        """Schedule what is left, wait (bounded, or until ``cancelled()``) for the thread,
+        return the written files."""
         if started_at_s is not None:
             for index in range(len(DEEPEP_PHASES)):
                 if index not in self._scheduled:
                     self._scheduled.add(index)
                     self._jobs.put((index, started_at_s))
         self._jobs.put(None)
-        self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline and not cancelled():
+            self._thread.join(0.1)
         return list(self.written)
 
     def _pick(self, index: int, started_at_s: float) -> Path | None:

@@ -56,6 +56,10 @@ scrape_configs:
       - targets: ["127.0.0.1:{port}"]
 """
     out = tmp_path_factory.mktemp("demo") / "out"
+    # Left over from an earlier run: the demo removes its own old files, nothing else.
+    (out / "deepep").mkdir(parents=True)
+    (out / "deepep" / "deepep-normal-old-w00000099.npz").write_bytes(b"old run")
+    (out / "notes.txt").write_text("mine")
     with prometheus(config) as prom, victoria_metrics(["-opentelemetry.usePrometheusNaming"]) as vm:
         env = demo_env()
         env["OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"] = f"{vm.url}/opentelemetry/v1/metrics"
@@ -181,6 +185,8 @@ def test_step_windows_diagnose_offline(demo_run: DemoRun) -> None:
 
 
 def test_deepep_artifacts_replay_and_heatmaps(demo_run: DemoRun) -> None:
+    assert (demo_run.out / "notes.txt").read_text() == "mine"
+    assert not (demo_run.out / "deepep" / "deepep-normal-old-w00000099.npz").exists()
     npz = sorted((demo_run.out / "deepep").glob("*.npz"))
     assert len(npz) >= 20  # about one per second of the 30 s timeline
     result = run_cli("replay", str(demo_run.out))
