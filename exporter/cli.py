@@ -128,35 +128,57 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the demo job: a small Gloo world with scripted stragglers",
         description="Spawn a small multi-rank job with a scripted timeline of stragglers and "
         "DeepEP phases; serve /metrics, show a live table, write artifacts and a summary.",
+        epilog="Timeline phases: balanced, input (the straggler sleeps in its data loading), "
+        "compute (its forward pass is slowed). Exit codes: 0 done, 1 a rank failed, 2 bad "
+        "arguments or configuration, 130 interrupted (Ctrl-C; the summary is still written).",
     )
     demo.add_argument(
         "--duration",
         type=_positive("seconds"),
         default=None,
-        help="seconds the timeline lasts; its phases are scaled to fit (default 60, or the sum "
+        metavar="SECONDS",
+        help="how long the timeline lasts; its phases are scaled to fit (default 60, or the sum "
         "of --timeline)",
     )
-    demo.add_argument("--ranks", type=_int_in(2, 8), default=4, help="ranks (2..8)")
-    demo.add_argument("--port", type=_int_in(0, 65535), default=9464, help="/metrics port (0: any)")
-    demo.add_argument("--addr", default="127.0.0.1", help="/metrics bind address")
-    demo.add_argument("--out", type=Path, default=Path("rankwatch-out"), help="output folder")
+    demo.add_argument(
+        "--ranks", type=_int_in(2, 8), default=4, metavar="N", help="ranks, 2..8 (default 4)"
+    )
+    demo.add_argument(
+        "--port",
+        type=_int_in(0, 65535),
+        default=9464,
+        help="/metrics port; 0 picks a free one (default 9464)",
+    )
+    demo.add_argument(
+        "--addr", default="127.0.0.1", metavar="ADDRESS", help="/metrics address (127.0.0.1)"
+    )
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=Path("rankwatch-out"),
+        metavar="DIR",
+        help="output folder (default rankwatch-out)",
+    )
     demo.add_argument(
         "--straggler-rank",
         type=_int_in(0, 7),
         default=1,
+        metavar="R",
         help="the rank the timeline slows down (default 1)",
     )
     demo.add_argument(
         "--straggler-ms",
         type=_positive("ms"),
         default=40.0,
+        metavar="MS",
         help="extra milliseconds per step of the slowed rank (default 40)",
     )
     demo.add_argument(
         "--scenario",
         choices=sorted(SCENARIOS),
         default="full",
-        help="named timeline (default full)",
+        metavar="NAME",
+        help=f"named timeline: {', '.join(sorted(SCENARIOS))} (default full)",
     )
     demo.add_argument(
         "--timeline",
@@ -169,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--interval",
         type=_positive("seconds"),
         default=1.0,
+        metavar="SECONDS",
         help="seconds between windows (default 1)",
     )
     demo.add_argument(
