@@ -357,7 +357,7 @@ def dashboard(
             }
         ],
         "__requires": [
-            {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "11.0.0"},
+            {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "11.6.0"},
             {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
         ]
         + [{"type": "panel", "id": k, "name": k, "version": ""} for k in kinds],
