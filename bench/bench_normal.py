@@ -34,7 +34,7 @@ def _bare_passes(window: Any) -> float:
 
 
 def _repeats(ep: int) -> int:
-    return 9 if ep >= 1024 else 15
+    return 15
 
 
 def _row(name: str, unit: str, samples: list[float], baseline: list[float]) -> dict[str, Any]:
