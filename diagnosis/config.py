@@ -65,6 +65,12 @@ def validate_options(obj: Any) -> None:
         if kind is str:
             if not isinstance(value, str):
                 raise TypeError(f"{label}: expected a string, got {value!r}")
+            try:
+                # A byte that is not UTF-8 in an environment variable arrives as a lone
+                # surrogate; as a label value it would make every /metrics scrape fail.
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{label}: must be valid UTF-8 text, got {value!r}") from None
             if meta["choices"] is not None and value not in meta["choices"]:
                 raise ValueError(f"{label}: must be one of {list(meta['choices'])}, got {value!r}")
             continue
