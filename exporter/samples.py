@@ -1,9 +1,18 @@
 """The samples of the metric catalogue: what both publishing paths publish, computed once.
 
-:func:`build_samples` turns the latest state (window report, incidents, the exporter's own
-counters) into a flat list of :class:`Sample` — ``(Prometheus name, label values, value)`` for
-every family of :mod:`rankwatch.exporter.catalogue`. The Prometheus collector and the OTel
-callbacks both read this list and nothing else, so the two paths cannot drift apart.
+:func:`build_samples` turns the state of one group (window report, incidents, the exporter's
+own counters) into a flat list of :class:`Sample` — ``(Prometheus name, label values, value)``
+for every family of :mod:`rankwatch.exporter.catalogue`. The Prometheus collector and the OTel
+callbacks both read such lists and nothing else, so the two paths cannot drift apart.
+
+It is the concatenation of smaller pieces, which the publishing hub
+(:class:`~rankwatch.exporter.publishing.LatestState`) assembles itself because one process
+publishes several groups and engines at once: :func:`engine_samples` (one engine's part of a
+report; the engines' families are disjoint), :func:`window_samples` (the window itself),
+:func:`incident_samples` and :func:`window_invalid_samples` (per group),
+:func:`health_samples` (the process's own health) and :func:`clock_samples` (the window's age).
+Every piece labels its samples with one report's ``run`` and ``group``, so a group's samples never
+carry another group's labels.
 
 Rules the list obeys:
 
@@ -18,8 +27,8 @@ Rules the list obeys:
   column medians, which are always published. Low-latency point ratios exist only for flagged
   cells (also capped). Everything else grows with the number of ranks, not its square.
 * **Nothing stale.** The list is rebuilt from the latest state: a rank missing from the latest
-  window and an incident that has closed have no samples, so their series end at the next scrape
-  or collection.
+  window (of its group and engine) and an incident that has closed have no samples, so their
+  series end at the next scrape or collection.
 
 Normal-mode arrays are indexed by EP rank; when the report lists exactly ``ep_size`` ranks, index
 ``i`` is labelled with the global rank of ``report.ranks[i]`` (the same mapping is applied to
@@ -45,6 +54,7 @@ from .config import RankwatchConfig
 from .incidents import INCIDENT_CLASSES, SEVERITIES, IncidentSnapshot
 
 __all__ = [
+    "ENGINES",
     "PHASES",
     "RESIDUAL_SCOPES",
     "SEVERITY_LEVELS",
@@ -52,9 +62,14 @@ __all__ = [
     "Sample",
     "build_samples",
     "clock_samples",
+    "engine_samples",
     "group_by_family",
+    "health_samples",
+    "incident_samples",
     "report_samples",
     "state_samples",
+    "window_invalid_samples",
+    "window_samples",
 ]
 
 # Per-rank phases published by rankwatch_phase_seconds, in the step-time report's keys.
@@ -330,15 +345,39 @@ def _check(report: Any, config: Any) -> None:
         raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
 
 
-def report_samples(report: WindowReport | None, config: RankwatchConfig) -> list[Sample]:
-    """Samples that depend only on the window report (cacheable per report)."""
+# The engines whose part of a report engine_samples() publishes; their families are disjoint.
+ENGINES: tuple[str, ...] = ("step_time", "normal", "low_latency")
+
+
+def engine_samples(report: WindowReport, config: RankwatchConfig, engine: str) -> list[Sample]:
+    """Samples of one engine's part of ``report`` (``"step_time"``, ``"normal"`` or
+    ``"low_latency"``); empty when that engine has no result in it.
+
+    The engines' families are disjoint, so a publisher may take each part from a different
+    report of the same group (the hub does) without ever producing one series twice.
+    """
     _check(report, config)
     if report is None:
-        return []
+        raise TypeError("report: expected WindowReport, got None")
     out = _Out(_common(report, config))
-    _step_time(out, report)
-    _normal(out, report, config.cell_budget)
-    _low_latency(out, report, config.cell_budget)
+    if engine == "step_time":
+        _step_time(out, report)
+    elif engine == "normal":
+        _normal(out, report, config.cell_budget)
+    elif engine == "low_latency":
+        _low_latency(out, report, config.cell_budget)
+    else:
+        raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
+    return out.samples
+
+
+def window_samples(report: WindowReport, config: RankwatchConfig) -> list[Sample]:
+    """Samples of the window itself: index, timestamp, missing ranks, group size and the
+    diagnosis time of every engine in ``report.diagnosis_seconds``."""
+    _check(report, config)
+    if report is None:
+        raise TypeError("report: expected WindowReport, got None")
+    out = _Out(_common(report, config))
     out.add(_S["window_index"], (), report.window_index)
     out.add(_S["window_timestamp_seconds"], (), report.created_at_s)
     out.add(_S["window_missing_ranks"], (), len(report.missing_ranks))
@@ -349,23 +388,35 @@ def report_samples(report: WindowReport | None, config: RankwatchConfig) -> list
     return out.samples
 
 
+def report_samples(report: WindowReport | None, config: RankwatchConfig) -> list[Sample]:
+    """Samples that depend only on the window report (cacheable per report): every engine's
+    part, then the window's own."""
+    _check(report, config)
+    if report is None:
+        return []
+    out: list[Sample] = []
+    for engine in ENGINES:
+        out += engine_samples(report, config, engine)
+    return out + window_samples(report, config)
+
+
 def _counter_samples(out: _Out, spec: MetricSpec, counts: Mapping[str, int]) -> None:
     for key in sorted(counts):
         out.add(spec, (str(key),), counts[key])
 
 
-def state_samples(
-    report: WindowReport | None,
-    incidents: IncidentSnapshot,
-    health: ExporterHealth,
-    config: RankwatchConfig,
-) -> list[Sample]:
-    """Samples of the incidents and of the exporter's own health and counters."""
+def _check_state(report: Any, config: Any, name: str, value: Any, kind: type) -> None:
     _check(report, config)
-    if not isinstance(incidents, IncidentSnapshot):
-        raise TypeError(f"incidents: expected IncidentSnapshot, got {type(incidents).__name__}")
-    if not isinstance(health, ExporterHealth):
-        raise TypeError(f"health: expected ExporterHealth, got {type(health).__name__}")
+    if not isinstance(value, kind):
+        raise TypeError(f"{name}: expected {kind.__name__}, got {type(value).__name__}")
+
+
+def incident_samples(
+    report: WindowReport | None, incidents: IncidentSnapshot, config: RankwatchConfig
+) -> list[Sample]:
+    """Samples of the incidents of ``report``'s group: openings so far by class and severity
+    (every known pair from the start), and one active/score series per open incident."""
+    _check_state(report, config, "incidents", incidents, IncidentSnapshot)
     out = _Out(_common(report, config))
     totals = incidents.opened_total
     # Every known class and severity from the start, so increase() sees the first incident.
@@ -386,12 +437,42 @@ def state_samples(
     for labels, (one, score) in active.items():
         out.add(_S["incident_active"], labels, one)
         out.add(_S["incident_score"], labels, score)
+    return out.samples
+
+
+def window_invalid_samples(
+    report: WindowReport | None, counts: Mapping[str, int], config: RankwatchConfig
+) -> list[Sample]:
+    """``rankwatch_deepep_window_invalid_total`` of ``report``'s group: rejected DeepEP
+    windows so far, by reason."""
+    _check_state(report, config, "counts", counts, Mapping)
+    out = _Out(_common(report, config))
+    _counter_samples(out, _S["deepep_window_invalid_total"], counts)
+    return out.samples
+
+
+def health_samples(
+    report: WindowReport | None, health: ExporterHealth, config: RankwatchConfig
+) -> list[Sample]:
+    """Samples of the exporter's own health and counters (``health.window_invalid`` included)."""
+    _check_state(report, config, "health", health, ExporterHealth)
+    out = _Out(_common(report, config))
     _counter_samples(out, _S["deepep_window_invalid_total"], health.window_invalid)
     _counter_samples(out, _S["collection_errors_total"], health.collection_errors)
     _counter_samples(out, _S["export_failures_total"], health.export_failures)
     out.add(_S["exporter_up"], (), 1.0 if health.up else 0.0)
     out.add(_S["exporter_start_time_seconds"], (), health.started_at_s)
     return out.samples
+
+
+def state_samples(
+    report: WindowReport | None,
+    incidents: IncidentSnapshot,
+    health: ExporterHealth,
+    config: RankwatchConfig,
+) -> list[Sample]:
+    """Samples of the incidents and of the exporter's own health and counters."""
+    return incident_samples(report, incidents, config) + health_samples(report, health, config)
 
 
 def clock_samples(report: WindowReport | None, config: RankwatchConfig, now: float) -> list[Sample]:
