@@ -4,15 +4,23 @@ thread.
 :class:`PublisherHub` implements the :class:`~rankwatch.exporter.publisher.Publisher` protocol.
 ``publish(report)`` only hands the report over and returns at once: a bounded queue
 (``MAX_QUEUED_REPORTS``) where the newest report wins, so a burst of windows is still fed to the
-incident tracker in order while a stuck hub can never hold more than a few reports (the oldest
+incident trackers in order while a stuck hub can never hold more than a few reports (the oldest
 one dropped is counted in ``rankwatch_export_failures_total{exporter="publish_queue"}``). The
 hub's thread then
 
-1. feeds the report to the :class:`~rankwatch.exporter.incidents.IncidentTracker`,
-2. swaps in the new latest state, which ``/metrics`` scrapes and OTLP collections read (both
-   through :func:`~rankwatch.exporter.samples.build_samples`, so they cannot disagree),
+1. feeds the report to the :class:`~rankwatch.exporter.incidents.IncidentTracker` of its group,
+2. folds it into the latest state of its group (:class:`LatestState`), which ``/metrics`` scrapes
+   and OTLP collections read (both through the same samples, so they cannot disagree),
 3. writes each incident event as one log line (JSON by default, on the ``rankwatch.incidents``
    logger: openings at WARNING, closings at INFO) and queues it for OTLP as a log record.
+
+One hub serves every collector of a process at once: the step-time collector (group ``world``,
+say) and the DeepEP collector (group ``ep``) may hand their reports to the same hub, and
+``/metrics`` and OTLP carry both sets of series side by side. The state is kept per group
+(``report.group``, else ``config.group_name``), and within a group per engine: a step-time
+report replaces the step-time series of its group and leaves the DeepEP series of the group
+alone, and the other way round. Incidents are tracked per group, so each group keeps its own
+k-of-n and m-clean windows.
 
 Network I/O happens only on the OTLP worker thread and the HTTP server's threads, so an
 unreachable or black-holed collector costs the training loop nothing; its failures are counted
@@ -31,7 +39,8 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rankwatch.diagnosis.window_report import WindowReport
@@ -42,9 +51,20 @@ from .incidents import IncidentEvent, IncidentSnapshot, IncidentTracker
 from .otlp import OTLP_LOGS, OTLP_METRICS, OtlpPublisher, OtlpSettings, otlp_settings
 from .prometheus import MetricsServer, SampleParts, start_metrics_server
 from .publisher import Publisher
-from .samples import ExporterHealth, Sample, clock_samples, report_samples, state_samples
+from .samples import (
+    ENGINES,
+    ExporterHealth,
+    Sample,
+    clock_samples,
+    engine_samples,
+    health_samples,
+    incident_samples,
+    window_invalid_samples,
+    window_samples,
+)
 
 __all__ = [
+    "MAX_GROUPS",
     "MAX_QUEUED_REPORTS",
     "PUBLISH_QUEUE",
     "HealthCounters",
@@ -59,6 +79,9 @@ event_log = logging.getLogger("rankwatch.incidents")
 PUBLISH_QUEUE = "publish_queue"
 # Reports waiting for the hub thread; beyond this the oldest is dropped (and counted).
 MAX_QUEUED_REPORTS = 8
+# Groups one hub keeps a state (and an incident tracker) for; beyond this the group that
+# published least recently is forgotten. A process has a handful (world, ep, a few DP groups).
+MAX_GROUPS = 64
 
 
 class HealthCounters:
@@ -69,7 +92,6 @@ class HealthCounters:
         self.started_at_s = started_at_s
         self._failures: dict[str, int] = dict.fromkeys(exporters, 0)
         self._collection: dict[str, int] = {}
-        self._invalid: dict[str, int] = {}
 
     @staticmethod
     def _key(kind: str, value: Any) -> str:
@@ -89,30 +111,111 @@ class HealthCounters:
         with self._lock:
             self._collection[key] = self._collection.get(key, 0) + 1
 
-    def window_invalid(self, reason: str) -> None:
-        """One DeepEP window (normal or low-latency) rejected before diagnosis."""
-        key = self._key("reason", reason)
-        with self._lock:
-            self._invalid[key] = self._invalid.get(key, 0) + 1
-
     def snapshot(self, up: bool = True) -> ExporterHealth:
-        """The counters as they are now."""
+        """The counters as they are now.
+
+        Rejected DeepEP windows are not among them: they belong to a group and are counted in
+        that group's :class:`LatestState`.
+        """
         with self._lock:
             return ExporterHealth(
                 started_at_s=self.started_at_s,
                 up=up,
                 export_failures=dict(self._failures),
                 collection_errors=dict(self._collection),
-                window_invalid=dict(self._invalid),
             )
 
 
-class LatestState:
-    """The latest published state, read by ``/metrics`` scrapes and OTLP collections.
+def _carries(report: WindowReport, engine: str) -> bool:
+    """Whether ``report`` has an outcome of ``engine``: a result, or a reason it was rejected."""
+    if engine == "step_time":
+        return report.step_time is not None
+    if engine == "normal":
+        return report.normal is not None or report.normal_invalid_reason is not None
+    return report.low_latency is not None or report.low_latency_invalid_reason is not None
 
-    ``update`` (hub thread) swaps in a new report and incident snapshot in one assignment;
-    readers on other threads always see a consistent pair. The report's samples are computed
-    once per report; incident, health and clock samples at every read.
+
+@dataclass(frozen=True)
+class _Part:
+    """One engine's part of a group's state: the report it came from and that part's samples,
+    computed once per report (and labelled with that report's ranks)."""
+
+    source: WindowReport | None
+    samples: list[Sample]
+
+
+_NO_PART = _Part(None, [])
+
+
+@dataclass(frozen=True)
+class _GroupState:
+    """The latest state of one group; immutable, replaced as a whole."""
+
+    report: WindowReport  # the merged view (see LatestState)
+    parts: tuple[_Part, ...]  # one per ENGINES, in that order
+    window: list[Sample]  # samples of the window itself, from the merged view
+    incidents: IncidentSnapshot
+    invalid: Mapping[str, int]  # DeepEP windows of this group rejected so far, by reason
+
+
+@dataclass(frozen=True)
+class _View:
+    """Everything readers see, swapped in one assignment."""
+
+    groups: dict[str, _GroupState]  # least recently updated first (eviction order)
+    newest: WindowReport | None
+    # The per-report samples of every group (sorted by group), one list object per update.
+    per_report: list[Sample]
+
+
+def _merged(report: WindowReport, parts: Sequence[_Part], prev: _GroupState | None) -> WindowReport:
+    """``report`` with each engine's outcome taken from the part's source report, and the
+    diagnosis times of every engine seen in the group (the newest per engine)."""
+    seconds = dict(prev.report.diagnosis_seconds) if prev is not None else {}
+    seconds.update(report.diagnosis_seconds)
+    step, normal, low = (part.source for part in parts)
+    if all(src is None or src is report for src in (step, normal, low)) and (
+        seconds == report.diagnosis_seconds
+    ):
+        return report  # nothing taken from an earlier report
+    return replace(
+        report,
+        step_time=None if step is None else step.step_time,
+        normal=None if normal is None else normal.normal,
+        normal_invalid_reason=None if normal is None else normal.normal_invalid_reason,
+        low_latency=None if low is None else low.low_latency,
+        low_latency_invalid_reason=None if low is None else low.low_latency_invalid_reason,
+        diagnosis_seconds=seconds,
+    )
+
+
+class LatestState:
+    """The latest published state of every group, read by ``/metrics`` scrapes and OTLP
+    collections.
+
+    **Per group.** A report belongs to the group ``report.group`` (``config.group_name`` when
+    empty). Each group keeps its own state, so the step-time collector's group and the DeepEP
+    collector's group are published side by side, each with its own ``group`` label. At most
+    :data:`MAX_GROUPS` groups are kept: a group that has not published for a long time stays (its
+    series and a growing ``rankwatch_window_age_seconds``, which is what the stale-window alert
+    needs) until a new group beyond the bound replaces the group that published least recently.
+
+    **Per engine within a group.** The step-time part (``step_time``) comes from the newest report
+    of the group that carries one, the normal-mode part (``normal``, ``normal_invalid_reason``)
+    from the newest that carries a normal-mode outcome, the low-latency part (``low_latency``,
+    ``low_latency_invalid_reason``) likewise; window index, timestamp, run, kind, ranks and
+    missing ranks come from the newest report of the group, and ``diagnosis_seconds`` keeps the
+    newest time of every engine. An engine's series are rebuilt only from that engine's reports:
+    a rank that left the group loses its series at the group's next window of that engine. A
+    ``summary`` window (published once at shutdown) is folded in like any other report; the
+    incident trackers ignore it.
+
+    **Caching.** Each engine's samples are computed once per report that carries it and reused
+    while later reports of the group leave that engine alone; incident, health and age samples
+    are rebuilt at every read.
+
+    **Threads.** ``update`` runs on the hub thread and swaps in a new immutable view in one
+    assignment; readers on other threads always see a consistent state.
     """
 
     def __init__(
@@ -124,46 +227,115 @@ class LatestState:
         if not isinstance(config, RankwatchConfig):
             raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
         self.config, self.health, self.clock = config, health, clock
-        empty: list[Sample] = []
-        self._latest: tuple[WindowReport | None, list[Sample], IncidentSnapshot] = (
-            None,
-            empty,
-            IncidentSnapshot(),
-        )
+        self._view = _View({}, None, [])
+
+    def group_of(self, report: WindowReport) -> str:
+        """The group ``report`` is kept under (and published with): its own, else the config's."""
+        return report.group or self.config.group_name
 
     def update(self, report: WindowReport, incidents: IncidentSnapshot) -> None:
-        """Make ``report`` (and the incidents as of it) the state every reader sees."""
+        """Fold ``report`` into its group's state, with ``incidents`` (its group's, as of it)."""
         if not isinstance(report, WindowReport):
             raise TypeError(f"report: expected WindowReport, got {type(report).__name__}")
         if not isinstance(incidents, IncidentSnapshot):
             raise TypeError(f"incidents: expected IncidentSnapshot, got {type(incidents).__name__}")
-        self._latest = (report, report_samples(report, self.config), incidents)
+        view = self._view
+        key = self.group_of(report)
+        prev = view.groups.get(key)
+        parts: list[_Part] = []
+        for i, engine in enumerate(ENGINES):
+            if _carries(report, engine):
+                parts.append(_Part(report, engine_samples(report, self.config, engine)))
+            else:
+                parts.append(_NO_PART if prev is None else prev.parts[i])
+        merged = _merged(report, parts, prev)
+        invalid = dict(prev.invalid) if prev is not None else {}
+        for reason in (report.normal_invalid_reason, report.low_latency_invalid_reason):
+            if reason:
+                invalid[str(reason)] = invalid.get(str(reason), 0) + 1
+        state = _GroupState(
+            merged, tuple(parts), window_samples(merged, self.config), incidents, invalid
+        )
+        groups = {g: st for g, st in view.groups.items() if g != key}
+        groups[key] = state
+        while len(groups) > MAX_GROUPS:
+            del groups[next(iter(groups))]
+        per_report: list[Sample] = []
+        for g in sorted(groups):
+            for part in groups[g].parts:
+                per_report += part.samples
+            per_report += groups[g].window
+        self._view = _View(groups, report, per_report)
 
     @property
     def report(self) -> WindowReport | None:
-        """The latest published window report (None before the first)."""
-        return self._latest[0]
+        """The newest report handed to :meth:`update`, of any group (None before the first)."""
+        return self._view.newest
+
+    @property
+    def reports(self) -> dict[str, WindowReport]:
+        """The state of every kept group as one report each (by group name): the newest report of
+        the group with every engine's part from the newest report that carried it."""
+        groups = self._view.groups
+        return {g: groups[g].report for g in sorted(groups)}
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The names of the kept groups, sorted."""
+        return tuple(sorted(self._view.groups))
 
     @property
     def incidents(self) -> IncidentSnapshot:
-        """The incidents as of the latest report."""
-        return self._latest[2]
+        """The incidents of the newest report's group, as of that report."""
+        view = self._view
+        if view.newest is None:
+            return IncidentSnapshot()
+        state = view.groups.get(self.group_of(view.newest))
+        return IncidentSnapshot() if state is None else state.incidents
+
+    @property
+    def incidents_by_group(self) -> dict[str, IncidentSnapshot]:
+        """The incidents of every kept group (by group name)."""
+        groups = self._view.groups
+        return {g: groups[g].incidents for g in sorted(groups)}
 
     def parts(self) -> SampleParts:
-        """(per-report samples, the same list object until the next report; the rest, fresh)."""
-        report, per_report, incidents = self._latest
-        fresh = state_samples(report, incidents, self.health.snapshot(), self.config)
-        fresh += clock_samples(report, self.config, self.clock())
-        return per_report, fresh
+        """(per-report samples, the same list object until the next report; the rest, fresh).
+
+        Per group: its engines' and window's samples (cached), its incidents, its rejected
+        DeepEP windows and its window's age. Once per process, labelled with ``config.run_id``
+        and ``config.group_name`` (the identity the hub was configured with, as in its OTLP
+        resource): the exporter's own health and counters, which belong to no one group.
+        """
+        view = self._view
+        config = self.config
+        now = self.clock()
+        fresh: list[Sample] = []
+        if not view.groups:
+            # No report yet: the incident counters exist from the start, so increase() sees
+            # the first incident.
+            fresh += incident_samples(None, IncidentSnapshot(), config)
+        for g in sorted(view.groups):
+            state = view.groups[g]
+            fresh += incident_samples(state.report, state.incidents, config)
+            fresh += window_invalid_samples(state.report, state.invalid, config)
+            fresh += clock_samples(state.report, config, now)
+        fresh += health_samples(None, self.health.snapshot(), config)
+        return view.per_report, fresh
 
     def samples(self) -> list[Sample]:
-        """Every sample of the latest state (what :func:`build_samples` returns for it)."""
+        """Every sample of the latest state (what ``/metrics`` and OTLP publish)."""
         per_report, fresh = self.parts()
         return list(per_report) + list(fresh)
 
 
 class PublisherHub:
     """Publishes window reports to Prometheus, OTLP and log lines from a thread of its own.
+
+    Every collector of the process may share one hub: reports of different groups and engines
+    are published side by side (see :class:`LatestState`), and each group has its own
+    :class:`~rankwatch.exporter.incidents.IncidentTracker` (``trackers``), kept exactly as long
+    as the group's state.
 
     ``metrics=False`` skips the HTTP endpoint (else it follows ``config.metrics_enabled``);
     ``otlp`` overrides the OTLP settings read from the environment (``None``: read them;
@@ -214,7 +386,9 @@ class PublisherHub:
             exporters += [name for name, on in signals if on]
         self.health = HealthCounters(clock(), exporters)
         self.state = LatestState(config, self.health, clock)
-        self.tracker = IncidentTracker.from_config(config)
+        # One tracker per group (hub thread only): a group's windows never count for, or close,
+        # another group's incidents, and its events carry its own group.
+        self._trackers: dict[str, IncidentTracker] = {}
 
         self.metrics_server: MetricsServer | None = None
         self.otlp: OtlpPublisher | None = None
@@ -309,6 +483,12 @@ class PublisherHub:
         return True
 
     @property
+    def trackers(self) -> dict[str, IncidentTracker]:
+        """The incident tracker of every kept group (by group name); read them after
+        :meth:`flush`, as the hub thread updates them."""
+        return dict(self._trackers)
+
+    @property
     def metrics_url(self) -> str | None:
         """URL of ``/metrics``, or None without the HTTP endpoint."""
         return None if self.metrics_server is None else self.metrics_server.url
@@ -334,11 +514,25 @@ class PublisherHub:
                 return
 
     def _handle(self, report: WindowReport) -> None:
-        events = self.tracker.update(report)
-        for reason in (report.normal_invalid_reason, report.low_latency_invalid_reason):
-            if reason:
-                self.health.window_invalid(reason)
-        self.state.update(report, self.tracker.snapshot())
+        group = self.state.group_of(report)
+        tracker = self._trackers.get(group)
+        if tracker is None:
+            tracker = self._trackers[group] = IncidentTracker(
+                self.config.incident_open_k,
+                self.config.incident_open_n,
+                self.config.incident_close_m,
+                group=group,
+                run=self.config.run_id,
+            )
+        try:
+            events = tracker.update(report)
+            self.state.update(report, tracker.snapshot())
+        finally:
+            # A tracker lives as long as its group's state: forget those of groups the state
+            # dropped (the MAX_GROUPS bound) or never took (a report that failed to publish).
+            kept = set(self.state.groups)
+            for name in [name for name in self._trackers if name not in kept]:
+                del self._trackers[name]
         for event in events:
             self._log_event(event)
             if self.otlp is not None:

@@ -99,8 +99,12 @@ def window(
     created_at_s: float | None = None,
     missing: tuple[int, ...] = (),
     normal_invalid_reason: str | None = None,
+    low_latency_invalid_reason: str | None = None,
     window_kind: str = "live",
+    diagnosis_seconds: dict[str, float] | None = None,
 ) -> WindowReport:
+    if diagnosis_seconds is None:
+        diagnosis_seconds = {"step_time": 0.0012, "normal": 0.0034}
     return WindowReport(
         group=group,
         window_index=index,
@@ -113,7 +117,46 @@ def window(
         normal=normal,
         normal_invalid_reason=normal_invalid_reason,
         low_latency=low_latency,
-        diagnosis_seconds={"step_time": 0.0012, "normal": 0.0034},
+        low_latency_invalid_reason=low_latency_invalid_reason,
+        diagnosis_seconds=diagnosis_seconds,
+    )
+
+
+def step_window(
+    index: int, n: int = 4, culprit: int | None = 2, *, group: str = "world", **kw
+) -> WindowReport:
+    """What the step-time collector publishes: a step-time report only."""
+    return window(
+        index,
+        n=n,
+        step_time=step_report(n, culprit=culprit),
+        group=group,
+        diagnosis_seconds={"step_time": 0.0012},
+        **kw,
+    )
+
+
+def deepep_window(
+    index: int,
+    normal: NormalReport | None,
+    ep: int = 16,
+    *,
+    group: str = "ep",
+    low_latency_results: dict[str, LowLatencyResult] | None = None,
+    **kw,
+) -> WindowReport:
+    """What the DeepEP collector publishes: normal-mode and low-latency outcomes only."""
+    seconds = {"normal": 0.0034} if normal is not None else {}
+    if low_latency_results is not None:
+        seconds["low_latency"] = 0.0005
+    return window(
+        index,
+        n=ep,
+        normal=normal,
+        low_latency=low_latency_results,
+        group=group,
+        diagnosis_seconds=seconds,
+        **kw,
     )
 
 

@@ -127,7 +127,7 @@ def test_ten_thousand_windows_keep_memory_and_series_flat(tmp_path: Path, caplog
                 marks[i + 1] = {
                     "rss": rss_bytes(),
                     "seconds": time.perf_counter() - t0,
-                    "tracked": hub.tracker.tracked,
+                    "tracked": sum(t.tracked for t in hub.trackers.values()),
                 }
     finally:
         hub.close(2)
