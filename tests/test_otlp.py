@@ -29,7 +29,16 @@ from rankwatch.exporter.otlp import (
 from rankwatch.exporter.publishing import PublisherHub
 
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver
-from tests.publish_reports import T0, full_report, normal_reports, rank_infos, step_report, window
+from tests.publish_reports import (
+    T0,
+    deepep_window,
+    full_report,
+    low_latency,
+    normal_reports,
+    rank_infos,
+    step_report,
+    window,
+)
 from tests.servers import http_get, prom_query, victoria_metrics, wait_until
 
 OTEL_VARS = (
@@ -86,11 +95,18 @@ def test_golden_prometheus_and_otlp_publish_the_same_series(monkeypatch):
         try:
             assert hub.otlp is not None and hub.otlp.settings == OtlpSettings(True, False)
             hub.count_collection_error("gather_timeout")
+            # Group "world" gets every engine at once; a DeepEP collector of group "ep" (EP 8)
+            # publishes to the same hub in between, so the newest report is never the whole
+            # state: both groups must be published side by side, on both paths.
+            ep_normal = normal_reports(["pre_combine_delay"] * 3, ep=8, rpn=4)
             hub.publish(
                 window(0, n=16, step_time=step_report(16), normal_invalid_reason="counter_reset")
             )
-            for i in (1, 2):  # two agreeing windows: incidents open on both engines
+            hub.publish(deepep_window(0, ep_normal[0], ep=8, low_latency_invalid_reason="shape"))
+            for i in (1, 2):  # two agreeing windows: incidents open on both engines and groups
                 hub.publish(full_report(index=i, ep=16))
+                ep_report = deepep_window(i, ep_normal[i], ep=8, low_latency_results=low_latency(8))
+                hub.publish(ep_report)
             assert hub.flush(30)
             assert hub.metrics_url is not None
             want = scraped(hub.metrics_url)
@@ -134,6 +150,35 @@ def test_golden_prometheus_and_otlp_publish_the_same_series(monkeypatch):
     ):
         assert needed in names
     assert len(want_map) > 1000
+    groups: dict[str, set[str]] = {}
+    for n, labels in want_map:
+        groups.setdefault(n, set()).add(dict(labels)["group"])
+    for name in ("rankwatch_phase_seconds", "rankwatch_diagnosis_info", "rankwatch_window_steps"):
+        assert groups[name] == {"world"}, name
+    for name in (
+        "rankwatch_deepep_notify_ratio",
+        "rankwatch_deepep_ll_point_ratio",
+        "rankwatch_window_index",
+        "rankwatch_window_age_seconds",
+        "rankwatch_incidents_total",
+    ):
+        assert groups[name] == {"world", "ep"}, name
+    for name in ("rankwatch_exporter_up", "rankwatch_collection_errors_total"):
+        assert groups[name] == {"world"}, name  # the process's own series, once
+    invalid = {
+        (dict(labels)["group"], dict(labels)["reason"])
+        for n, labels in want_map
+        if n == "rankwatch_deepep_window_invalid_total"
+    }
+    assert invalid == {("world", "counter_reset"), ("ep", "shape")}
+    active = {
+        (dict(labels)["group"], dict(labels)["class"])
+        for n, labels in want_map
+        if n == "rankwatch_incident_active"
+    }
+    assert ("world", "step_time_straggler") in active
+    assert ("ep", "pre_stage_arrival_skew") in active
+    assert not any(g == "ep" and c.startswith("step_time") for g, c in active)
 
 
 def _hub(receiver_endpoint: str, monkeypatch, **config) -> PublisherHub:
