@@ -404,19 +404,11 @@ def _run_rank(
     )
     config = _rank_config(options, run_id)
     publishers: list[Any] = []
-    deepep_publishers: list[Any] = []
-    deepep_hub = None
     if rank == 0:
-        # Only the root publishes; /metrics lives on the root's port.
+        # Only the root publishes; /metrics lives on the root's port. Both collectors hand
+        # their windows to the same hub, which keeps the series of each group side by side.
         hub = PublisherHub(config, local_rank=0, rank=0)
-        channel_pub = ChannelPublisher(channel)
-        publishers = [hub, channel_pub]
-        # A PublisherHub shows the latest report it was handed, whichever engine made it, so
-        # the DeepEP windows (which arrive right after the step-time ones) would hide the
-        # step-time series. Until the hub keeps one report per engine, DeepEP gets a hub of its
-        # own without the HTTP endpoint (OTLP and incident log lines still flow).
-        deepep_hub = PublisherHub(config, local_rank=0, rank=0, metrics=False)
-        deepep_publishers = [deepep_hub, channel_pub]
+        publishers = [hub, ChannelPublisher(channel)]
         channel.put(("ready", hub.metrics_url))
     model = DistributedDataParallel(_tiny_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -428,7 +420,7 @@ def _run_rank(
     deepep = Diagnose.create_from_env(
         group=world,
         enable_normal_diagnose=True,
-        publishers=deepep_publishers,
+        publishers=publishers,
         ranks_per_node=options.ranks_per_node,
     )
     assert deepep is not None  # enabled just above
@@ -489,8 +481,6 @@ def _run_rank(
     # Stop DeepEP first (its last gather is collective), then the step collector, which
     # publishes the final long-window summary on the root and closes the publishers.
     deepep.stop(timeout_seconds=config.shutdown_timeout_seconds + options.interval_seconds)
-    if deepep_hub is not None:
-        deepep_hub.close()  # the DeepEP collector leaves its publishers to their owner
     rw.close(config.shutdown_timeout_seconds)
     dist.destroy_process_group()
     if rank == 0:

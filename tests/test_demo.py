@@ -33,6 +33,8 @@ class DemoRun:
     seen: dict[tuple[str, str], float]  # (kind, culprit_rank) of critical diagnoses -> scrapes
     max_score: float
     straggler_incidents: float
+    deepep_series: int  # DeepEP Notify series Prometheus scraped
+    late_ranks: set[str]  # culprit ranks of pre-stage arrival skew incidents Prometheus saw
     otlp_culprits: set[str]  # culprit ranks of critical diagnoses pushed over OTLP
     otlp_deepep_series: int  # DeepEP series pushed over OTLP
 
@@ -81,6 +83,14 @@ scrape_configs:
             prom,
             'max(max_over_time(rankwatch_incidents_total{class="step_time_straggler"}[15m]))',
         )
+        scraped_deepep = prom_query(
+            prom, "count(last_over_time(rankwatch_deepep_notify_ratio[15m]))"
+        )
+        late = prom_query(
+            prom,
+            "count by (culprit_rank) (last_over_time("
+            'rankwatch_incident_active{class="pre_stage_arrival_skew"}[15m]))',
+        )
         http_get(f"{vm.url}/internal/force_flush")
         pushed = prom_query(
             vm, 'count by (culprit_rank) (rankwatch_diagnosis_info{severity="critical"}[15m])'
@@ -96,6 +106,8 @@ scrape_configs:
         },
         max_score=float(score[0]["value"][1]) if score else 0.0,
         straggler_incidents=float(opened[0]["value"][1]) if opened else 0.0,
+        deepep_series=int(float(scraped_deepep[0]["value"][1])) if scraped_deepep else 0,
+        late_ranks={r["metric"].get("culprit_rank", "") for r in late},
         otlp_culprits={r["metric"].get("culprit_rank", "") for r in pushed},
         otlp_deepep_series=int(float(pushed_deepep[0]["value"][1])) if pushed_deepep else 0,
     )
@@ -119,9 +131,16 @@ def test_prometheus_names_the_injected_straggler(demo_run: DemoRun) -> None:
     assert demo_run.straggler_incidents >= 1
 
 
+def test_prometheus_sees_the_deepep_windows_too(demo_run: DemoRun) -> None:
+    # One hub, both collectors: the DeepEP series sit beside the step-time ones, and the
+    # pre-stage arrival skew incidents name the rank the DeepEP simulator delays.
+    assert demo_run.deepep_series >= 3 * 3  # three Notify probes x three ranks
+    assert demo_run.late_ranks == {str(STRAGGLER)}
+
+
 def test_otlp_push_carries_both_engines(demo_run: DemoRun) -> None:
     # The same run pushed OTLP to a real VictoriaMetrics: the step-time diagnosis names the
-    # same culprit, and the DeepEP windows (which have no /metrics in the demo) arrive too.
+    # same culprit, and the DeepEP windows arrive too.
     assert demo_run.otlp_culprits == {str(STRAGGLER)}
     assert demo_run.otlp_deepep_series >= 3 * 3  # three Notify probes x three ranks
 
