@@ -152,3 +152,45 @@ def test_ten_thousand_windows_keep_memory_and_series_flat(tmp_path: Path, caplog
     assert history <= 16
     assert late["tracked"] <= max(early["tracked"], 1) * 2
     assert files == RETENTION
+
+
+def test_a_new_group_name_every_window_keeps_the_series_bounded(caplog) -> None:
+    """A job that names its group differently every window (a misconfigured run id, a group
+    per step): 1,000 windows, yet the exposition holds at most MAX_GROUPS groups' series."""
+    from rankwatch.exporter.publishing import MAX_GROUPS
+
+    caplog.set_level(logging.ERROR)
+    steps = step_reports()
+    ranks = tuple(RankInfo(r, f"node-{r // RPN}", r % RPN) for r in range(EP))
+    hub = PublisherHub(RankwatchConfig(run_id="soak"), metrics=False, otlp=False)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RankwatchCollector(hub.state.parts))
+    per_group = 0
+    counts = []
+    try:
+        for i in range(1000):
+            hub.publish(
+                WindowReport(
+                    group=f"group-{i}",
+                    window_index=i,
+                    created_at_s=1.7e9 + i,
+                    ranks=ranks,
+                    run="soak",
+                    step_time=steps[i % EP],
+                )
+            )
+            if i == 0 or i % 100 == 99:
+                assert hub.flush(10)
+                found = series(generate_latest(registry).decode())
+                groups = {
+                    s.split('group="', 1)[1].split('"', 1)[0] for s in found if 'group="' in s
+                }
+                if i == 0:
+                    per_group = len(found)
+                counts.append((len(groups), len(found)))
+    finally:
+        hub.close(2)
+    print(f"groups and series after 1, 100, ..., 1,000 windows: {counts} (bound {MAX_GROUPS})")
+    assert max(g for g, _ in counts) <= MAX_GROUPS + 1  # + the exporter's own group
+    assert max(n for _, n in counts) <= per_group * (MAX_GROUPS + 1)
+    assert counts[-1] == counts[-2]  # flat once the bound is reached
