@@ -253,23 +253,34 @@ def install(
         handles.append(model.register_forward_pre_hook(forward_pre, prepend=True))
         handles.append(model.register_forward_hook(forward_post, always_call=True))
     for k, opt in enumerate(optimizers):
-        last = k == len(optimizers) - 1
-        handles.append(opt.register_step_pre_hook(_optimizer_pre(timer)))
-        handles.append(opt.register_step_post_hook(_optimizer_post(timer, closes_step=last)))
+        pre, post = _optimizer_hooks(timer, closes_step=k == len(optimizers) - 1)
+        handles.append(opt.register_step_pre_hook(pre))
+        handles.append(opt.register_step_post_hook(post))
     return handles
 
 
-def _optimizer_pre(timer: StepTimer) -> Callable[..., None]:
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        timer.begin(OPTIMIZER)
+def _optimizer_hooks(
+    timer: StepTimer, closes_step: bool
+) -> tuple[Callable[..., None], Callable[..., None]]:
+    """Pre/post step hooks that time the outermost ``step()`` only.
 
-    return hook
+    A subclass whose ``step`` calls ``super().step()`` runs the instance's hooks twice, nested
+    (torch wraps both methods once the base class has been instantiated); timing the inner
+    call would drop the subclass's own work from the optimizer phase.
+    """
+    depth = [0]
 
+    def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth[0] += 1
+        if depth[0] == 1:
+            timer.begin(OPTIMIZER)
 
-def _optimizer_post(timer: StepTimer, closes_step: bool) -> Callable[..., None]:
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth[0] = max(0, depth[0] - 1)
+        if depth[0]:
+            return
         timer.end(OPTIMIZER)
         if closes_step and timer.auto_step:
             timer.end_step()
 
-    return hook
+    return pre, post

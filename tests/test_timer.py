@@ -565,3 +565,22 @@ def test_rankwatch_bad_input() -> None:
             rw.close("5")  # type: ignore[arg-type]
     finally:
         rw.close(1.0)
+
+
+def test_optimizer_subclass_calling_super_step_is_timed_once_from_the_outer_call() -> None:
+    # Instantiating the base class first makes torch wrap SGD.step too, so SlowSGD.step's
+    # super().step() fires the instance's hooks a second time, nested inside the first.
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    model = torch.nn.Linear(4, 4)
+    opt = SlowSGD(model.parameters(), lr=0.01)
+    rw = RankWatch(config=single_config())
+    rw.watch(model, opt)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    rows = rows_of(rw.timer)
+    rw.close(2.0)
+    optimizer_ms = rows[:, CPU["optimizer"]]
+    assert len(optimizer_ms) == 3
+    assert (optimizer_ms >= OPT_S * 1e3).all(), optimizer_ms
