@@ -139,6 +139,7 @@ class DeepEPConfig:
     log_path: str = field(default=".", metadata=option("DEEPEP_DIAGNOSE_LOG_PATH"))
     log_details: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_LOG_DETAILS"))
     export_npz: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_EXPORT_NPZ"))
+    npz_retention: int = field(default=100, metadata=option("DEEPEP_DIAGNOSE_NPZ_RETENTION", 1))
 
     def __post_init__(self) -> None:
         validate_options(self)

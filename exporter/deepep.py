@@ -55,7 +55,7 @@ from .deepep_snapshot import (
 )
 from .publisher import Publisher
 
-__all__ = ["ARTIFACT_RETENTION", "HISTORY_WINDOWS", "Diagnose", "infer_ranks_per_node"]
+__all__ = ["HISTORY_WINDOWS", "Diagnose", "infer_ranks_per_node"]
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,6 @@ HISTORY_WINDOWS = 16
 # counters are cumulative, so the next window simply spans both intervals.
 _QUEUE_DEPTH = 16
 _STOP = object()
-# NPZ windows kept under DEEPEP_DIAGNOSE_LOG_PATH when DEEPEP_DIAGNOSE_EXPORT_NPZ=1.
-ARTIFACT_RETENTION = 100
 
 # Settings every member must agree on, in the order they are reported when they differ.
 _SETTING_NAMES: tuple[str, ...] = (
@@ -451,7 +449,7 @@ class Diagnose:
                 self._normal_diagnoser = NormalDiagnoser(self.normal_config)
             self._attach_log_file()
             if self.config.export_npz:
-                self._artifacts = ArtifactStore(self.config.log_path, ARTIFACT_RETENTION)
+                self._artifacts = ArtifactStore(self.config.log_path, self.config.npz_retention)
             self._worker = threading.Thread(
                 target=self._work, name="rankwatch-deepep-root", daemon=True
             )

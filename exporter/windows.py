@@ -53,6 +53,7 @@ from rankwatch.diagnosis.window_report import RankInfo, WindowReport
 
 from .config import RankwatchConfig
 from .publisher import Publisher
+from .step_artifacts import StepArtifactWriter
 from .timer import StepTimer
 
 __all__ = [
@@ -464,6 +465,7 @@ class WindowCollector:
         # Root state (buffers only on the root: the others just ship).
         cap = max(config.max_buffered_steps, 2)
         self._buffers = {r: RowBuffer(cap) for r in layout.ranks} if layout.is_root else {}
+        self._artifacts = StepArtifactWriter.from_config(config) if layout.is_root else None
         self._peers = {r: _PeerState() for r in layout.peers}
         host, local = identity if identity is not None else local_identity()
         self._info: dict[int, RankInfo] = {layout.rank: RankInfo(layout.rank, host, local)}
@@ -793,6 +795,8 @@ class WindowCollector:
         self._window_index += 1
         self.latest_report = report
         self.reports_published += 1
+        if self._artifacts is not None:
+            self._artifacts.save(report, per_rank, window)
         for pub in self.publishers:
             try:
                 pub.publish(report)
