@@ -99,6 +99,9 @@ WORKER_NAME = "rankwatch-otlp"
 CARDINALITY_LIMIT = 1_000_000
 # Incident events waiting for the worker; beyond this the oldest are dropped (and counted).
 MAX_PENDING_EVENTS = 256
+# Events the worker emits before it looks at the metrics clock again: one, so a log endpoint
+# that takes the exporter's whole timeout per record delays a metric export by one timeout.
+EVENTS_PER_TURN = 1
 
 # The OTel exporters log every failed attempt; from our worker thread that would be one line per
 # interval for as long as a collector is down. We log once per outage instead.
@@ -540,17 +543,22 @@ class OtlpPublisher:
                     and time.monotonic() < next_export
                 ):
                     self._cond.wait(max(0.0, next_export - time.monotonic()))
-                events = list(self._events)
-                self._events.clear()
-                stop = self._stop
+                # Not the whole queue at once: each event may take the exporter's full timeout
+                # against a stuck log endpoint, and metric exports must keep their interval
+                # meanwhile; events not yet taken stay under the queue's bound.
+                n = min(len(self._events), EVENTS_PER_TURN)
+                events = [self._events.popleft() for _ in range(n)]
+                drained = not self._events
+                stop = self._stop and drained
                 target = self._requested
             if events:
                 self._emit_events(events)
-            if stop or target > self._completed or time.monotonic() >= next_export:
+            if stop or (drained and target > self._completed) or time.monotonic() >= next_export:
                 self._export_metrics()
                 next_export = time.monotonic() + self.interval_seconds
             with self._cond:
-                self._completed = max(self._completed, target)
+                if drained:  # a flush covers the events queued before it: all emitted now
+                    self._completed = max(self._completed, target)
                 self._cond.notify_all()
             if stop:
                 return
