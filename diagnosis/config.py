@@ -70,7 +70,8 @@ def validate_options(obj: Any) -> None:
                 # surrogate; as a label value it would make every /metrics scrape fail.
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError(f"{label}: must be valid UTF-8 text, got {value!r}") from None
+                shown = "a secret" if "password" in f.name else repr(value)
+                raise ValueError(f"{label}: must be valid UTF-8 text, got {shown}") from None
             if meta["choices"] is not None and value not in meta["choices"]:
                 raise ValueError(f"{label}: must be one of {list(meta['choices'])}, got {value!r}")
             continue
