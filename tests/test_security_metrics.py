@@ -325,3 +325,14 @@ def test_a_config_value_that_is_not_text_is_refused_before_anything_is_served() 
     for name in ("RANKWATCH_RUN_ID", "RANKWATCH_GROUP"):
         with pytest.raises(ValueError, match=name):
             RankwatchConfig.from_env(env={name: "job\udcff7"})
+    # A password is named, never shown, whatever is wrong with it.
+    for env in (
+        {"RANKWATCH_METRICS_BASIC_AUTH_PASSWORD": "hunter2"},
+        {
+            "RANKWATCH_METRICS_BASIC_AUTH_USER": "u",
+            "RANKWATCH_METRICS_BASIC_AUTH_PASSWORD": "hunter2\udcff",
+        },
+    ):
+        with pytest.raises(ValueError, match="RANKWATCH_METRICS_BASIC_AUTH_PASSWORD") as info:
+            RankwatchConfig.from_env(env=env)
+        assert "hunter2" not in str(info.value)
