@@ -338,7 +338,10 @@ def window_from_dict(obj: object) -> StepTimeWindow:
 
 def load_window(path: str | os.PathLike[str]) -> StepTimeWindow:
     """Read and validate an artifact file."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -206,3 +206,10 @@ def test_benchmark_module_rows() -> None:
     for r in rows:
         assert set(r) == {"name", "target", "median", "spread", "unit", "baseline", "ratio"}
         assert r["median"] > 0 and r["unit"] == "ms"
+
+
+def test_a_file_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes(b'{"format": "caf\xe9"}')
+    with pytest.raises(ValueError, match=r"latin1\.json: not UTF-8"):
+        load_window(bad)
