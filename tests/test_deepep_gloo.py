@@ -28,6 +28,8 @@ from rankwatch.diagnosis.normal.schema import COMBINE_BUNDLE, DISPATCH_BUNDLE, c
 from rankwatch.diagnosis.normal_log import parse_log_line
 from rankwatch.diagnosis.window_report import WindowReport
 
+from tests.servers import free_port
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 BASE_ENV = {
@@ -40,12 +42,6 @@ BASE_ENV = {
 
 
 # --------------------------------------------------------------------------- harness
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(fn: Callable[[int, int], Any], rank: int, world: int, port: int, out: str) -> None:
@@ -71,7 +67,7 @@ def _entry(fn: Callable[[int, int], Any], rank: int, world: int, port: int, out:
 def run_world(fn: Callable[[int, int], Any], world: int, tmp_path: Path) -> list[Any]:
     """Run ``fn(rank, world)`` in ``world`` spawned Gloo ranks; return each rank's result."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp_path)), daemon=True)
         for r in range(world)

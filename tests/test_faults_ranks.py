@@ -31,15 +31,11 @@ from typing import Any
 
 import pytest
 
+from tests.servers import free_port
+
 pytestmark = pytest.mark.multiproc
 
 JOIN_TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- inside the spawned ranks ----------------------------------------------------------------
@@ -270,7 +266,7 @@ class World:
 
     def __init__(self, scenario: str, world: int, out: Path, extra: dict[str, Any]) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.out = out
         self.procs = [
             ctx.Process(target=_entry, args=(scenario, r, world, port, str(out), extra))
@@ -442,7 +438,7 @@ def _scrape(port: int) -> dict[str, float] | None:
 
 
 def test_root_killed_then_the_job_restarts_on_the_same_metrics_port(tmp_path: Path) -> None:
-    metrics_port = _free_port()
+    metrics_port = free_port()
     # Phase 1: the root dies; rank 1 keeps training and closes within its bound.
     (tmp_path / "one").mkdir()
     extra1 = {"run_s": 6.0, "phase": 1, "metrics_port": metrics_port, "destroy": False}

@@ -14,7 +14,6 @@ import http.client
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import threading
 import time
@@ -24,17 +23,13 @@ from typing import Any
 
 import pytest
 
+from tests.servers import free_port
+
 pytestmark = pytest.mark.multiproc
 
 SCRAPERS = 50
 LOAD_SECONDS = 30.0
 P99_BOUND_S = 5.0  # generous: 50 clients back to back on 2 shared cores
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _job(rank: int, world: int, port: int, metrics_port: int, out: str) -> None:
@@ -103,9 +98,9 @@ def _job(rank: int, world: int, port: int, metrics_port: int, out: str) -> None:
 def test_fifty_concurrent_scrapers_for_thirty_seconds_during_a_running_job(
     tmp_path: Path,
 ) -> None:
-    metrics_port = _free_port()
+    metrics_port = free_port()
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_job, args=(r, 2, port, metrics_port, str(tmp_path))) for r in range(2)
     ]

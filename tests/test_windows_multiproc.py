@@ -12,7 +12,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -21,18 +20,14 @@ from typing import Any
 
 import pytest
 
+from tests.servers import free_port
+
 pytestmark = pytest.mark.multiproc
 
 SLEEP_S = 0.04  # the injected straggler delay
 JOIN_TIMEOUT_S = 150.0
 
 # ---- helpers run inside the spawned ranks ----------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Recorder:
@@ -355,7 +350,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
 
 def run_world(scenario: str, world: int, tmp_path: Path) -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(r, world, port, scenario, str(tmp_path)))
         for r in range(world)
