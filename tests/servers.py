@@ -58,6 +58,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def self_signed_cert(directory: Path) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 made by openssl: (cert path, key path)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return str(cert), str(key)
+
+
 def http_get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return bytes(resp.read())

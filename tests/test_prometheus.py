@@ -7,7 +7,6 @@ import gzip
 import http.client
 import socket
 import ssl
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +28,7 @@ from rankwatch.exporter.publishing import PublisherHub
 from rankwatch.exporter.samples import Sample
 
 from tests.publish_reports import T0, full_report, rank_infos, step_report, window
-from tests.servers import free_port, prom_query, prometheus, wait_until
+from tests.servers import free_port, prom_query, prometheus, self_signed_cert, wait_until
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
@@ -68,31 +67,7 @@ def hub():
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory) -> tuple[str, str]:
     """A self-signed certificate for 127.0.0.1, made by openssl for this test run."""
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return str(cert), str(key)
+    return self_signed_cert(tmp_path_factory.mktemp("tls"))
 
 
 def test_scrape_serves_the_latest_report_in_text_format(hub):

@@ -12,7 +12,6 @@ import base64
 import http.client
 import socket
 import ssl
-import subprocess
 import time
 from collections.abc import Iterator
 
@@ -28,6 +27,7 @@ from rankwatch.exporter.prometheus import start_metrics_server
 from rankwatch.exporter.publishing import PublisherHub
 
 from tests.publish_reports import rank_infos, step_report, window
+from tests.servers import self_signed_cert
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 USER, PASSWORD = "prometheus", "pä:ss wörd"
@@ -36,31 +36,7 @@ USER, PASSWORD = "prometheus", "pä:ss wörd"
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """A self-signed certificate for 127.0.0.1, made for this run."""
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return str(cert), str(key)
+    return self_signed_cert(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")
