@@ -25,7 +25,10 @@ def test_fifty_concurrent_scrapers_for_ten_seconds():
     hub = PublisherHub(RankwatchConfig(metrics_port=0), otlp=False)
     assert hub.metrics_server is not None
     port = hub.metrics_server.port
+    # Two windows before the scrapers start: incidents open at the second (k=2 of n=3), so
+    # the set of series is the same for every scrape that follows.
     hub.publish(full_report(index=1, ep=16))
+    hub.publish(full_report(index=2, ep=16))
     assert hub.flush(10)
     errors: list[str] = []
     done: list[int] = [0] * SCRAPERS
@@ -68,7 +71,7 @@ def test_fifty_concurrent_scrapers_for_ten_seconds():
         for t in threads:
             t.start()
         # windows keep arriving while the scrapers run
-        i = 2
+        i = 3
         while time.monotonic() < stop - 1.0:
             hub.publish(full_report(index=i, ep=16))
             i += 1
