@@ -7,7 +7,8 @@ One module-scoped stack serves four tests, in order:
 2. every PromQL expression of every dashboard panel (and every template variable), with the
    dashboard variables substituted, runs against that Prometheus and returns data of the shape
    its panel expects (matrix panels: N x N cells in numeric rank order; heatmap: one row per
-   rank; stats: one value);
+   rank; stats: one value). The demo's series have no ``cluster``/``namespace`` label, so the
+   optional variables are on All (``.*``); the stand-in test below selects them by value;
 3. after the straggler goes away, the alert resolves (no sooner than ``keep_firing_for``) and
    the webhook receives the resolution;
 4. every selector of every alert rule matched series of the run.
@@ -564,7 +565,6 @@ def test_critical_straggler_pages_the_webhook(stack: Stack) -> None:
     assert labels["culprit_rank"] == str(w.culprit)
     assert labels["hostname"] == w.hosts[w.culprit]
     assert (labels["run"], labels["group"]) == (w.run, w.group)
-    assert labels["cause"] == "input_straggler"
     assert f"Rank {w.culprit} on {w.hosts[w.culprit]}" in alert["annotations"]["summary"]
     assert alert["annotations"]["runbook_url"].endswith(
         "/docs/runbooks.md#rankwatchsteptimestragglercritical"
