@@ -6,8 +6,8 @@ committed, and a test fails when they differ from what this script produces. Out
 - ``dashboards/rankwatch-{overview,step-time,deepep-normal}.json``: importable dashboards. Every
   panel and query reads its data source from the ``datasource`` variable, never from a fixed uid:
   a UI import replaces the ``${DS_PROMETHEUS}`` input wherever it occurs, which is only the
-  variable's initial value, so the data source stays switchable after an import (and file
-  provisioning, which resolves no inputs, falls back to the default Prometheus);
+  variable's initial value, so the data source stays switchable after an import (file
+  provisioning resolves no inputs: Grafana then starts the variable on a Prometheus it lists);
 - ``deploy/kubernetes/dashboards.yaml``: one ConfigMap per dashboard for the Grafana sidecar;
 - ``deploy/kubernetes/prometheusrule.yaml``: ``dashboards/rules/rankwatch.rules.yml`` as a
   PrometheusRule.
@@ -187,6 +187,16 @@ def pad(expr: str, src: str, dst: str, digits: int = RANK_DIGITS) -> str:
         zeros = "0" * (digits - n)
         expr = f'label_replace({expr}, "{dst}", "{zeros}$1", "{src}", "([0-9]{{{n}}})")'
     return expr
+
+
+def by_rank(labels: str, selector: str) -> str:
+    """``max by (labels, rank, r)`` of ``selector`` with ``r`` the zero-padded rank.
+
+    Prometheus returns a range query's series sorted by their labels (in label-name order), so
+    the extra ``r`` puts the series, and with them the legend, in numeric rank order; the legend
+    still shows the plain ``rank``.
+    """
+    return f"max by ({labels}, r, rank) ({pad(selector, 'rank', 'r')})"
 
 
 def panel(
@@ -763,7 +773,7 @@ def step_time(s: Settings) -> dict[str, Any]:
             "has no line.",
             [
                 target(
-                    f'max by (rank, phase) (rankwatch_phase_seconds{{{SEL}, phase=~"$phase"}})',
+                    by_rank("phase", f'rankwatch_phase_seconds{{{SEL}, phase=~"$phase"}}'),
                     "rank {{rank}} {{phase}}",
                 )
             ],
@@ -889,7 +899,7 @@ def deepep_normal(s: Settings) -> dict[str, Any]:
             "0.25 line entered the kernel late and waited least: late-arrival evidence.",
             [
                 target(
-                    f"max by (probe, rank) (rankwatch_deepep_notify_ratio{{{SEL}}})",
+                    by_rank("probe", f"rankwatch_deepep_notify_ratio{{{SEL}}}"),
                     "{{probe}} rank {{rank}}",
                 )
             ],
@@ -904,7 +914,7 @@ def deepep_normal(s: Settings) -> dict[str, Any]:
             "Average Notify kernel duration per launch.",
             [
                 target(
-                    f"max by (probe, rank) (rankwatch_deepep_notify_duration_seconds{{{SEL}}})",
+                    by_rank("probe", f"rankwatch_deepep_notify_duration_seconds{{{SEL}}}"),
                     "{{probe}} rank {{rank}}",
                 )
             ],
@@ -1006,11 +1016,11 @@ def deepep_normal(s: Settings) -> dict[str, Any]:
             "(1.0 = average). A rank far above 1 waits or is waited for abnormally.",
             [
                 target(
-                    f"max by (phase, rank) (rankwatch_deepep_ll_row_ratio{{{SEL}}})",
+                    by_rank("phase", f"rankwatch_deepep_ll_row_ratio{{{SEL}}}"),
                     "{{phase}} row {{rank}}",
                 ),
                 target(
-                    f"max by (phase, rank) (rankwatch_deepep_ll_column_ratio{{{SEL}}})",
+                    by_rank("phase", f"rankwatch_deepep_ll_column_ratio{{{SEL}}}"),
                     "{{phase}} column {{rank}}",
                 ),
             ],

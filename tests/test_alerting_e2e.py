@@ -824,9 +824,9 @@ def test_every_panel_query_against_the_catalogue_shaped_stand_in() -> None:
 
 
 def test_rank_order_of_a_1100_rank_group_in_a_real_prometheus() -> None:
-    """The heatmap's rows and a completion matrix's cells, queried as the dashboards do, sort
-    in numeric rank order for a group of 1,100 ranks (a string sort of plain ranks would put
-    1000 before 2)."""
+    """The heatmap's rows, a per-rank time series panel's series and a completion matrix's
+    cells, queried as the dashboards do, come in numeric rank order for a group of 1,100 ranks
+    (a string sort of plain ranks would put 1000 before 2)."""
     n = 1100
 
     class Big(Collector):
@@ -870,6 +870,10 @@ def test_rank_order_of_a_1100_rank_group_in_a_real_prometheus() -> None:
             rows = prom_query(prom, substitute(hm["targets"][0]["expr"], w))
             names = sorted(r["metric"]["r"] for r in rows)  # Grafana's string order
             assert [int(x) for x in names] == list(range(n))
+            # Per-rank time series come back (and so fill the legend) in numeric rank order.
+            (per_rank,) = [p for p in step["panels"] if p["title"] == "Per-rank phase times"]
+            series = query_range(prom, substitute(per_rank["targets"][0]["expr"], w), 10)
+            assert [int(x["metric"]["rank"]) for x in series] == list(range(n))
             deepep = json.loads((REPO / "dashboards/rankwatch-deepep-normal.json").read_text())
             matrix = next(p for p in deepep["panels"] if p["title"].endswith("(src x dst)"))
             expr = substitute(matrix["targets"][0]["expr"], w, "rankwatch-deepep-normal.json")
