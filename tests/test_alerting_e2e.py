@@ -744,10 +744,13 @@ def test_critical_straggler_alert_resolves_after_recovery(stack: Stack) -> None:
         120,
         "the resolution",
     )
-    # keep_firing_for: 1m holds the alert that long after the incident series went away.
-    _, last_seen = series_span(stack, STRAGGLER)
-    assert unix_time(resolved[0]["endsAt"]) - last_seen >= 58
+    # keep_firing_for: 1m holds the alert that long after its incident's series went away. Only
+    # that culprit's series counts: on a loaded machine the demo's balanced tail can briefly
+    # open an incident of another rank, which is another alert (pending, never paging).
     assert resolved[0]["labels"]["culprit_rank"] == str(w.culprit)
+    culprit = STRAGGLER.replace("}", f', culprit_rank="{w.culprit}"}}')
+    _, last_seen = series_span(stack, culprit)
+    assert unix_time(resolved[0]["endsAt"]) - last_seen >= 58
     assert resolved[0]["receiver"] == "pager"
 
 
