@@ -20,7 +20,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-venv: $(STAMP)
+# The dashboards are also checked against the schema of the oldest Grafana docs/grafana.md
+# claims; that SDK is the same package as the dev one, so it lives in a folder of its own.
+GRAFANA_SDK_OLDEST := $(VENV)/grafana-sdk-oldest/.installed
+$(GRAFANA_SDK_OLDEST): $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(VENV)/grafana-sdk-oldest 'grafana-foundation-sdk==1769699796!10.4.0'
+	touch $(GRAFANA_SDK_OLDEST)
+
+venv: $(STAMP) $(GRAFANA_SDK_OLDEST)
 
 backends:
 	bash deploy/install-backends.sh $(BACKENDS)

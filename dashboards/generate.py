@@ -3,34 +3,160 @@
 Run ``python dashboards/generate.py`` after editing this file; the JSON and YAML it writes are
 committed, and a test fails when they differ from what this script produces. Outputs:
 
-- ``dashboards/rankwatch-{overview,step-time,deepep-normal}.json``: importable dashboards
-  (datasource as the ``DS_PROMETHEUS`` input, which is also a datasource variable of that name so
-  that file provisioning, which does not resolve inputs, finds it too);
+- ``dashboards/rankwatch-{overview,step-time,deepep-normal}.json``: importable dashboards. Every
+  panel and query reads its data source from the ``datasource`` variable, never from a fixed uid:
+  a UI import replaces the ``${DS_PROMETHEUS}`` input wherever it occurs, which is only the
+  variable's initial value, so the data source stays switchable after an import (file
+  provisioning resolves no inputs: Grafana then starts the variable on a Prometheus it lists);
 - ``deploy/kubernetes/dashboards.yaml``: one ConfigMap per dashboard for the Grafana sidecar;
 - ``deploy/kubernetes/prometheusrule.yaml``: ``dashboards/rules/rankwatch.rules.yml`` as a
   PrometheusRule.
 
-Every series also has ``run`` and ``group`` labels; panels filter on ``$job``, ``$run`` and
-``$group``. Matrix cells and heatmap rows use zero-padded rank labels so that Grafana's string
-ordering is the numeric rank order.
+- ``dashboards/rules/rankwatch.rules.yml``: the alerting rules.
+
+Every series also has ``run`` and ``group`` labels; panels filter on ``$cluster``, ``$namespace``,
+``$job``, ``$run`` and ``$group``. ``cluster`` and ``namespace`` are optional labels (added by the
+scrape configuration or Prometheus' external labels): their "All" is the regex ``.*``, which also
+matches a series without the label, so the dashboards work with and without them. Matrix cells
+and heatmap rows use rank labels zero-padded to ``RANK_DIGITS`` so that Grafana's string
+ordering is the numeric rank order up to 99,999 ranks.
+
+What differs between installations is a setting (:class:`Settings`, mixin style): the runbook
+link base, the job selector of the rules, each alert's ``for:`` and ``keep_firing_for:``. The
+committed files use the defaults; to render your own copy::
+
+    python dashboards/generate.py --out /tmp/rankwatch \
+        --runbook-url https://wiki.example.com/rankwatch/runbooks.md \
+        --job-selector 'job="training"' --for RankwatchStepTimeStragglerWarning=10m
+
+or put the same keys in a JSON/YAML file and pass ``--settings FILE`` (flags win over the file).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
-SEL = 'job=~"$job", run=~"$run", group=~"$group"'
+
+# --- settings -------------------------------------------------------------------------------
+
+# Where the runbooks are read; each alert links to the heading named after it (lower case).
+DEFAULT_RUNBOOK_URL = "https://github.com/rankwatch/rankwatch/blob/main/docs/runbooks.md"
+# for: (pending) and keep_firing_for: (hold over a scrape gap or a briefly closed incident).
+DEFAULT_FOR = {
+    "RankwatchStepTimeStragglerCritical": "1m",
+    "RankwatchStepTimeStragglerWarning": "5m",
+    "RankwatchDeepEPGlobalDataPathSlowdown": "2m",
+    "RankwatchDeepEPLocalizedDataPathSlowdown": "5m",
+    "RankwatchDeepEPPreStageArrivalSkew": "5m",
+    "RankwatchExporterDown": "5m",
+    "RankwatchNoFreshWindows": "2m",
+    "RankwatchExportFailing": "10m",
+}
+DEFAULT_KEEP_FIRING_FOR = {
+    "RankwatchStepTimeStragglerCritical": "1m",
+    "RankwatchStepTimeStragglerWarning": "2m",
+    "RankwatchDeepEPGlobalDataPathSlowdown": "2m",
+    "RankwatchDeepEPLocalizedDataPathSlowdown": "2m",
+    "RankwatchDeepEPPreStageArrivalSkew": "2m",
+    "RankwatchExporterDown": "1m",
+    "RankwatchNoFreshWindows": "1m",
+    "RankwatchExportFailing": "5m",
+}
+_DURATION = re.compile(r"(\d+(ms|s|m|h|d|w|y))+")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What an installation may change in the rules and dashboards (mixin-style config).
+
+    ``runbook_url``: the runbooks page; alerts and dashboard panels link to
+    ``runbook_url#<alert name in lower case>``. ``job_selector``: the PromQL label matcher every
+    rule's selectors carry (the scrape job(s) of the training ranks). ``for_`` and
+    ``keep_firing_for``: per alert, overriding the defaults above. ``stale_window_seconds``: the
+    age of the latest window from which RankwatchNoFreshWindows counts.
+    """
+
+    runbook_url: str = DEFAULT_RUNBOOK_URL
+    job_selector: str = 'job=~".*rankwatch.*"'
+    for_: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_FOR))
+    keep_firing_for: Mapping[str, str] = field(
+        default_factory=lambda: dict(DEFAULT_KEEP_FIRING_FOR)
+    )
+    stale_window_seconds: int = 180
+
+    def __post_init__(self) -> None:
+        url, selector = self.runbook_url, self.job_selector
+        if not re.fullmatch(r"https?://\S+|[\w./-]+", url) or "#" in url:
+            raise ValueError(f"runbook_url: expected a URL without a fragment, got {url!r}")
+        if not re.fullmatch(r'\w+\s*(=|!=|=~|!~)\s*"[^"]*"', selector.strip()):
+            raise ValueError(
+                f'job_selector: expected one label matcher such as job="x", got {selector!r}'
+            )
+        for name, table in (("for", self.for_), ("keep_firing_for", self.keep_firing_for)):
+            unknown = set(table) - set(DEFAULT_FOR)
+            if unknown:
+                raise ValueError(f"{name}: unknown alert(s) {sorted(unknown)}")
+            for alert, value in table.items():
+                if not isinstance(value, str) or not _DURATION.fullmatch(value):
+                    raise ValueError(
+                        f"{name}.{alert}: expected a Prometheus duration, got {value!r}"
+                    )
+        if isinstance(self.stale_window_seconds, bool) or not (
+            isinstance(self.stale_window_seconds, int) and self.stale_window_seconds > 0
+        ):
+            raise ValueError(
+                f"stale_window_seconds: expected a positive int, got {self.stale_window_seconds!r}"
+            )
+
+    @classmethod
+    def load(cls, overrides: Mapping[str, Any]) -> Settings:
+        """Defaults updated with ``overrides`` (keys as in a settings file: ``for`` is ``for_``);
+        per-alert tables are merged into the defaults, unknown keys raise ValueError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in overrides.items():
+            name = "for_" if key == "for" else key
+            if name not in known:
+                raise ValueError(f"settings: unknown key {key!r} (known: {sorted(known)})")
+            if name in ("for_", "keep_firing_for"):
+                if not isinstance(value, Mapping):
+                    raise ValueError(f"{key}: expected a mapping of alert name to duration")
+                base = DEFAULT_FOR if name == "for_" else DEFAULT_KEEP_FIRING_FOR
+                value = {**base, **values.get(name, {}), **value}
+            values[name] = value
+        return cls(**values)
+
+    def runbook(self, alert: str) -> str:
+        """The runbook link of ``alert`` (its heading in docs/runbooks.md)."""
+        return f"{self.runbook_url}#{alert.lower()}"
+
+
+SETTINGS = Settings()
+DS = {"type": "prometheus", "uid": "${datasource}"}
+# Optional labels first: ``=~".*"`` (their All) matches series that do not have them.
+SCOPE = 'cluster=~"$cluster", namespace=~"$namespace"'
+SEL = SCOPE + ', job=~"$job", run=~"$run", group=~"$group"'
+RANK_DIGITS = 5
+# The Grafana release whose dashboard schema the JSON is tested against (the oldest claimed).
+OLDEST_GRAFANA = "10.4.0"
 GRAFANA_SCHEMA_VERSION = 41
 Panel = dict[str, Any]
 
 # Query string a panel link carries to another dashboard: time range and the three variables.
-VAR_PARAMS = "${__url_time_range}&${job:queryparam}&${run:queryparam}&${group:queryparam}"
+VAR_PARAMS = (
+    "${__url_time_range}&${datasource:queryparam}&${cluster:queryparam}&${namespace:queryparam}"
+    "&${job:queryparam}&${run:queryparam}&${group:queryparam}"
+)
 GREEN, YELLOW, ORANGE, RED, BLUE = "green", "#EAB839", "orange", "red", "blue"
 PROBES_COMPLETION = ("dispatch_final", "dispatch_rdma_recv", "combine_logical_recv")
 
@@ -53,11 +179,24 @@ def steps(*pairs: tuple[str, float | None]) -> dict[str, Any]:
     return {"mode": "absolute", "steps": [{"color": c, "value": v} for c, v in pairs]}
 
 
-def pad(expr: str, src: str, dst: str) -> str:
-    """Copy label ``src`` into ``dst`` zero-padded to 3 digits (label_replace is anchored)."""
+def pad(expr: str, src: str, dst: str, digits: int = RANK_DIGITS) -> str:
+    """Copy label ``src`` into ``dst`` zero-padded to ``digits`` digits, so that Grafana's string
+    sort is the numeric order (label_replace regexes are anchored: one step per length)."""
     expr = f'label_replace({expr}, "{dst}", "$1", "{src}", "(.*)")'
-    expr = f'label_replace({expr}, "{dst}", "00$1", "{src}", "([0-9])")'
-    return f'label_replace({expr}, "{dst}", "0$1", "{src}", "([0-9][0-9])")'
+    for n in range(1, digits):
+        zeros = "0" * (digits - n)
+        expr = f'label_replace({expr}, "{dst}", "{zeros}$1", "{src}", "([0-9]{{{n}}})")'
+    return expr
+
+
+def by_rank(labels: str, selector: str) -> str:
+    """``max by (labels, rank, r)`` of ``selector`` with ``r`` the zero-padded rank.
+
+    Prometheus returns a range query's series sorted by their labels (in label-name order), so
+    the extra ``r`` puts the series, and with them the legend, in numeric rank order; the legend
+    still shows the plain ``rank``.
+    """
+    return f"max by ({labels}, r, rank) ({pad(selector, 'rank', 'r')})"
 
 
 def panel(
@@ -271,8 +410,12 @@ def layout(panels: list[Panel]) -> list[Panel]:
     return panels
 
 
-def variable(name: str, label: str, query: str, multi: bool) -> dict[str, Any]:
-    """A query variable; with ``multi`` it also offers "All" (matching any value)."""
+def variable(
+    name: str, label: str, query: str, multi: bool, include_all: bool | None = None
+) -> dict[str, Any]:
+    """A query variable; with ``multi`` (or ``include_all``) it also offers "All", whose value is
+    the regex ``.*``: it matches every value and also series without the label."""
+    include_all = multi if include_all is None else include_all
     v: dict[str, Any] = {
         "type": "query",
         "name": name,
@@ -282,25 +425,41 @@ def variable(name: str, label: str, query: str, multi: bool) -> dict[str, Any]:
         "refresh": 2,
         "sort": 1,
         "multi": multi,
-        "includeAll": multi,
+        "includeAll": include_all,
         "current": {},
         "options": [],
         "hide": 0,
         "regex": "",
     }
-    if multi:
+    if include_all:
         v["allValue"] = ".*"
     return v
 
 
 def variables(multi: bool) -> list[dict[str, Any]]:
+    optional = {"selected": True, "text": "All", "value": "$__all"}
+    cluster = variable(
+        "cluster", "Cluster", "label_values(rankwatch_window_index, cluster)", multi, True
+    )
+    namespace = variable(
+        "namespace",
+        "Namespace",
+        'label_values(rankwatch_window_index{cluster=~"$cluster"}, namespace)',
+        multi,
+        True,
+    )
+    for v in (cluster, namespace):
+        # Absent on most setups: start on All, which then matches the series without the label.
+        v["current"] = dict(optional)
     return [
         {
+            # The import input is only this variable's initial value: a UI import writes the
+            # chosen data source here, and every panel keeps following the variable.
             "type": "datasource",
-            "name": "DS_PROMETHEUS",
+            "name": "datasource",
             "label": "Data source",
             "query": "prometheus",
-            "current": {},
+            "current": {"selected": False, "text": "${DS_PROMETHEUS}", "value": "${DS_PROMETHEUS}"},
             "options": [],
             "hide": 0,
             "refresh": 1,
@@ -308,15 +467,43 @@ def variables(multi: bool) -> list[dict[str, Any]]:
             "multi": False,
             "includeAll": False,
         },
-        variable("job", "Job", "label_values(rankwatch_window_index, job)", multi),
-        variable("run", "Run", 'label_values(rankwatch_window_index{job=~"$job"}, run)', multi),
+        cluster,
+        namespace,
+        variable("job", "Job", f"label_values(rankwatch_window_index{{{SCOPE}}}, job)", multi),
+        variable(
+            "run",
+            "Run",
+            f'label_values(rankwatch_window_index{{{SCOPE}, job=~"$job"}}, run)',
+            multi,
+        ),
         variable(
             "group",
             "Group",
-            'label_values(rankwatch_window_index{job=~"$job", run=~"$run"}, group)',
+            f'label_values(rankwatch_window_index{{{SCOPE}, job=~"$job", run=~"$run"}}, group)',
             multi,
         ),
     ]
+
+
+def with_runbooks(
+    panels: list[Panel], s: Settings, alerts_by_title: Mapping[str, Sequence[str]]
+) -> list[Panel]:
+    """Add a panel link to the runbook of each alert that fires on what a panel shows."""
+    by_title = {p["title"]: p for p in panels}
+    for title, alerts in alerts_by_title.items():
+        by_title[title].setdefault("links", []).extend(
+            {"title": f"Runbook: {alert}", "url": s.runbook(alert), "targetBlank": True}
+            for alert in alerts
+        )
+    return panels
+
+
+STRAGGLER_ALERTS = ("RankwatchStepTimeStragglerCritical", "RankwatchStepTimeStragglerWarning")
+DEEPEP_ALERTS = (
+    "RankwatchDeepEPGlobalDataPathSlowdown",
+    "RankwatchDeepEPLocalizedDataPathSlowdown",
+    "RankwatchDeepEPPreStageArrivalSkew",
+)
 
 
 def link(title: str, uid: str, tooltip: str) -> dict[str, Any]:
@@ -357,7 +544,7 @@ def dashboard(
             }
         ],
         "__requires": [
-            {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "11.6.0"},
+            {"type": "grafana", "id": "grafana", "name": "Grafana", "version": OLDEST_GRAFANA},
             {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
         ]
         + [{"type": "panel", "id": k, "name": k, "version": ""} for k in kinds],
@@ -418,7 +605,7 @@ SEVERITY_COLOURS = [
 # --- Step-time stragglers -------------------------------------------------------------------
 
 
-def step_time() -> dict[str, Any]:
+def step_time(s: Settings) -> dict[str, Any]:
     visible = pad(f'rankwatch_phase_seconds{{{SEL}, phase="visible"}}', "rank", "r")
     host_queries = [
         (f'max by (hostname) (rankwatch_phase_seconds{{{SEL}, phase="step"}})', "slowest step"),
@@ -586,7 +773,7 @@ def step_time() -> dict[str, Any]:
             "has no line.",
             [
                 target(
-                    f'max by (rank, phase) (rankwatch_phase_seconds{{{SEL}, phase=~"$phase"}})',
+                    by_rank("phase", f'rankwatch_phase_seconds{{{SEL}, phase=~"$phase"}}'),
                     "rank {{rank}} {{phase}}",
                 )
             ],
@@ -631,6 +818,16 @@ def step_time() -> dict[str, Any]:
         "phase", "Phase", f"label_values(rankwatch_phase_seconds{{{SEL}}}, phase)", True
     )
     phase["current"] = {"text": ["visible", "step"], "value": ["visible", "step"]}
+    with_runbooks(
+        panels,
+        s,
+        {
+            "Straggler score": STRAGGLER_ALERTS,
+            "Straggler score over time": STRAGGLER_ALERTS,
+            "Window age": ("RankwatchNoFreshWindows",),
+            "Incident timeline": STRAGGLER_ALERTS,
+        },
+    )
     return dashboard(
         "rankwatch-step-time",
         "rankwatch / Step-time stragglers",
@@ -644,7 +841,7 @@ def step_time() -> dict[str, Any]:
 # --- DeepEP normal mode ---------------------------------------------------------------------
 
 
-def deepep_normal() -> dict[str, Any]:
+def deepep_normal(s: Settings) -> dict[str, Any]:
     panels = [
         stat(
             "Anomalous probes",
@@ -702,7 +899,7 @@ def deepep_normal() -> dict[str, Any]:
             "0.25 line entered the kernel late and waited least: late-arrival evidence.",
             [
                 target(
-                    f"max by (probe, rank) (rankwatch_deepep_notify_ratio{{{SEL}}})",
+                    by_rank("probe", f"rankwatch_deepep_notify_ratio{{{SEL}}}"),
                     "{{probe}} rank {{rank}}",
                 )
             ],
@@ -717,7 +914,7 @@ def deepep_normal() -> dict[str, Any]:
             "Average Notify kernel duration per launch.",
             [
                 target(
-                    f"max by (probe, rank) (rankwatch_deepep_notify_duration_seconds{{{SEL}}})",
+                    by_rank("probe", f"rankwatch_deepep_notify_duration_seconds{{{SEL}}}"),
                     "{{probe}} rank {{rank}}",
                 )
             ],
@@ -819,11 +1016,11 @@ def deepep_normal() -> dict[str, Any]:
             "(1.0 = average). A rank far above 1 waits or is waited for abnormally.",
             [
                 target(
-                    f"max by (phase, rank) (rankwatch_deepep_ll_row_ratio{{{SEL}}})",
+                    by_rank("phase", f"rankwatch_deepep_ll_row_ratio{{{SEL}}}"),
                     "{{phase}} row {{rank}}",
                 ),
                 target(
-                    f"max by (phase, rank) (rankwatch_deepep_ll_column_ratio{{{SEL}}})",
+                    by_rank("phase", f"rankwatch_deepep_ll_column_ratio{{{SEL}}}"),
                     "{{phase}} column {{rank}}",
                 ),
             ],
@@ -832,6 +1029,18 @@ def deepep_normal() -> dict[str, Any]:
             thresholds=steps((GREEN, None), (ORANGE, 2.0)),
         ),
     ]
+    with_runbooks(
+        panels,
+        s,
+        {
+            "Open DeepEP incidents": DEEPEP_ALERTS,
+            "Worst global slowdown": ("RankwatchDeepEPGlobalDataPathSlowdown",),
+            "Lowest Notify ratio": ("RankwatchDeepEPPreStageArrivalSkew",),
+            "Residual slowdown factors by scope": ("RankwatchDeepEPLocalizedDataPathSlowdown",),
+            "Global slowdown factor per probe": ("RankwatchDeepEPGlobalDataPathSlowdown",),
+            "Incidents by class": DEEPEP_ALERTS,
+        },
+    )
     return dashboard(
         "rankwatch-deepep-normal",
         "rankwatch / DeepEP normal mode",
@@ -844,7 +1053,7 @@ def deepep_normal() -> dict[str, Any]:
 # --- Overview -------------------------------------------------------------------------------
 
 
-def overview() -> dict[str, Any]:
+def overview(s: Settings) -> dict[str, Any]:
     groups = [
         (f"max by (run, group) (rankwatch_group_ranks{{{SEL}}})", "ranks"),
         (f"max by (run, group) (rankwatch_window_index{{{SEL}}})", "window"),
@@ -884,7 +1093,7 @@ def overview() -> dict[str, Any]:
         stat(
             "Endpoints down",
             "rankwatch scrape targets (one per rank) that Prometheus cannot reach right now.",
-            'count(up{job=~"$job"} == 0) or vector(0)',
+            f'count(up{{{SCOPE}, job=~"$job"}} == 0) or vector(0)',
             "short",
             thresholds=steps((GREEN, None), (RED, 1)),
         ),
@@ -980,6 +1189,18 @@ def overview() -> dict[str, Any]:
             thresholds=steps((GREEN, None), (RED, 1.3)),
         ),
     ]
+    with_runbooks(
+        panels,
+        s,
+        {
+            "Critical incidents": STRAGGLER_ALERTS[:1] + DEEPEP_ALERTS[:2],
+            "All open incidents": STRAGGLER_ALERTS + DEEPEP_ALERTS,
+            "Oldest window": ("RankwatchNoFreshWindows",),
+            "Endpoints down": ("RankwatchExporterDown",),
+            "Export failures": ("RankwatchExportFailing",),
+            "Open incidents": STRAGGLER_ALERTS + DEEPEP_ALERTS,
+        },
+    )
     return dashboard(
         "rankwatch-overview",
         "rankwatch / Overview",
@@ -987,6 +1208,252 @@ def overview() -> dict[str, Any]:
         panels,
         True,
     )
+
+
+# --- alerting rules -------------------------------------------------------------------------
+
+RULES_HEADER = """\
+# rankwatch alerting rules. Generated by dashboards/generate.py (edit that script, or render
+# your own copy with its settings: runbook links, job selector, for: durations).
+#
+# The diagnosis alerts read the exporter's incident series (rankwatch_incident_active /
+# rankwatch_incident_score). Those exist only while the exporter's k-of-n incident tracker holds
+# an incident open, so one noisy window never reaches these rules: the tracker already debounces
+# opening (k of the last n windows) and closing (m clean windows). On top of that:
+#   for:             the incident must stay open across several scrapes before anyone is paged;
+#   keep_firing_for: a single failed scrape (which marks every series of the target stale) or a
+#                    briefly closed incident does not resolve and re-fire the alert.
+# An alert's labels are its identity, and they must not change while the incident lasts, or
+# for: starts again: the incident's cause (which follows the latest window and may flip between,
+# say, straggler and input_straggler near the 80 % coverage line) is aggregated away and read
+# into the annotations instead. The incident's severity only escalates while it is open; the
+# DeepEP alerts carry it, so an escalation is a new alert at the higher severity.
+# Aggregations keep job/run/group plus the incident's identity labels and drop instance/pod, so
+# the same incident seen through two scrape paths pages once per job.
+"""
+
+
+def _sel(s: Settings, *matchers: str) -> str:
+    """``{job selector, matchers...}``."""
+    return "{" + ", ".join((s.job_selector.strip(), *matchers)) + "}"
+
+
+def _incident_cause(cls: str, by: Sequence[str]) -> str:
+    """Template text that looks up the incident's current cause (it is not an alert label).
+
+    Runs at every evaluation that finds the alert's series, so the annotation follows the cause
+    while the alert's identity stays put (keep_firing_for keeps the last annotations).
+    """
+    # The alert's own label values select the incident (job included: no job selector needed).
+    matchers = ", ".join((f"class={json.dumps(cls)}", *(f"{label}=%q" for label in by)))
+    query = f"max by (cause) (rankwatch_incident_active{{{matchers}}})"
+    args = " ".join(f"$labels.{label}" for label in by)
+    return (
+        f'{{{{ range printf `{query}` {args} | query | sortByLabel "cause" }}}}'
+        "{{ .Labels.cause }} {{ else }}unknown {{ end }}"
+    )
+
+
+def _alert(
+    s: Settings,
+    name: str,
+    expr: str,
+    labels: dict[str, str],
+    summary: str,
+    description: str,
+) -> dict[str, Any]:
+    rule: dict[str, Any] = {
+        "alert": name,
+        "expr": expr,
+        "for": s.for_[name],
+        "keep_firing_for": s.keep_firing_for[name],
+    }
+    if labels:
+        rule["labels"] = labels
+    rule["annotations"] = {
+        "summary": summary,
+        "description": description,
+        "runbook_url": s.runbook(name),
+    }
+    return rule
+
+
+STRAGGLER_BY = ("job", "run", "group", "culprit_rank", "hostname")
+DEEPEP_BY = ("job", "run", "group", "probe", "culprit_rank", "hostname")
+
+
+def _straggler(s: Settings, severity: str) -> dict[str, Any]:
+    cls = 'class="step_time_straggler"'
+    by = ", ".join(STRAGGLER_BY)
+    expr = (
+        f"max by ({by}) (\n"
+        f"  rankwatch_incident_score{_sel(s, cls, f'severity={json.dumps(severity)}')}\n)\n"
+    )
+    cause = _incident_cause("step_time_straggler", STRAGGLER_BY)
+    if severity == "critical":
+        return _alert(
+            s,
+            "RankwatchStepTimeStragglerCritical",
+            expr,
+            {"severity": "critical"},
+            "Rank {{ $labels.culprit_rank }} on {{ $labels.hostname }} is a critical step-time "
+            "straggler ({{ $labels.run }}/{{ $labels.group }})",
+            "Run {{ $labels.run }}, group {{ $labels.group }}: rank {{ $labels.culprit_rank }} "
+            "on host {{ $labels.hostname }} reaches the synchronising phase late and every other "
+            f"rank waits for it. Cause {cause}(latest window); straggler score "
+            "{{ $value | humanizePercentage }} of the victim's iteration time (critical from 20%).",
+        )
+    critical = _sel(s, cls, 'severity="critical"')
+    expr += (
+        "unless on (job, run, group)\n"
+        f"max by (job, run, group) (\n  rankwatch_incident_active{critical}\n)\n"
+    )
+    return _alert(
+        s,
+        "RankwatchStepTimeStragglerWarning",
+        expr,
+        {"severity": "warning"},
+        "Rank {{ $labels.culprit_rank }} on {{ $labels.hostname }} is a step-time straggler "
+        "({{ $labels.run }}/{{ $labels.group }})",
+        "Run {{ $labels.run }}, group {{ $labels.group }}: rank {{ $labels.culprit_rank }} "
+        "on host {{ $labels.hostname }} has delayed the group for "
+        f"{s.for_['RankwatchStepTimeStragglerWarning']}. Cause {cause}(latest window); "
+        "straggler score {{ $value | humanizePercentage }} (warning from 10%, critical from 20%).",
+    )
+
+
+def _deepep(s: Settings, name: str, cls: str, summary: str, description: str) -> dict[str, Any]:
+    """A DeepEP incident class; its severity is the incident's (an alert label, so it routes)."""
+    by = ", ".join((*DEEPEP_BY, "severity"))
+    expr = f"max by ({by}) (\n  rankwatch_incident_score{_sel(s, f'class={json.dumps(cls)}')}\n)\n"
+    cause = _incident_cause(cls, DEEPEP_BY)
+    return _alert(s, name, expr, {}, summary, description.replace("CAUSE", cause))
+
+
+def diagnosis_rules(s: Settings) -> list[dict[str, Any]]:
+    return [
+        _straggler(s, "critical"),
+        _straggler(s, "warning"),
+        _deepep(
+            s,
+            "RankwatchDeepEPGlobalDataPathSlowdown",
+            "global_data_path_slowdown",
+            "DeepEP dispatch and combine are both globally slower than usual "
+            "({{ $labels.run }}/{{ $labels.group }})",
+            "Run {{ $labels.run }}, group {{ $labels.group }}: the completion cost of DeepEP "
+            'dispatch and combine is {{ $value | printf "%.2f" }}x the median of recent normal '
+            "windows (alert from 1.3x) on every path at once, which points at the shared fabric "
+            "rather than one rank. Probe {{ $labels.probe }}, cause CAUSE(latest window), "
+            "severity {{ $labels.severity }}.",
+        ),
+        _deepep(
+            s,
+            "RankwatchDeepEPLocalizedDataPathSlowdown",
+            "localized_data_path_slowdown",
+            "DeepEP data path slow around rank {{ $labels.culprit_rank }} on "
+            "{{ $labels.hostname }} ({{ $labels.run }}/{{ $labels.group }})",
+            "Run {{ $labels.run }}, group {{ $labels.group }}: dispatch and combine agree on a "
+            "slow local scope around rank {{ $labels.culprit_rank }} (host "
+            '{{ $labels.hostname }}): slowdown factor {{ $value | printf "%.2f" }}x after '
+            "removing window-wide, row and column effects. Probe {{ $labels.probe }}, cause "
+            "CAUSE(latest window), severity {{ $labels.severity }}.",
+        ),
+        _deepep(
+            s,
+            "RankwatchDeepEPPreStageArrivalSkew",
+            "pre_stage_arrival_skew",
+            "Rank {{ $labels.culprit_rank }} on {{ $labels.hostname }} arrives late at DeepEP "
+            "{{ $labels.probe }} ({{ $labels.run }}/{{ $labels.group }})",
+            "Run {{ $labels.run }}, group {{ $labels.group }}: rank {{ $labels.culprit_rank }} "
+            "on host {{ $labels.hostname }} enters the {{ $labels.probe }} Notify kernel late "
+            "while the completion paths downstream are normal, so the delay is in the work "
+            'before the collective. Its Notify time is {{ $value | printf "%.3f" }} of the peer '
+            "median (late from 0.25 down); cause CAUSE(latest window), severity "
+            "{{ $labels.severity }}.",
+        ),
+    ]
+
+
+# The run a scrape target served, kept while the target is down: a down target's own series
+# are stale at once, so the alert could not say which run lost a rank otherwise (and
+# Alertmanager could not inhibit that run's stale-window alert). The rule reads its own previous
+# sample for targets that are down now, so the run stays for as long as the target stays down.
+TARGET_RUN = "rankwatch:scrape_target_run:info"
+
+
+def exporter_rules(s: Settings) -> list[dict[str, Any]]:
+    up = f"up{_sel(s)}"
+    stale = s.stale_window_seconds
+    return [
+        {
+            "record": TARGET_RUN,
+            "expr": (
+                f"group by (job, instance, run) (rankwatch_exporter_up{_sel(s)})\n"
+                f"or on (job, instance)\n"
+                f"({TARGET_RUN} and on (job, instance) ({up} == 0))\n"
+            ),
+        },
+        _alert(
+            s,
+            "RankwatchExporterDown",
+            # A target that was never up has no run: it fires without one.
+            f"({up} == 0)\n"
+            f"  * on (job, instance) group_left (run)\n"
+            f"  topk by (job, instance) (1, {TARGET_RUN})\n"
+            f"or on (job, instance)\n"
+            f"({up} == 0)\n",
+            {"severity": "warning"},
+            "rankwatch endpoint {{ $labels.instance }} cannot be scraped",
+            "Prometheus has failed to scrape {{ $labels.instance }} (job {{ $labels.job }}"
+            "{{ with $labels.run }}, run {{ . }}{{ end }}) for "
+            f"{s.for_['RankwatchExporterDown']}. Either the training process on it exited or "
+            "hung, or its /metrics port is unreachable. No diagnosis of that rank's group can "
+            "be trusted meanwhile.",
+        ),
+        _alert(
+            s,
+            "RankwatchNoFreshWindows",
+            # The window's own timestamp, not the exporter's age gauge: the age is computed by
+            # the process being judged, the timestamp is checked against Prometheus' clock.
+            f"time() - max by (job, run, group, instance) "
+            f"(rankwatch_window_timestamp_seconds{_sel(s)}) > {stale}\n",
+            {"severity": "warning"},
+            "No new rankwatch window for {{ $labels.run }}/{{ $labels.group }} in "
+            "{{ $value | humanizeDuration }}",
+            "The root of group {{ $labels.group }} in run {{ $labels.run }} "
+            "({{ $labels.instance }}) is alive but its latest diagnosed window is "
+            "{{ $value | humanizeDuration }} old (alert from "
+            f"{stale} s). Training is stalled, a rank stopped contributing to the gather, or "
+            "windows are rejected; the dashboards show stale data.",
+        ),
+        _alert(
+            s,
+            "RankwatchExportFailing",
+            "sum by (job, run, group, instance, exporter) (\n"
+            f"  rate(rankwatch_export_failures_total{_sel(s)}[5m])\n) > 0\n",
+            {"severity": "warning"},
+            "rankwatch {{ $labels.exporter }} export keeps failing on {{ $labels.instance }}",
+            "The {{ $labels.exporter }} export of run {{ $labels.run }}, group "
+            "{{ $labels.group }} ({{ $labels.instance }}) has failed for "
+            f"{s.for_['RankwatchExportFailing']}, at "
+            '{{ $value | printf "%.3f" }} failures per second. OTLP metrics or incident events '
+            "are not reaching the collector; the Prometheus /metrics path is unaffected.",
+        ),
+    ]
+
+
+def rules(s: Settings) -> dict[str, Any]:
+    """The rule groups (the content of rankwatch.rules.yml and of the PrometheusRule spec)."""
+    return {
+        "groups": [
+            {"name": "rankwatch-diagnosis", "rules": diagnosis_rules(s)},
+            {"name": "rankwatch-exporter", "rules": exporter_rules(s)},
+        ]
+    }
+
+
+def rules_yaml(s: Settings) -> str:
+    return RULES_HEADER + yaml.dump(rules(s), Dumper=_BlockDumper, sort_keys=False, width=100)
 
 
 # --- Kubernetes objects -----------------------------------------------------------------------
@@ -1034,9 +1501,8 @@ def configmaps(rendered: dict[str, str]) -> str:
     return HEADER + yaml.dump_all(docs, Dumper=_BlockDumper, sort_keys=False, width=100)
 
 
-def prometheus_rule() -> str:
-    """The shipped rule file as a PrometheusRule kube-prometheus-stack picks up."""
-    rules = yaml.safe_load((ROOT / "dashboards/rules/rankwatch.rules.yml").read_text())
+def prometheus_rule(s: Settings) -> str:
+    """The rule file as a PrometheusRule kube-prometheus-stack picks up."""
     doc = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
@@ -1048,28 +1514,75 @@ def prometheus_rule() -> str:
                 "app.kubernetes.io/component": "alerting",
             },
         },
-        "spec": rules,
+        "spec": rules(s),
     }
-    return HEADER + yaml.safe_dump(doc, sort_keys=False, width=100)
+    return HEADER + yaml.dump(doc, Dumper=_BlockDumper, sort_keys=False, width=100)
 
 
-def render() -> dict[Path, str]:
-    """Every generated file and its content."""
+def render(s: Settings = SETTINGS, root: Path = ROOT) -> dict[Path, str]:
+    """Every generated file (under ``root``) and its content."""
     out: dict[Path, str] = {}
     rendered = {}
     for name, build in DASHBOARDS.items():
-        rendered[name] = json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
-        out[ROOT / "dashboards" / name] = rendered[name]
-    out[ROOT / "deploy/kubernetes/dashboards.yaml"] = configmaps(rendered)
-    out[ROOT / "deploy/kubernetes/prometheusrule.yaml"] = prometheus_rule()
+        rendered[name] = json.dumps(build(s), indent=2, ensure_ascii=False) + "\n"
+        out[root / "dashboards" / name] = rendered[name]
+    out[root / "dashboards/rules/rankwatch.rules.yml"] = rules_yaml(s)
+    out[root / "deploy/kubernetes/dashboards.yaml"] = configmaps(rendered)
+    out[root / "deploy/kubernetes/prometheusrule.yaml"] = prometheus_rule(s)
     return out
 
 
-def main() -> None:
-    for path, text in render().items():
+def settings_from_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
+    """Settings from ``--settings FILE`` (JSON or YAML) and flags (which win); output root."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settings", type=Path, help="JSON or YAML file of Settings keys")
+    parser.add_argument("--runbook-url", help=f"runbooks page (default {DEFAULT_RUNBOOK_URL})")
+    parser.add_argument("--job-selector", help="label matcher of the rules, e.g. 'job=\"x\"'")
+    parser.add_argument(
+        "--for",
+        dest="for_",
+        action="append",
+        default=[],
+        metavar="ALERT=DURATION",
+        help="an alert's for: duration (repeatable)",
+    )
+    parser.add_argument("--keep-firing-for", action="append", default=[], metavar="ALERT=DURATION")
+    parser.add_argument("--stale-window-seconds", type=int)
+    parser.add_argument(
+        "--out", type=Path, default=ROOT, help="root to write under (default: this repository)"
+    )
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    if args.settings is not None:
+        loaded = yaml.safe_load(args.settings.read_text()) or {}  # YAML is a superset of JSON
+        if not isinstance(loaded, dict):
+            parser.error(f"--settings {args.settings}: expected a mapping of settings")
+        overrides.update(loaded)
+    for key in ("runbook_url", "job_selector", "stale_window_seconds"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    for key, pairs in (("for", args.for_), ("keep_firing_for", args.keep_firing_for)):
+        if pairs:
+            table = dict(overrides.get(key) or {})
+            for pair in pairs:
+                alert, sep, duration = pair.partition("=")
+                if not sep:
+                    parser.error(f"--{key.replace('_', '-')} {pair!r}: expected ALERT=DURATION")
+                table[alert] = duration
+            overrides[key] = table
+    try:
+        return Settings.load(overrides), args.out
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: error() exits
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings, root = settings_from_args(argv)
+    for path, text in render(settings, root).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-        print(f"wrote {path.relative_to(ROOT)}")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
