@@ -33,7 +33,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 typecheck: venv
-	$(VENV)/bin/mypy diagnosis exporter
+	$(VENV)/bin/mypy diagnosis exporter rankwatch
 
 unit: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
