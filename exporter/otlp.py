@@ -306,12 +306,11 @@ class _CountingLogExporter(LogRecordExporter):
         self._inner.shutdown()
 
 
-def _grpc_missing(exc: ImportError, signal: str) -> ModuleNotFoundError:
+def _grpc_missing(signal: str) -> ModuleNotFoundError:
     return ModuleNotFoundError(
         f"OTEL_EXPORTER_OTLP_PROTOCOL / OTEL_EXPORTER_OTLP_{signal}_PROTOCOL: 'grpc' needs the "
         "OTLP gRPC exporter, which is not installed (it is an optional extra): "
         "pip install 'rankwatch[grpc]', or use the default 'http/protobuf' (port 4318)"
-        f" [{exc}]"
     )
 
 
@@ -323,7 +322,7 @@ def _metric_exporter(protocol: str) -> MetricExporter:
                 OTLPMetricExporter as GrpcMetricExporter,
             )
         except ImportError as exc:
-            raise _grpc_missing(exc, "METRICS") from None
+            raise _grpc_missing("METRICS") from exc
 
         return GrpcMetricExporter()
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
@@ -340,7 +339,7 @@ def _log_exporter(protocol: str) -> LogRecordExporter:
                 OTLPLogExporter as GrpcLogExporter,
             )
         except ImportError as exc:
-            raise _grpc_missing(exc, "LOGS") from None
+            raise _grpc_missing("LOGS") from exc
 
         return GrpcLogExporter()
     from opentelemetry.exporter.otlp.proto.http._log_exporter import (
