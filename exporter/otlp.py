@@ -52,6 +52,7 @@ uses the application's global providers when they are set, see below) and one wo
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -217,6 +218,15 @@ def otel_resource(
     given = from_env.get("service.instance.id")
     ours["service.instance.id"] = f"{given}-rank{rank}" if given else str(uuid.uuid4())
     return Resource.create(ours)
+
+
+def _cardinality_limits() -> dict[str, Any]:
+    """The reader's keyword raising the SDK's cardinality limit, where the SDK has one (it came
+    after 1.39, the floor; before it, the SDK folds nothing into an overflow series)."""
+    if "cardinality_limits" not in inspect.signature(PeriodicExportingMetricReader).parameters:
+        return {}
+    limits = {ObservableGauge: CARDINALITY_LIMIT, ObservableCounter: CARDINALITY_LIMIT}
+    return {"cardinality_limits": limits}
 
 
 class _FailureLog:
@@ -425,12 +435,7 @@ class OtlpPublisher:
             )
             # An infinite interval: no SDK thread; our worker decides when to collect.
             self._reader = PeriodicExportingMetricReader(
-                counting,
-                export_interval_millis=math.inf,
-                cardinality_limits={
-                    ObservableGauge: CARDINALITY_LIMIT,
-                    ObservableCounter: CARDINALITY_LIMIT,
-                },
+                counting, export_interval_millis=math.inf, **_cardinality_limits()
             )
             self._meter_provider = MeterProvider(
                 resource=self.resource, metric_readers=[self._reader], shutdown_on_exit=False
