@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test lint typecheck unit bench clean
+.PHONY: venv backends demo test test-floors lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,15 +40,31 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 typecheck: venv
-	$(VENV)/bin/mypy diagnosis exporter
+	$(VENV)/bin/mypy diagnosis exporter rankwatch
 
 unit: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test: venv backends lint typecheck unit
 
+# The declared dependency floors, tested: a fresh environment with every runtime dependency (and
+# the gRPC extra) pinned to its floor runs the publishing tests. Separate from `test` because it
+# builds a second environment; CI runs it after `make test`.
+FLOORS_VENV ?= .venv-floors
+test-floors: backends
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FLOORS_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(PYTHON) tests/floor_constraints.py > $(FLOORS_VENV)/floors.txt
+	$(FLOORS_VENV)/bin/python -m pip install -q --constraint $(FLOORS_VENV)/floors.txt \
+		-e '.[grpc]' pytest pytest-timeout hypothesis
+	$(FLOORS_VENV)/bin/python -m pip list --format=freeze | grep -iE 'opentelemetry|prometheus|numpy'
+	$(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_otlp.py \
+		tests/test_prometheus.py tests/test_publish.py tests/test_publish_samples.py
+
 bench: venv
 	$(PY) -m bench.run_all
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

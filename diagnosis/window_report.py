@@ -19,11 +19,14 @@ __all__ = ["RankInfo", "WindowReport"]
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Identity of one global rank: where it runs."""
+    """Identity of one global rank: where it runs (``gpu``/``gpu_uuid``: its CUDA device's index
+    and UUID as dcgm-exporter labels them, empty on CPU)."""
 
     rank: int
     hostname: str = ""
     local_rank: int = 0
+    gpu: str = ""
+    gpu_uuid: str = ""
 
 
 @dataclass(frozen=True)

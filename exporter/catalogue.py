@@ -71,7 +71,9 @@ def _m(name: str, type_: str, unit: str, labels: tuple[str, ...], help_: str) ->
     return MetricSpec("rankwatch_" + name, type_, unit, labels, help_)
 
 
-RANK = ("rank", "local_rank", "hostname")
+# Where a rank runs; gpu and UUID carry dcgm-exporter's label names (and values) so per-rank
+# series join a GPU's telemetry. Empty on CPU.
+RANK = ("rank", "local_rank", "hostname", "gpu", "UUID")
 
 CATALOGUE: tuple[MetricSpec, ...] = (
     # --- step time (rank-straggler policy) ---
@@ -278,6 +280,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     ),
     _m("exporter_up", "gauge", "", (), "1 while the rankwatch exporter runs."),
     _m("exporter_start_time_seconds", "gauge", "s", (), "Unix time the exporter started."),
+    _m(
+        "build_info",
+        "info",
+        "",
+        ("version", "python", "torch"),
+        "The versions of rankwatch, Python and torch the exporter runs with (value 1).",
+    ),
 )
 
 

@@ -1,7 +1,8 @@
-"""The ``rankwatch`` command: demo, diagnose, heatmap, replay, config.
+"""The ``rankwatch`` command: demo, diagnose, heatmap, replay, config, assets.
 
 Exit codes: 0 success, 1 a failure while running, 2 bad arguments or configuration (the message
-names the option and the value), 130 the demo was interrupted with Ctrl-C (after writing its
+names the option and the value) or a missing optional extra (the message names the
+``pip install`` that adds it), 130 the demo was interrupted with Ctrl-C (after writing its
 summary). Heavy imports (torch, matplotlib) happen inside the subcommand that needs them, so
 ``rankwatch config`` and argument errors answer instantly.
 """
@@ -9,14 +10,16 @@ summary). Heavy imports (torch, matplotlib) happen inside the subcommand that ne
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import sys
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+
+import rankwatch
 
 __all__ = ["format_value", "main"]
 
@@ -31,10 +34,26 @@ class UsageError(Exception):
 
 
 def _version() -> str:
-    try:
-        return version("rankwatch")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "unknown"
+    return rankwatch.__version__
+
+
+# Optional extras: the import names each one provides (what a command needs to run).
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "demo": ("rich", "matplotlib", "PIL"),
+    "heatmap": ("matplotlib", "PIL"),
+}
+_DISTRIBUTIONS = {"PIL": "pillow"}
+
+
+def require_extra(extra: str) -> None:
+    """Raise :class:`UsageError` naming the ``pip install`` to run when ``extra`` is missing."""
+    missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        names = ", ".join(_DISTRIBUTIONS.get(m, m) for m in missing)
+        raise UsageError(
+            f"needs the optional packages of the {extra!r} extra ({names} not installed): "
+            f"pip install 'rankwatch[{extra}]'"
+        )
 
 
 def format_value(value: Any) -> str:
@@ -230,6 +249,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config.add_argument("--json", action="store_true", help="print as JSON")
     config.set_defaults(handler=_cmd_config)
+
+    assets = sub.add_parser(
+        "assets",
+        help="write out the shipped dashboards, alert rules and deploy manifests",
+        description="The Grafana dashboards, Prometheus alert and recording rules, and deploy "
+        "manifests of this version, as files: the same as the dashboards/ and deploy/ folders "
+        "of a clone.",
+    )
+    assets_sub = assets.add_subparsers(dest="action", metavar="ACTION")
+    assets_sub.required = True
+    export = assets_sub.add_parser(
+        "export",
+        help="write every asset under DIR (dashboards/..., deploy/...)",
+        description="Write every asset under DIR, keeping the repository layout. A file "
+        "already there with other content is refused unless --force.",
+    )
+    export.add_argument("dir", type=Path, metavar="DIR")
+    export.add_argument(
+        "--force", action="store_true", help="overwrite files whose content differs"
+    )
+    export.set_defaults(handler=_cmd_assets_export)
+    listing = assets_sub.add_parser("list", help="list the shipped files")
+    listing.set_defaults(handler=_cmd_assets_list)
     return parser
 
 
@@ -304,9 +346,36 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_assets_export(args: argparse.Namespace) -> int:
+    from .assets import export_assets, list_assets
+
+    try:
+        written = export_assets(args.dir, force=args.force)
+    except FileNotFoundError as exc:
+        print(f"rankwatch assets: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:
+        raise UsageError(f"DIR {str(args.dir)!r}: {exc}") from None
+    total = len(list_assets())
+    print(
+        f"rankwatch {_version()}: {total} asset files in {args.dir} "
+        f"({len(written)} written, {total - len(written)} already up to date)"
+    )
+    return EXIT_OK
+
+
+def _cmd_assets_list(args: argparse.Namespace) -> int:
+    from .assets import list_assets
+
+    for asset in list_assets():
+        print(asset.relative)
+    return EXIT_OK
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoOptions, preflight, run_demo, scenario_timeline
 
+    require_extra("demo")
     if args.straggler_rank >= args.ranks:
         raise UsageError(
             f"--straggler-rank must be below --ranks ({args.ranks}), got {args.straggler_rank}"
@@ -338,6 +407,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_heatmap(args: argparse.Namespace) -> int:
     from . import heatmap
 
+    if not {"-h", "--help"} & set(args.args):
+        try:
+            require_extra("heatmap")
+        except UsageError as exc:
+            print(f"rankwatch heatmap: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     return int(heatmap.main(list(args.args)))
 
 

@@ -8,7 +8,9 @@ names. ``docs/configuration.md`` lists every option; a test keeps it in step wit
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -34,6 +36,9 @@ class RankwatchConfig:
     # identity
     run_id: str = field(default="", metadata=option("RANKWATCH_RUN_ID"))
     group_name: str = field(default="world", metadata=option("RANKWATCH_GROUP"))
+    # Kubernetes identity: the variable holding the node name (downward API spec.nodeName), as
+    # dcgm-exporter reads it; the `hostname` label and k8s.node.name come from it when set.
+    node_name_env: str = field(default="NODE_NAME", metadata=option("RANKWATCH_NODE_NAME_ENV"))
     # collection
     enabled: bool = field(default=True, metadata=option("RANKWATCH_ENABLE"))
     async_mode: bool = field(default=True, metadata=option("RANKWATCH_ASYNC"))
@@ -70,6 +75,11 @@ class RankwatchConfig:
     otlp_export_interval_seconds: float = field(
         default=10.0, metadata=option("RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS", 0.0, lo_open=True)
     )
+    # Publish through the application's global OTel MeterProvider/LoggerProvider when it has set
+    # them (the library guideline), instead of providers and exporters of rankwatch's own.
+    otlp_use_global_providers: bool = field(
+        default=False, metadata=option("RANKWATCH_OTLP_USE_GLOBAL_PROVIDERS")
+    )
     shutdown_timeout_seconds: float = field(
         default=5.0, metadata=option("RANKWATCH_SHUTDOWN_TIMEOUT_SECONDS", 0.0, lo_open=True)
     )
@@ -95,6 +105,11 @@ class RankwatchConfig:
                 "RankwatchConfig.incident_open_k (RANKWATCH_INCIDENT_OPEN_K): must be <= "
                 f"incident_open_n ({self.incident_open_n}), got {self.incident_open_k}"
             )
+        if self.node_name_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.node_name_env):
+            raise ValueError(
+                "RankwatchConfig.node_name_env (RANKWATCH_NODE_NAME_ENV): must name an "
+                f"environment variable (letters, digits, _), got {self.node_name_env!r}"
+            )
         if bool(self.metrics_tls_cert_file) != bool(self.metrics_tls_key_file):
             raise ValueError(
                 "RankwatchConfig.metrics_tls_cert_file/metrics_tls_key_file "
@@ -116,11 +131,32 @@ class RankwatchConfig:
         source = os.environ if env is None else env
         if "diagnosis" not in overrides:
             overrides["diagnosis"] = DiagnosisConfig.from_env(source)
+        interval = _otel_metric_export_interval(source)
+        if interval is not None and "otlp_export_interval_seconds" not in overrides:
+            overrides["otlp_export_interval_seconds"] = interval
         return from_env(cls, source, **overrides)
 
     def metrics_port_for(self, local_rank: int) -> int:
         """One port per local rank under torchrun: base + local_rank (0 stays 0: ephemeral)."""
         return 0 if self.metrics_port == 0 else self.metrics_port + local_rank
+
+
+def _otel_metric_export_interval(env: Mapping[str, str]) -> float | None:
+    """The standard ``OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds) in seconds, when it is set and
+    rankwatch's own ``RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS`` is not (ours wins)."""
+    raw = env.get("OTEL_METRIC_EXPORT_INTERVAL", "").strip()
+    if not raw or env.get("RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS", "").strip():
+        return None
+    try:
+        millis = float(raw)
+    except ValueError:
+        millis = float("nan")
+    if not math.isfinite(millis) or millis <= 0:
+        raise ValueError(
+            "RankwatchConfig.otlp_export_interval_seconds (OTEL_METRIC_EXPORT_INTERVAL): "
+            f"expected a number of milliseconds > 0, got {raw!r}"
+        )
+    return millis / 1000.0
 
 
 @dataclass(frozen=True)

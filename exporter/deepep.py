@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 import uuid
@@ -44,7 +43,7 @@ from rankwatch.diagnosis.normal.schema import counter_length
 from rankwatch.diagnosis.normal_log import LINE_PREFIX, invalid_window_line, normal_log_lines
 from rankwatch.diagnosis.window_report import RankInfo, WindowReport
 
-from .config import DeepEPConfig
+from .config import DeepEPConfig, RankwatchConfig
 from .deepep_counters import LOW_LATENCY_PHASES, DeepEPCounters, allocate_counters
 from .deepep_snapshot import (
     CounterWindows,
@@ -53,6 +52,7 @@ from .deepep_snapshot import (
     PendingSnapshot,
     gather_rows,
 )
+from .identity import DEFAULT_NODE_NAME_ENV, node_hostname
 from .publisher import Publisher
 
 __all__ = ["HISTORY_WINDOWS", "Diagnose", "infer_ranks_per_node"]
@@ -275,6 +275,7 @@ class Diagnose:
         config: DeepEPConfig | None = None
         normal_config: NormalConfig | None = None
         ll_config: LowLatencyConfig | None = None
+        node_name_env = DEFAULT_NODE_NAME_ENV
         stream: Any = None
         try:
             for name, flag in (
@@ -313,6 +314,7 @@ class Diagnose:
                     )
             stream = _as_cuda_stream(snapshot_stream)
             config = DeepEPConfig.from_env(source)
+            node_name_env = RankwatchConfig.from_env(source).node_name_env
             normal_config = NormalConfig.from_env(source)
             ll_config = LowLatencyConfig.from_env(source)
             settings = (
@@ -330,7 +332,7 @@ class Diagnose:
             local_error = exc
         me = _Member(
             rank=global_rank,
-            hostname=socket.gethostname().lower(),
+            hostname=node_hostname(node_name_env, source),
             local_rank=_local_rank(source),
             settings=settings,
             error=None if local_error is None else _exception_text(local_error),

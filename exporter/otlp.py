@@ -1,8 +1,9 @@
 """The push path: OTLP metrics and incident log records, on a thread of their own.
 
-:class:`OtlpPublisher` owns an OpenTelemetry ``MeterProvider`` and ``LoggerProvider`` (never the
-global ones: the application may have its own) and one worker thread, ``rankwatch-otlp``, that
-does all network I/O. Nothing else ever waits for the network:
+:class:`OtlpPublisher` owns an OpenTelemetry ``MeterProvider`` and ``LoggerProvider`` (by default
+not the global ones: the application may have its own; with ``otlp_use_global_providers`` it
+uses the application's global providers when they are set, see below) and one worker thread,
+``rankwatch-otlp``, that does all network I/O. Nothing else ever waits for the network:
 
 * **Metrics.** One *observable* instrument per catalogue family (gauges, info series and
   counters), each reading the same samples as ``/metrics`` (:mod:`rankwatch.exporter.samples`).
@@ -35,6 +36,13 @@ does all network I/O. Nothing else ever waits for the network:
   shares that variable), ``host.name``, ``process.pid``, and the job identity
   ``rankwatch.run``, ``rankwatch.group``, ``rankwatch.rank``, ``rankwatch.local_rank``.
   Values set in the environment win over these defaults.
+* **Global providers.** With ``RANKWATCH_OTLP_USE_GLOBAL_PROVIDERS=1`` and a global
+  ``MeterProvider`` / ``LoggerProvider`` set by the application (before rankwatch starts),
+  rankwatch registers its instruments on, and emits its incident records through, those
+  providers (scope ``rankwatch``): the application's exporters, export schedule and resource
+  apply, no endpoint variable is needed, and rankwatch neither shuts them down nor counts their
+  export failures. The worker refreshes the samples every ``otlp_export_interval_seconds``; a
+  signal whose global provider is not set falls back to rankwatch's own.
 * **Failures** (refused, black-holed, rejected) are counted through ``on_failure`` (the hub
   turns that into ``rankwatch_export_failures_total{exporter="otlp_metrics"|"otlp_logs"}``) and
   logged once per outage; the exporters' own per-attempt log lines from this thread are muted.
@@ -44,10 +52,10 @@ does all network I/O. Nothing else ever waits for the network:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
-import socket
 import threading
 import time
 import uuid
@@ -72,9 +80,12 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
+import rankwatch
+
 from .catalogue import CATALOGUE, MetricSpec
 from .config import RankwatchConfig
 from .events import event_log_record
+from .identity import k8s_attributes, node_hostname
 from .incidents import IncidentEvent
 from .samples import Sample
 
@@ -84,6 +95,8 @@ __all__ = [
     "PROTOCOLS",
     "OtlpPublisher",
     "OtlpSettings",
+    "global_logger_provider",
+    "global_meter_provider",
     "otel_resource",
     "otlp_settings",
 ]
@@ -186,10 +199,12 @@ def otel_resource(
     for name, value in (("rank", rank), ("local_rank", local_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-    host = (hostname if hostname is not None else socket.gethostname()).lower()
+    host = (hostname if hostname is not None else node_hostname(config.node_name_env)).lower()
     from_env = dict(OTELResourceDetector().detect().attributes)
     ours: dict[str, Any] = {
         "service.name": "rankwatch",
+        "service.version": rankwatch.__version__,
+        **k8s_attributes(config.node_name_env),
         "host.name": host,
         "process.pid": os.getpid(),
         "rankwatch.group": config.group_name,
@@ -203,6 +218,15 @@ def otel_resource(
     given = from_env.get("service.instance.id")
     ours["service.instance.id"] = f"{given}-rank{rank}" if given else str(uuid.uuid4())
     return Resource.create(ours)
+
+
+def _cardinality_limits() -> dict[str, Any]:
+    """The reader's keyword raising the SDK's cardinality limit, where the SDK has one (it came
+    after 1.39, the floor; before it, the SDK folds nothing into an overflow series)."""
+    if "cardinality_limits" not in inspect.signature(PeriodicExportingMetricReader).parameters:
+        return {}
+    limits = {ObservableGauge: CARDINALITY_LIMIT, ObservableCounter: CARDINALITY_LIMIT}
+    return {"cardinality_limits": limits}
 
 
 class _FailureLog:
@@ -292,12 +316,23 @@ class _CountingLogExporter(LogRecordExporter):
         self._inner.shutdown()
 
 
+def _grpc_missing(signal: str) -> ModuleNotFoundError:
+    return ModuleNotFoundError(
+        f"OTEL_EXPORTER_OTLP_PROTOCOL / OTEL_EXPORTER_OTLP_{signal}_PROTOCOL: 'grpc' needs the "
+        "OTLP gRPC exporter, which is not installed (it is an optional extra): "
+        "pip install 'rankwatch[grpc]', or use the default 'http/protobuf' (port 4318)"
+    )
+
+
 def _metric_exporter(protocol: str) -> MetricExporter:
-    # Imported here: the gRPC stack is slow to import and most jobs never use it.
+    # Imported here: the gRPC stack is slow to import, most jobs never use it, and it is an extra.
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-            OTLPMetricExporter as GrpcMetricExporter,
-        )
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+                OTLPMetricExporter as GrpcMetricExporter,
+            )
+        except ImportError as exc:
+            raise _grpc_missing("METRICS") from exc
 
         return GrpcMetricExporter()
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
@@ -309,9 +344,12 @@ def _metric_exporter(protocol: str) -> MetricExporter:
 
 def _log_exporter(protocol: str) -> LogRecordExporter:
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import (
-            OTLPLogExporter as GrpcLogExporter,
-        )
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc._log_exporter import (
+                OTLPLogExporter as GrpcLogExporter,
+            )
+        except ImportError as exc:
+            raise _grpc_missing("LOGS") from exc
 
         return GrpcLogExporter()
     from opentelemetry.exporter.otlp.proto.http._log_exporter import (
@@ -376,19 +414,28 @@ class OtlpPublisher:
         self._current: dict[str, list[tuple[float, dict[str, str]]]] = {}
         self._meter_provider: MeterProvider | None = None
         self._reader: PeriodicExportingMetricReader | None = None
-        if settings.metrics or metric_exporter is not None:
+        # The application's global providers, when configured to use them and they are set:
+        # rankwatch then only adds instruments / emits records; their exporters, schedule and
+        # resource are the application's, and their shutdown too.
+        self._global_meter_provider: Any = None
+        self._global_logger_provider: Any = None
+        use_global = config.otlp_use_global_providers
+        if use_global and metric_exporter is None:
+            self._global_meter_provider = global_meter_provider()
+        if use_global and log_exporter is None:
+            self._global_logger_provider = global_logger_provider()
+        if self._global_meter_provider is not None:
+            meter = self._global_meter_provider.get_meter(SCOPE_NAME, rankwatch.__version__)
+            for spec in CATALOGUE:
+                self._instrument(meter, spec)
+        elif settings.metrics or metric_exporter is not None:
             inner = metric_exporter or _metric_exporter(settings.metrics_protocol)
             counting = _CountingMetricExporter(
                 inner, _FailureLog(OTLP_METRICS, _endpoint_of(inner), self._on_failure)
             )
             # An infinite interval: no SDK thread; our worker decides when to collect.
             self._reader = PeriodicExportingMetricReader(
-                counting,
-                export_interval_millis=math.inf,
-                cardinality_limits={
-                    ObservableGauge: CARDINALITY_LIMIT,
-                    ObservableCounter: CARDINALITY_LIMIT,
-                },
+                counting, export_interval_millis=math.inf, **_cardinality_limits()
             )
             self._meter_provider = MeterProvider(
                 resource=self.resource, metric_readers=[self._reader], shutdown_on_exit=False
@@ -399,7 +446,12 @@ class OtlpPublisher:
 
         self._logger_provider: LoggerProvider | None = None
         self._otel_logger: Any = None
-        if settings.logs or log_exporter is not None:
+        self._log_failures = _FailureLog(OTLP_LOGS, "the global LoggerProvider", self._on_failure)
+        if self._global_logger_provider is not None:
+            self._otel_logger = self._global_logger_provider.get_logger(
+                SCOPE_NAME, rankwatch.__version__
+            )
+        elif settings.logs or log_exporter is not None:
             inner_log = log_exporter or _log_exporter(settings.logs_protocol)
             self._log_failures = _FailureLog(OTLP_LOGS, _endpoint_of(inner_log), self._on_failure)
             self._logger_provider = LoggerProvider(resource=self.resource, shutdown_on_exit=False)
@@ -421,7 +473,12 @@ class OtlpPublisher:
     @property
     def enabled(self) -> bool:
         """True when at least one signal is exported."""
-        return self._meter_provider is not None or self._logger_provider is not None
+        return self._meter_provider is not None or self._otel_logger is not None
+
+    @property
+    def uses_global_providers(self) -> tuple[bool, bool]:
+        """(metrics, logs): whether each signal goes through the application's global provider."""
+        return (self._global_meter_provider is not None, self._global_logger_provider is not None)
 
     # -- producer side (any thread; never blocks on the network) ----------------------------
 
@@ -429,7 +486,7 @@ class OtlpPublisher:
         """Queue an incident event for export as a log record."""
         if not isinstance(event, IncidentEvent):
             raise TypeError(f"event: expected IncidentEvent, got {type(event).__name__}")
-        if self._logger_provider is None:
+        if self._otel_logger is None:
             return
         with self._cond:
             if self._stop:
@@ -516,7 +573,19 @@ class OtlpPublisher:
             )
         self._current = current
 
-    def _export_metrics(self) -> None:
+    def _export_metrics(self, requested: bool = False) -> None:
+        if self._global_meter_provider is not None:
+            # The application's reader collects on its own schedule from the latest snapshot;
+            # an explicit flush (close, flush()) pushes it through the application's provider.
+            self._snapshot()
+            if requested:
+                try:
+                    self._global_meter_provider.force_flush(
+                        timeout_millis=self.interval_seconds * 1000
+                    )
+                except Exception:
+                    log.debug("rankwatch: flushing the global MeterProvider failed", exc_info=True)
+            return
         if self._reader is None:
             return
         self._snapshot()
@@ -553,8 +622,9 @@ class OtlpPublisher:
                 target = self._requested
             if events:
                 self._emit_events(events)
-            if stop or (drained and target > self._completed) or time.monotonic() >= next_export:
-                self._export_metrics()
+            requested = stop or (drained and target > self._completed)
+            if requested or time.monotonic() >= next_export:
+                self._export_metrics(requested)
                 next_export = time.monotonic() + self.interval_seconds
             with self._cond:
                 if drained:  # a flush covers the events queued before it: all emitted now
@@ -562,6 +632,27 @@ class OtlpPublisher:
                 self._cond.notify_all()
             if stop:
                 return
+
+
+def _is_set(provider: Any, *placeholders: str) -> bool:
+    # The API hands out a proxy (or a no-op) until the application sets a provider.
+    return provider is not None and type(provider).__name__ not in placeholders
+
+
+def global_meter_provider() -> Any:
+    """The application's global MeterProvider, or None while none has been set."""
+    from opentelemetry import metrics
+
+    provider = metrics.get_meter_provider()
+    return provider if _is_set(provider, "_ProxyMeterProvider", "NoOpMeterProvider") else None
+
+
+def global_logger_provider() -> Any:
+    """The application's global LoggerProvider, or None while none has been set."""
+    from opentelemetry import _logs
+
+    provider = _logs.get_logger_provider()
+    return provider if _is_set(provider, "ProxyLoggerProvider", "NoOpLoggerProvider") else None
 
 
 def _check_timeout(timeout_seconds: Any) -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from collections import deque
@@ -47,8 +46,17 @@ from rankwatch.diagnosis.window_report import WindowReport
 
 from .config import RankwatchConfig
 from .events import event_json, event_message
+from .identity import node_hostname
 from .incidents import IncidentEvent, IncidentSnapshot, IncidentTracker
-from .otlp import OTLP_LOGS, OTLP_METRICS, OtlpPublisher, OtlpSettings, otlp_settings
+from .otlp import (
+    OTLP_LOGS,
+    OTLP_METRICS,
+    OtlpPublisher,
+    OtlpSettings,
+    global_logger_provider,
+    global_meter_provider,
+    otlp_settings,
+)
 from .prometheus import MetricsServer, SampleParts, start_metrics_server
 from .publisher import Publisher
 from .samples import (
@@ -376,10 +384,16 @@ class PublisherHub:
         else:
             raise TypeError(f"otlp: expected OtlpSettings, False or None, got {otlp!r}")
         if settings is not None and not (settings.metrics or settings.logs):
-            settings = None
+            # Nothing to push to; unless the application's global providers are to be used.
+            uses_global = config.otlp_use_global_providers and (
+                global_meter_provider() is not None or global_logger_provider() is not None
+            )
+            settings = settings if uses_global else None
 
         self.config = config
-        self.hostname = (hostname if hostname is not None else socket.gethostname()).lower()
+        self.hostname = (
+            hostname if hostname is not None else node_hostname(config.node_name_env)
+        ).lower()
         exporters = [PUBLISH_QUEUE]
         if settings is not None:
             signals = ((OTLP_METRICS, settings.metrics), (OTLP_LOGS, settings.logs))

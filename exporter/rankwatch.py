@@ -199,7 +199,7 @@ class RankWatch:
         self.timer = StepTimer(config.max_buffered_steps)
         self._want_gpu(self._cuda_available() if gpu_timing is None else gpu_timing)
         transport: Transport | None = None
-        identity = local_identity()
+        identity = local_identity(config.node_name_env)
         if len(layout.ranks) > 1:
             pg = create_gloo_group(layout.ranks, members_only, group_timeout(config))
             transport = Transport(layout, pg, dedicated_store(pg))

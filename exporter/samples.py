@@ -51,6 +51,7 @@ from rankwatch.diagnosis.window_report import WindowReport
 
 from .catalogue import CATALOGUE, MetricSpec, by_name
 from .config import RankwatchConfig
+from .identity import build_labels
 from .incidents import INCIDENT_CLASSES, SEVERITIES, IncidentSnapshot
 
 __all__ = [
@@ -173,7 +174,13 @@ def _step_time(out: _Out, report: WindowReport) -> None:
     for rank in sorted(getattr(st, "rank_means", None) or {}):
         means = st.rank_means[rank]
         info = report.rank_info(int(rank))
-        ident = (str(int(rank)), str(info.local_rank), info.hostname.lower())
+        ident = (
+            str(int(rank)),
+            str(info.local_rank),
+            info.hostname.lower(),
+            info.gpu,
+            info.gpu_uuid,
+        )
         for name in PHASES:
             ms = _finite(means.get(name))
             if ms is not None:
@@ -454,7 +461,8 @@ def window_invalid_samples(
 def health_samples(
     report: WindowReport | None, health: ExporterHealth, config: RankwatchConfig
 ) -> list[Sample]:
-    """Samples of the exporter's own health and counters (``health.window_invalid`` included)."""
+    """Samples of the exporter's own health and counters (``health.window_invalid`` included)
+    and its build (``rankwatch_build_info``)."""
     _check_state(report, config, "health", health, ExporterHealth)
     out = _Out(_common(report, config))
     _counter_samples(out, _S["deepep_window_invalid_total"], health.window_invalid)
@@ -462,6 +470,7 @@ def health_samples(
     _counter_samples(out, _S["export_failures_total"], health.export_failures)
     out.add(_S["exporter_up"], (), 1.0 if health.up else 0.0)
     out.add(_S["exporter_start_time_seconds"], (), health.started_at_s)
+    out.add(_S["build_info"], build_labels(), 1.0)
     return out.samples
 
 

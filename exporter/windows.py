@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +51,7 @@ from rankwatch.diagnosis.step_time import ROW_WIDTH, StepTimeReport, diagnose_ar
 from rankwatch.diagnosis.window_report import RankInfo, WindowReport
 
 from .config import RankwatchConfig
+from .identity import DEFAULT_NODE_NAME_ENV, current_gpu, node_hostname
 from .publisher import Publisher
 from .step_artifacts import StepArtifactWriter
 from .timer import StepTimer
@@ -124,15 +124,20 @@ class GroupLayout:
         return self.ranks[1:]
 
 
-def local_identity() -> tuple[str, int]:
-    """(hostname in lowercase, local rank from ``LOCAL_RANK``; 0 when unset or not a number)."""
+def local_identity(node_name_env: str = DEFAULT_NODE_NAME_ENV) -> tuple[str, int, str, str]:
+    """(hostname, local rank, GPU index, GPU UUID) of this process: the hostname is the node
+    name from ``node_name_env`` when set (Kubernetes), else the machine's, in lowercase; the
+    local rank is ``LOCAL_RANK`` (0 when unset or not a number); the GPU fields are those of the
+    current CUDA device as dcgm-exporter labels them, empty on CPU (see
+    :mod:`rankwatch.exporter.identity`)."""
     raw = os.environ.get("LOCAL_RANK", "0")
     try:
         local_rank = int(raw)
     except ValueError:
         log.warning("LOCAL_RANK=%r is not an integer; reporting local rank 0", raw)
         local_rank = 0
-    return socket.gethostname().lower(), local_rank
+    gpu, uuid = current_gpu()
+    return node_hostname(node_name_env), local_rank, gpu, uuid
 
 
 # ---- messages ------------------------------------------------------------------------------
@@ -351,20 +356,25 @@ class Transport:
                 self._consumed[peer] = int(store.add(self._db[peer], 0))
                 self._post(peer)
 
-    def publish_identity(self, hostname: str, local_rank: int) -> None:
+    def publish_identity(
+        self, hostname: str, local_rank: int, gpu: str = "", gpu_uuid: str = ""
+    ) -> None:
         """Tell the root where this rank runs (once, at start-up)."""
-        self.store.set(f"info/{self.layout.rank}", f"{hostname}\n{local_rank}")
+        self.store.set(
+            f"info/{self.layout.rank}", "\n".join((hostname, str(local_rank), gpu, gpu_uuid))
+        )
 
-    def identity(self, rank: int) -> tuple[str, int] | None:
-        """(hostname, local rank) a rank published, or None if it has not (yet)."""
+    def identity(self, rank: int) -> tuple[str, int, str, str] | None:
+        """(hostname, local rank, GPU index, GPU UUID) a rank published, or None if it has not
+        (yet)."""
         key = f"info/{rank}"
         if not self.store.check([key]):
             return None
-        host, _, local = self.store.get(key).decode().partition("\n")
+        host, local, gpu, gpu_uuid = [*self.store.get(key).decode().split("\n"), "", "", ""][:4]
         try:
-            return host, int(local)
+            return host, int(local), gpu, gpu_uuid
         except ValueError:
-            return host, 0
+            return host, 0, gpu, gpu_uuid
 
     def _post(self, peer: int) -> None:
         import torch
@@ -439,7 +449,7 @@ class WindowCollector:
         publishers: Sequence[Publisher],
         transport: Transport | None,
         strategy: Callable[[], str | None],
-        identity: tuple[str, int] | None = None,
+        identity: tuple[str, int, str, str] | None = None,
     ) -> None:
         self.layout = layout
         self.timer = timer
@@ -467,8 +477,8 @@ class WindowCollector:
         self._buffers = {r: RowBuffer(cap) for r in layout.ranks} if layout.is_root else {}
         self._artifacts = StepArtifactWriter.from_config(config) if layout.is_root else None
         self._peers = {r: _PeerState() for r in layout.peers}
-        host, local = identity if identity is not None else local_identity()
-        self._info: dict[int, RankInfo] = {layout.rank: RankInfo(layout.rank, host, local)}
+        ident = identity if identity is not None else local_identity(config.node_name_env)
+        self._info: dict[int, RankInfo] = {layout.rank: RankInfo(layout.rank, *ident)}
         self._window_index = 0
         self._last_key: tuple[Any, ...] | None = None
 
@@ -745,7 +755,7 @@ class WindowCollector:
                 except Exception:  # the store is gone; report what we know
                     break
                 if ident is not None:
-                    self._info[r] = RankInfo(r, ident[0], ident[1])
+                    self._info[r] = RankInfo(r, *ident)
         return tuple(self._info.get(r, RankInfo(r)) for r in self.layout.ranks)
 
     def strategy(self) -> str | None:

@@ -56,6 +56,8 @@ def _other_valid_value(path: str, default: Any) -> tuple[str, Any]:
     if kind == "str":
         if path == "RankwatchConfig.strategy":
             return "fsdp", "fsdp"
+        if path == "RankwatchConfig.node_name_env":
+            return "CUSTOM_NODE", "CUSTOM_NODE"
         return "custom-value", "custom-value"
     if kind == "int":
         if path == "LowLatencyConfig.excluding_zeros":
@@ -82,7 +84,8 @@ PARTNERS = {
 FREE_TEXT = sorted(
     name
     for name, (path, _) in all_env_variables().items()
-    if _field_type(path) == "str" and path != "RankwatchConfig.strategy"
+    if _field_type(path) == "str"
+    and path not in ("RankwatchConfig.strategy", "RankwatchConfig.node_name_env")
 )
 
 
@@ -115,6 +118,30 @@ def test_free_text_options_are_only_the_expected_ones() -> None:
         "RANKWATCH_METRICS_TLS_KEY_FILE",
         "RANKWATCH_RUN_ID",
     ]
+
+
+def test_node_name_env_must_name_a_variable() -> None:
+    assert RankwatchConfig.from_env({"RANKWATCH_NODE_NAME_ENV": "MY_NODE"}).node_name_env == (
+        "MY_NODE"
+    )
+    assert RankwatchConfig.from_env({"RANKWATCH_NODE_NAME_ENV": ""}).node_name_env == ""
+    with pytest.raises(ValueError, match=r"RANKWATCH_NODE_NAME_ENV.*'spec.nodeName'"):
+        RankwatchConfig.from_env({"RANKWATCH_NODE_NAME_ENV": "spec.nodeName"})
+
+
+def test_otel_metric_export_interval_is_honoured_in_milliseconds() -> None:
+    assert RankwatchConfig.from_env({}).otlp_export_interval_seconds == 10.0
+    env = {"OTEL_METRIC_EXPORT_INTERVAL": "2500"}
+    assert RankwatchConfig.from_env(env).otlp_export_interval_seconds == 2.5
+    # rankwatch's own variable, then a keyword override, win over the standard one
+    env["RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS"] = "3"
+    assert RankwatchConfig.from_env(env).otlp_export_interval_seconds == 3.0
+    env = {"OTEL_METRIC_EXPORT_INTERVAL": "2500"}
+    cfg = RankwatchConfig.from_env(env, otlp_export_interval_seconds=7.0)
+    assert cfg.otlp_export_interval_seconds == 7.0
+    for bad in ("x", "0", "-5", "nan"):
+        with pytest.raises(ValueError, match=f"OTEL_METRIC_EXPORT_INTERVAL.*{bad!r}"):
+            RankwatchConfig.from_env({"OTEL_METRIC_EXPORT_INTERVAL": bad})
 
 
 @pytest.mark.parametrize("env_name", sorted(n for n in all_env_variables() if n not in FREE_TEXT))

@@ -27,6 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from cloudcoil.models.prometheus_operator.v1 import PodMonitor, PrometheusRule
+from rankwatch.exporter.config import RankwatchConfig
 
 from tests.servers import REPO, require_binary
 
@@ -292,3 +293,25 @@ def test_prometheusrule_is_the_shipped_rule_file(tmp_path: Path) -> None:
     rule_file.write_text(yaml.safe_dump(doc["spec"]))
     result = _run("promtool", "check", "rules", str(rule_file))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_example_trainer_sets_the_node_name_and_the_scraped_ports() -> None:
+    (job,) = yaml.safe_load_all((K8S_DIR / "example" / "trainer-job.yaml").read_text())
+    kubernetes_validate.validate(job, "1.30.0", strict=True)
+    pod = job["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    # The variable rankwatch reads by default, filled from the downward API.
+    node_var = RankwatchConfig().node_name_env
+    assert env[node_var]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"].endswith(":4318")  # default protocol: HTTP
+    # The PodMonitor's selector and port names find it.
+    (monitor,) = _docs("podmonitor.yaml")
+    for key, value in monitor["spec"]["selector"]["matchLabels"].items():
+        assert pod["metadata"]["labels"][key] == value
+    scraped = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert set(ports) <= scraped
+    assert all(ports[f"rankwatch-{i}"] == 9464 + i for i in range(len(ports)))

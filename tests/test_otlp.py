@@ -13,13 +13,19 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from rankwatch.exporter.catalogue import CATALOGUE
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.identity import build_labels, k8s_attributes
 from rankwatch.exporter.otlp import (
     OtlpPublisher,
     OtlpSettings,
@@ -28,6 +34,7 @@ from rankwatch.exporter.otlp import (
 )
 from rankwatch.exporter.publishing import PublisherHub
 
+import rankwatch
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver
 from tests.publish_reports import (
     T0,
@@ -40,6 +47,8 @@ from tests.publish_reports import (
     window,
 )
 from tests.servers import http_get, prom_query, victoria_metrics, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
 
 OTEL_VARS = (
     "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -147,6 +156,7 @@ def test_golden_prometheus_and_otlp_publish_the_same_series(monkeypatch):
         "rankwatch_phase_seconds",
         "rankwatch_deepep_notify_ratio",
         "rankwatch_deepep_ll_point_ratio",
+        "rankwatch_build_info",
     ):
         assert needed in names
     assert len(want_map) > 1000
@@ -426,3 +436,181 @@ def test_receiver_decodes_what_it_gets():
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=5)
         assert err.value.code == 404
+
+
+def test_resource_carries_the_version_and_the_kubernetes_identity(monkeypatch, tmp_path):
+    for name in ("NODE_NAME", "POD_NAME", "POD_NAMESPACE", "KUBERNETES_SERVICE_HOST", "MY_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    config = RankwatchConfig()
+    plain = otel_resource(config).attributes
+    assert plain["service.version"] == rankwatch.__version__
+    assert not any(k.startswith("k8s.") for k in plain)
+    # The downward API: spec.nodeName, metadata.name, metadata.namespace.
+    monkeypatch.setenv("NODE_NAME", "GPU-Node-3")
+    monkeypatch.setenv("POD_NAME", "trainer-0")
+    monkeypatch.setenv("POD_NAMESPACE", "ml")
+    attrs = otel_resource(config).attributes
+    assert attrs["host.name"] == "gpu-node-3"  # the node, not the pod
+    assert (attrs["k8s.node.name"], attrs["k8s.pod.name"], attrs["k8s.namespace.name"]) == (
+        "GPU-Node-3",
+        "trainer-0",
+        "ml",
+    )
+    # The variable holding the node name is configurable; an explicit hostname still wins.
+    monkeypatch.setenv("MY_NODE", "node-b")
+    custom = otel_resource(RankwatchConfig(node_name_env="MY_NODE")).attributes
+    assert custom["host.name"] == "node-b" and custom["k8s.node.name"] == "node-b"
+    assert otel_resource(config, hostname="Given").attributes["host.name"] == "given"
+
+
+def test_kubernetes_attributes_fall_back_to_the_pod_hostname_and_namespace_file(tmp_path):
+    ns = tmp_path / "namespace"
+    ns.write_text("team-a\n")
+    env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "HOSTNAME": "job-worker-3"}
+    assert k8s_attributes(env=env, namespace_file=ns) == {
+        "k8s.pod.name": "job-worker-3",
+        "k8s.namespace.name": "team-a",
+    }
+    # outside a cluster the machine's HOSTNAME is not a pod name
+    assert k8s_attributes(env={"HOSTNAME": "laptop"}, namespace_file=ns) == {}
+
+
+def test_build_info_is_published_on_both_paths(monkeypatch):
+    with HttpReceiver() as receiver:
+        hub = _hub(receiver.endpoint, monkeypatch)
+        try:
+            assert hub.flush(20) and hub.metrics_url is not None
+            text = http_get(hub.metrics_url).decode()
+            points = receiver.received.metric_points()
+        finally:
+            hub.close(5)
+    version, python, torch_version = build_labels()
+    assert version == rankwatch.__version__ and python.count(".") == 2
+    assert torch_version == torch.__version__
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("rankwatch_build_info{")]
+    for label, value in (("version", version), ("python", python), ("torch", torch_version)):
+        assert f'{label}="{value}"' in line
+    assert line.endswith(" 1.0")
+    (point,) = points["rankwatch.build.info"]
+    assert point["value"] == 1
+    assert {k: point["attributes"][k] for k in ("version", "python", "torch")} == {
+        "version": version,
+        "python": python,
+        "torch": torch_version,
+    }
+
+
+def test_grpc_without_its_extra_names_the_install(monkeypatch):
+    # The gRPC exporter is an optional extra: blocked here as if it were not installed.
+    script = (
+        "import sys; sys.modules['opentelemetry.exporter.otlp.proto.grpc'] = None\n"
+        "from rankwatch.exporter.config import RankwatchConfig\n"
+        "from rankwatch.exporter.publishing import PublisherHub\n"
+        "try:\n"
+        "    PublisherHub(RankwatchConfig(metrics_port=0))\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print(exc); sys.exit(3)\n"
+    )
+    env = {
+        **os.environ,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL" in done.stdout
+    assert "pip install 'rankwatch[grpc]'" in done.stdout
+
+
+GLOBAL_PROVIDERS_SCRIPT = """
+import sys
+from opentelemetry import _logs, metrics
+from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+
+from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.publishing import PublisherHub
+from tests.publish_reports import normal_reports, step_report, window
+
+endpoint = sys.argv[1]
+# The application's own providers, set globally before rankwatch starts.
+resource = Resource.create({"service.name": "the-app"})
+reader = PeriodicExportingMetricReader(
+    OTLPMetricExporter(endpoint=endpoint + "/v1/metrics"), export_interval_millis=300
+)
+meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+metrics.set_meter_provider(meter_provider)
+logger_provider = LoggerProvider(resource=resource)
+logger_provider.add_log_record_processor(
+    SimpleLogRecordProcessor(OTLPLogExporter(endpoint=endpoint + "/v1/logs"))
+)
+_logs.set_logger_provider(logger_provider)
+metrics.get_meter("the-app").create_counter("app.steps").add(5)
+
+config = RankwatchConfig(
+    metrics_port=0, run_id="g1", otlp_use_global_providers=True, otlp_export_interval_seconds=0.2
+)
+hub = PublisherHub(config, rank=0, hostname="trainer-0")
+assert hub.otlp is not None and hub.otlp.uses_global_providers == (True, True)
+steps = ["S", "S", "S"]
+for i, (c, nr) in enumerate(zip(steps, normal_reports(["baseline"] * 3), strict=True)):
+    hub.publish(window(i, n=16, step_time=step_report(16, culprit=11), normal=nr))
+    assert hub.flush(20)
+hub.close(5)
+# rankwatch never shuts the application's providers down: they still export.
+metrics.get_meter("the-app").create_counter("app.after_close").add(1)
+meter_provider.force_flush()
+meter_provider.shutdown()
+logger_provider.shutdown()
+"""
+
+
+def test_global_providers_carry_rankwatch_through_the_applications_pipeline(monkeypatch):
+    # No OTEL_EXPORTER_OTLP_* variable: the application's providers decide where data goes.
+    with HttpReceiver() as receiver:
+        done = subprocess.run(
+            [sys.executable, "-c", GLOBAL_PROVIDERS_SCRIPT, receiver.endpoint],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        records = receiver.received.log_records()
+        requests = len(receiver.received.metric_requests)
+        points: dict = {}
+        for i in range(requests):
+            for name, got in receiver.received.metric_points(i).items():
+                points.setdefault(name, []).extend(got)
+    # metrics: rankwatch's instruments beside the application's, under the app's resource
+    assert "app.steps" in points and "app.after_close" in points
+    phase = points["rankwatch.phase"]
+    assert {p["scope"] for p in phase} == {"rankwatch"}
+    assert {p["resource"]["service.name"] for p in phase} == {"the-app"}
+    assert {p["attributes"]["rank"] for p in phase} == {str(r) for r in range(16)}
+    assert points["rankwatch.build.info"][0]["attributes"]["version"] == rankwatch.__version__
+    # incident events: emitted through the application's LoggerProvider
+    opened = [r for r in records if r["event_name"] == "rankwatch.incident.open"]
+    assert [r["attributes"]["rankwatch.incident.class"] for r in opened] == ["step_time_straggler"]
+    assert opened[0]["resource"]["service.name"] == "the-app"
+    assert opened[0]["scope"] == "rankwatch"
+
+
+def test_global_providers_option_falls_back_when_none_is_set(monkeypatch):
+    # This process never sets global providers: rankwatch uses its own, as without the option.
+    with HttpReceiver() as receiver:
+        hub = _hub(receiver.endpoint, monkeypatch, otlp_use_global_providers=True)
+        try:
+            assert hub.otlp is not None and hub.otlp.uses_global_providers == (False, False)
+            assert hub.flush(20)
+            points = receiver.received.metric_points()
+        finally:
+            hub.close(5)
+    assert points["rankwatch.exporter.up"][0]["resource"]["service.name"] == "rankwatch"

@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankwatch.diagnosis.step_time import diagnose_means
+from rankwatch.diagnosis.window_report import RankInfo
 from rankwatch.exporter.catalogue import CATALOGUE, COMMON_LABELS, by_name
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.identity import current_gpu, gpu_labels
 from rankwatch.exporter.incidents import IncidentSnapshot, IncidentTracker
 from rankwatch.exporter.samples import (
     ExporterHealth,
@@ -139,6 +141,35 @@ def test_hostnames_are_lowercase_and_ranks_carry_identity():
     rank1 = [s.label_dict() for s in samples if s.name == "rankwatch_phase_seconds"]
     rank1 = [d for d in rank1 if d["rank"] == "1"]
     assert rank1 and all(d["hostname"] == "gpu-node-a" and d["local_rank"] == "1" for d in rank1)
+
+
+def test_ranks_on_cuda_carry_dcgm_exporters_gpu_and_uuid_labels():
+    ranks = tuple(
+        RankInfo(r, "node-a", r, gpu=str(r + 4), gpu_uuid=f"GPU-{r:08d}-uuid")
+        if r < 2
+        else RankInfo(r, "node-b", r - 2)  # a CPU rank: no GPU labels
+        for r in range(3)
+    )
+    report = window(0, n=3, step_time=step_report(3, culprit=1), ranks=ranks)
+    labels = {
+        s.label_dict()["rank"]: (s.label_dict()["gpu"], s.label_dict()["UUID"])
+        for s in report_samples(report, CONFIG)
+        if s.name == "rankwatch_phase_seconds"
+    }
+    assert labels == {
+        "0": ("4", "GPU-00000000-uuid"),
+        "1": ("5", "GPU-00000001-uuid"),
+        "2": ("", ""),
+    }
+
+
+def test_gpu_labels_follow_dcgm_exporter():
+    # the machine's index when CUDA_VISIBLE_DEVICES lists indices; the UUID as nvidia-smi prints
+    assert gpu_labels(1, "5f0c-11", "6,7") == ("7", "GPU-5f0c-11")
+    assert gpu_labels(0, "GPU-5f0c-11", None) == ("0", "GPU-5f0c-11")
+    assert gpu_labels(0, "MIG-aa", "GPU-5f0c-11") == ("0", "MIG-aa")  # UUIDs listed: no mapping
+    assert gpu_labels(3, "", "0,1") == ("3", "")
+    assert current_gpu() == ("", "")  # this machine has no GPU
 
 
 def test_unmeasured_phase_is_absent_not_zero():

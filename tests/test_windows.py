@@ -145,7 +145,15 @@ def test_group_layout() -> None:
 
 def test_local_identity_reads_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "3")
-    host, local = local_identity()
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    host, local, gpu, uuid = local_identity()
     assert local == 3 and host == host.lower() and host
+    assert (gpu, uuid) == ("", "")  # CPU: no GPU labels
+    # On Kubernetes the node name (downward API spec.nodeName) is the hostname, lower case.
+    monkeypatch.setenv("NODE_NAME", "GPU-Node-07")
+    assert local_identity()[0] == "gpu-node-07"
+    monkeypatch.setenv("MY_NODE", "other-node")
+    assert local_identity("MY_NODE")[0] == "other-node"
+    assert local_identity("")[0] == host
     monkeypatch.setenv("LOCAL_RANK", "x")
     assert local_identity()[1] == 0

@@ -129,6 +129,8 @@ def _rows(rw: Any) -> list[list[float | None]]:
 
 def _entry(rank: int, world: int, port: int, scenario: str, out: str) -> None:
     os.environ["LOCAL_RANK"] = str(100 + rank)
+    # As on Kubernetes (downward API spec.nodeName): each rank on a node of its own.
+    os.environ["NODE_NAME"] = f"Node-{rank}"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result: dict[str, Any] = {"rank": rank}
     try:
@@ -403,7 +405,8 @@ def test_straggler_kinds_named_with_culprit_under_ddp_watch_sync(tmp_path: Path)
         assert by_range[step_range]["missing_ranks"] == []
     assert [i["rank"] for i in live[0]["ranks"]] == [0, 1, 2]
     assert [i["local_rank"] for i in live[0]["ranks"]] == [100, 101, 102]
-    assert all(i["hostname"] for i in live[0]["ranks"])
+    # the node name each rank read, shipped to the root with its identity, lower case
+    assert [i["hostname"] for i in live[0]["ranks"]] == ["node-0", "node-1", "node-2"]
 
 
 def test_watch_gives_the_explicit_rows_and_detects_ddp_and_fsdp(tmp_path: Path) -> None:
