@@ -20,6 +20,7 @@ the windows and publishes them. Without ``torch.distributed`` the process is a g
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -30,7 +31,7 @@ from rankwatch.diagnosis.window_report import WindowReport
 
 from .config import RankwatchConfig
 from .event_pool import EventPool, GpuTimeline, cuda_event_factory
-from .hooks import WatchedLoader, detect_strategy, install, model_device
+from .hooks import WatchedLoader, detect_strategy, install, model_device, unwrap_optimizer
 from .publisher import Publisher
 from .timer import PHASES, StepTimer
 from .windows import (
@@ -182,6 +183,7 @@ class RankWatch:
         self._detected_strategy: str | None = None
         self._handles: list[Any] = []
         self._watched: set[int] = set()
+        self._optimizers_watched = False
         self._collects = 0
         self._closed = False
         self._collector: WindowCollector | None = None
@@ -281,10 +283,15 @@ class RankWatch:
         dataloader: Iterable[Any] | None = None,
     ) -> Any:
         """Install hooks: forward/backward on ``model``, step hooks on ``optimizer`` (one or a
-        sequence; the last one's step closes the training step), and return ``dataloader``
-        wrapped to time input wait and the batch's host-to-device copy (None if not given).
+        sequence; a framework's wrapper holding the optimizer in ``.optimizer`` is accepted),
+        and return ``dataloader`` wrapped to time input wait and the batch's host-to-device
+        copy (None if not given).
 
-        The strategy is detected from a DDP/FSDP wrapper around ``model``.
+        With a watched loader a step runs from one batch fetch to the next (work after the
+        optimizer lands in the step's residual); without one the last optimizer's step closes
+        it. The loader must be iterated by the training thread (the thread calling ``watch``):
+        a prefetching thread's fetches are not timed. The strategy is detected from a
+        DDP/FSDP wrapper around ``model``.
         """
         import torch
 
@@ -293,11 +300,13 @@ class RankWatch:
         optimizers: list[torch.optim.Optimizer] = []
         if optimizer is not None:
             items = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
-            for opt in items:
-                if not isinstance(opt, torch.optim.Optimizer):
+            for item in items:
+                # A framework's wrapper is accepted: its optimizer is found inside it.
+                opt = unwrap_optimizer(item)
+                if opt is None:
                     raise TypeError(
-                        f"watch: field optimizer: expected a torch.optim.Optimizer (or a list "
-                        f"of them), got {opt!r}"
+                        f"watch: field optimizer: expected a torch.optim.Optimizer, a wrapper "
+                        f"holding one in .optimizer (or a list of them), got {item!r}"
                     )
                 optimizers.append(opt)
         if dataloader is not None and (
@@ -323,11 +332,22 @@ class RankWatch:
             return dataloader
         if model is not None and self._gpu_timing is None:
             self._want_gpu(device is not None and device.type == "cuda")
+        if device is not None:
+            # Collectives on accelerator tensors (NCCL) do not block the host: this rank's
+            # CPU clock cannot contain a wait, and the diagnosis must know it.
+            self.timer.async_collectives = device.type != "cpu"
         self._handles.extend(install(self.timer, model, optimizers))
         self._watched.update(id(o) for o in (model, *optimizers) if o is not None)
+        self._optimizers_watched |= bool(optimizers)
         if dataloader is None:
             return None
-        return WatchedLoader(dataloader, self.timer, device)
+        return WatchedLoader(
+            dataloader,
+            self.timer,
+            device,
+            training_thread=threading.get_ident(),
+            optimizers_watched=bool(optimizers) or self._optimizers_watched,
+        )
 
     # ---- shutdown ------------------------------------------------------------------------
 
