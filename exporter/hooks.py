@@ -83,12 +83,23 @@ def detect_strategy(model: torch.nn.Module) -> str | None:
 
 
 def model_device(model: torch.nn.Module) -> torch.device | None:
-    """Device of the model's first parameter (or buffer); None if it has neither."""
-    for param in model.parameters():
-        return param.device
-    for buf in model.buffers():
-        return buf.device
-    return None
+    """The one device of the model's parameters and buffers; None if it has neither.
+
+    A model spread over several devices is refused (``ValueError`` naming them): the batch's
+    transfer target and the GPU clock's stream would be a guess.
+    """
+    devices: dict[torch.device, None] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type != "meta":
+            devices.setdefault(tensor.device)
+    if len(devices) > 1:
+        names = ", ".join(str(d) for d in devices)
+        raise ValueError(
+            f"watch: field model: parameters and buffers are on several devices ({names}); "
+            "rankwatch times one device per process: watch a single-device model, or time "
+            "the steps with step()/phase()"
+        )
+    return next(iter(devices), None)
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:

@@ -9,6 +9,7 @@ broadcast (BatchNorm), at the end of backward for the gradient reduction. The se
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -160,3 +161,15 @@ def test_zero_forward_is_no_compute_excess() -> None:
     ev = diagnose_means(means, steps=100).straggler
     assert ev is not None and ev.culprit_rank == 0
     assert ev.component_excesses_ms["compute"] == 0.0 and ev.component != "compute"
+
+
+def test_a_saved_window_keeps_the_sync_waits_and_the_flag(tmp_path: Any) -> None:
+    from rankwatch.diagnosis.step_artifact import load_window, save_window
+
+    per_rank = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0) for r in range(3)}
+    live = diagnose_arrays(per_rank, window=30)
+    path = save_window(tmp_path / "w.json", per_rank, window=30)
+    assert load_window(path).diagnose() == live and live.visible_definition == "sync_wait"
+    per_rank[2][:, BASE_WIDTH + 2] = 1.0
+    path = save_window(tmp_path / "f.json", per_rank, window=30)
+    assert load_window(path).diagnose().visible_definition == "none"
