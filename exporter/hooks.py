@@ -5,8 +5,10 @@ explicit ``step()``/``phase()`` calls, from PyTorch's public hook points only (n
 is replaced):
 
 * the loader wrapper's ``__next__`` times ``input_wait`` (fetching the batch) and ``h2d``
-  (moving it to the model's device) and opens the step if none is open, so the step's bracket
-  starts where an explicit ``with step():`` around the fetch would start it;
+  (moving it to the model's device, the batch keeping its type). On the training thread a
+  fetch closes the step a hook opened and opens the next: a step runs from one fetch to the
+  next, so work after the optimizer (logging, checkpointing) is in it, as residual. A fetch
+  on another thread (a prefetching producer) is not timed, and one warning says so;
 * forward pre/post hooks on the top module time ``forward``, wrapped around any hooks a
   wrapper installed (FSDP's parameter all-gather runs in a pre hook);
 * ``backward`` starts when the gradient of the module's output is computed (a tensor hook
@@ -15,8 +17,15 @@ is replaced):
   while the backward pass runs, and a callback queued from a callback runs after all of them,
   so ``backward`` includes the reduction wait exactly as the wall time of ``loss.backward()``
   does;
-* optimizer step pre/post hooks time ``optimizer``; the post hook of the last optimizer closes
-  a step that a hook opened (a step opened by ``step()`` is closed by its ``with`` block).
+* under DDP, the waits at the synchronisation points: ``forward_wait`` (the wrapper's forward
+  outside its module's: the buffer broadcast) and ``backward_wait`` (from the last parameter
+  gradient, seen by post-accumulate-grad hooks, to the end of backward);
+* optimizer step pre/post hooks time ``optimizer``; without a watched loader the post hook of
+  the last optimizer closes a step that a hook opened (a step opened by ``step()`` is closed
+  by its ``with`` block).
+
+Every hook returns at once while ``torch.compile`` traces (``torch.compiler.is_compiling()``),
+so nothing of rankwatch enters a compiled graph and ``fullgraph=True`` keeps working.
 
 The training strategy is read from the wrapper type: ``DistributedDataParallel`` is ``ddp``,
 FSDP (``FullyShardedDataParallel`` or a module managed by ``fully_shard``) is ``fsdp``.
@@ -130,7 +139,8 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     return batch
 
 
-# Fetched batches after which a watched optimizer that never stepped earns a warning.
+# Fetched batches after which a watched optimizer that never stepped earns a warning (the
+# default of ``RankwatchConfig.optimizer_silent_batches``).
 OPTIMIZER_SILENT_BATCHES = 50
 
 
@@ -179,7 +189,7 @@ class _WatchedIterator:
             batch = move_to_device(batch, self._device, self._non_blocking)
             timer.end(H2D)
         self._loader._fetched += 1
-        if self._loader._fetched == OPTIMIZER_SILENT_BATCHES:
+        if self._loader._fetched == self._loader.optimizer_silent_batches:
             self._loader._check_optimizer()
         return batch
 
@@ -203,6 +213,7 @@ class WatchedLoader:
         *,
         training_thread: int | None = None,
         optimizers_watched: bool = False,
+        optimizer_silent_batches: int = OPTIMIZER_SILENT_BATCHES,
     ) -> None:
         if not isinstance(loader, Iterable):
             raise TypeError(f"watch: field dataloader: expected an iterable, got {loader!r}")
@@ -211,6 +222,7 @@ class WatchedLoader:
         self.device = device
         self.training_thread = get_ident() if training_thread is None else training_thread
         self._optimizers_watched = optimizers_watched
+        self.optimizer_silent_batches = optimizer_silent_batches
         self._fetched = 0
         self._warned_thread = False
         # Non-blocking copies only make sense towards an accelerator.
@@ -248,7 +260,7 @@ class WatchedLoader:
                 "rankwatch: %d batches fetched and the watched optimizer has not stepped: "
                 "is the optimizer passed to watch() the one that steps (not a copy, not a "
                 "second optimizer left out)? Steps still close at each fetch.",
-                OPTIMIZER_SILENT_BATCHES,
+                self.optimizer_silent_batches,
             )
 
 

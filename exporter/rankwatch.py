@@ -352,6 +352,7 @@ class RankWatch:
             device,
             training_thread=threading.get_ident(),
             optimizers_watched=bool(optimizers) or self._optimizers_watched,
+            optimizer_silent_batches=self.config.optimizer_silent_batches,
         )
 
     # ---- shutdown ------------------------------------------------------------------------

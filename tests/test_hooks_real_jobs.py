@@ -142,10 +142,19 @@ def test_an_optimizer_that_never_steps_is_named_once(caplog: pytest.LogCaptureFi
     n = OPTIMIZER_SILENT_BATCHES + 5
     with caplog.at_level(logging.WARNING, logger="rankwatch"):
         train(model, other, rw.watch(model, watched, batches(n)))
+    # The threshold is configurable (RANKWATCH_OPTIMIZER_SILENT_BATCHES).
+    quick = RankWatch(
+        config=RankwatchConfig.from_env(env={"RANKWATCH_OPTIMIZER_SILENT_BATCHES": "3"})
+    )
+    quick_model = mlp()
+    quick_opt = torch.optim.SGD(quick_model.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING, logger="rankwatch"):
+        train(quick_model, other, quick.watch(quick_model, quick_opt, batches(4)))
+    quick.close(2.0)
     rows = rows_of(rw)
     rw.close(2.0)
     said = [r for r in caplog.records if "has not stepped" in r.getMessage()]
-    assert len(said) == 1
+    assert len(said) == 2 and "3 batches" in said[1].getMessage()
     assert len(rows) == n  # steps still close, at each fetch
 
 
