@@ -4,13 +4,17 @@ The policy runs on one window of per-rank means on one clock (see :mod:`.step_wi
 rows become means). In short:
 
 * **Straggler.** Each eligible rank has a *visible* synchronisation phase: ``backward``
-  (DDP) or ``forward + backward`` (FSDP). The rank that waited least in it (minimum visible,
-  ties to the lower rank id) arrived last: the *culprit*. The *victim* is the upper median of
-  the eligible ranks sorted by ``(visible, rank)``. The score is the visible gap over the
-  victim's outer step, ``(visible_victim - visible_culprit) / (input_wait_victim +
-  step_victim)``: below 0.10 no finding, warning from 0.10, critical from 0.20.
+  (DDP) or ``forward + backward`` (FSDP); rankwatch's extension, when every rank timed them
+  on the CPU clock of a DDP job, compares the waits at the synchronisation points instead
+  (``forward_wait + backward_wait``, see :func:`_visible`). The rank that waited least in it
+  (minimum visible, ties to the lower rank id) arrived last: the *culprit*. The *victim* is
+  the upper median of the eligible ranks sorted by ``(visible, rank)``. The score is the
+  visible gap over the victim's outer step, ``(visible_victim - visible_culprit) /
+  (input_wait_victim + step_victim)``: below 0.10 no finding, warning from 0.10, critical
+  from 0.20.
 * **Attribution.** Culprit-minus-victim excess of input wait, H2D (measured on both ranks)
-  and forward (DDP only, measured on both) as bounded coverage of the visible gap; the best
+  and forward (DDP only, measured on both; with the sync waits: forward and backward without
+  their waits) as bounded coverage of the visible gap; the best
   (ties: input > h2d > compute) names the kind when it reaches 0.80, else ``STRAGGLER``.
 * **Bottlenecks.** Medians across ranks of each rank's share of its outer step:
   ``INPUT_BOUND``, ``H2D_BOUND`` (GPU clock only), ``RESIDUAL_HEAVY`` (warning from 0.10,
