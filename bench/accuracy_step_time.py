@@ -30,7 +30,7 @@ from typing import Any
 WORLD = 3
 SLOW_RANK = 1
 SLOW_S = 0.03  # the injected slowdown per step on the slow rank
-BASE_S = 0.006  # every rank's forward sleeps this long (a stand-in for compute)
+BASE_S = 0.012  # every rank's forward sleeps this long (a stand-in for compute)
 STEPS = 40
 WINDOW = 32  # steps diagnosed: the last ones (warm-up excluded); >= 20 allows critical
 JOIN_TIMEOUT_S = 900.0
@@ -355,7 +355,11 @@ NOTES = """## Reading the matrix
   read (wrap the consumer side with `watch()` or time it with `rw.phase("input_wait")`).
 - **No slow rank** accepts any verdict that names no straggler (`BALANCED`,
   `COMPUTE_BOUND`, `RESIDUAL_HEAVY`...): which bottleneck a tiny model on a loaded machine
-  shows is not what this matrix checks.
+  shows is not what this matrix checks. These cells are exposed to the machine: 3 ranks on a
+  shared 2-core machine contend for the CPU, and a rank starved of it is a real straggler for
+  as long as it lasts. With a 6 ms forward, `no_sync`/`none` showed such a contention
+  straggler (score 0.16 to 0.18) in 2 of 3 full runs; with the 12 ms forward used now, a few
+  milliseconds of contention stay under the 0.10 threshold.
 - **Never ran here:** the GPU clock (CUDA events) and NCCL; on those jobs the sync waits are
   not timed on the device and the seed's definitions apply on the GPU clock (see
   `docs/diagnosis-step-time.md`).
