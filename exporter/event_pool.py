@@ -191,17 +191,20 @@ class GpuTimeline:
                 event.record(self._stream())
         return event
 
-    def _lost(self, signal: int) -> None:
-        self._untimed.add(signal)
-        self.untimed_phases += 1
+    def _warn_once(self, why: str) -> None:
+        # One warning per timeline, naming why GPU times are missing; the rest are counted.
         if not self._warned:
             self._warned = True
             log.warning(
-                "rankwatch: GPU timing ran out of events (%d in the pool): the phases that "
-                "could not be timed are absent on the GPU clock for their steps (the CPU "
-                "clock is used for those windows)",
-                self.pool.capacity,
+                "rankwatch: GPU timing is incomplete: %s; those steps lack GPU times and "
+                "windows holding them use the CPU clock",
+                why,
             )
+
+    def _lost(self, signal: int) -> None:
+        self._untimed.add(signal)
+        self.untimed_phases += 1
+        self._warn_once(f"the pool ran out of events ({self.pool.capacity})")
 
     def begin(self, signal: int) -> None:
         """Marker at the start of a phase."""
@@ -284,6 +287,7 @@ class GpuTimeline:
             if overdue and not self._ready(head):
                 # The device is far behind: give up on this step's GPU times, keep bounded.
                 self.dropped_steps += 1
+                self._warn_once(f"the device is more than {self.max_pending_steps} steps behind")
                 write(head.slot, [NAN] * (self.n_signals + 1))
             else:
                 write(head.slot, self._times(head))

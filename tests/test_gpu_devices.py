@@ -136,3 +136,22 @@ def test_a_model_on_several_devices_is_refused_by_name() -> None:
     buffers_only.register_buffer("b", torch.zeros(1))
     assert model_device(buffers_only) == torch.device("cpu")
     assert model_device(torch.nn.ReLU()) is None
+
+
+class LaggingEvent(DeviceEvent):
+    """A device that never gets past the markers."""
+
+    def query(self) -> bool:
+        return False
+
+
+def test_a_lagging_device_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    gpu = GpuTimeline(EventPool(64, LaggingEvent), len(PHASES), 0, 2, stream=lambda: Stream(0))
+    timer = StepTimer(16, gpu=gpu)
+    with caplog.at_level(logging.WARNING, logger="rankwatch"):
+        for _ in range(8):
+            with timer.step(), timer.phase("forward"):
+                pass
+    said = [r.getMessage() for r in caplog.records if "GPU timing is incomplete" in r.getMessage()]
+    assert len(said) == 1 and "more than 2 steps behind" in said[0]
+    assert gpu.dropped_steps >= 4

@@ -65,6 +65,19 @@ def test_buffer_broadcast_wait_names_the_input_straggler() -> None:
     assert r.rank_means[1]["visible"] == 35.0 and r.rank_means[0]["visible"] == 5.0
 
 
+@pytest.mark.parametrize("n", [4, 8])
+def test_buffer_broadcast_wait_with_more_ranks(n: int) -> None:
+    victim = rank(forward=70.0, forward_wait=30.0, step=130.0)
+    means: dict[int, Means | None] = {r: dict(victim) for r in range(n)}
+    means[0] = rank(input_wait=35.0)
+    r = diagnose_means(means, steps=100)
+    top = r.findings[0]
+    assert (top.kind, top.culprit_rank) == ("INPUT_STRAGGLER", 0)
+    # The seed's visible backward is equal everywhere: no straggler is named.
+    seed = diagnose_means({k: seed_only(m) for k, m in means.items() if m}, steps=100)
+    assert not any(f.is_straggler for f in seed.findings)
+
+
 def test_backward_straggler_is_a_compute_straggler() -> None:
     means = backward_straggler()
     seed = diagnose_means({r: seed_only(m) for r, m in means.items() if m}, steps=100)
