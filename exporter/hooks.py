@@ -169,8 +169,10 @@ class _WatchedIterator:
         if get_ident() != self._loader.training_thread:
             return self._loader._untimed(self._it)
         timer.loader_steps = True
-        if timer.auto_step:
-            timer.end_step()  # the previous batch's step ends where this fetch starts
+        if timer.auto_step and timer.step_has_work:
+            # The previous batch's step ends where this fetch starts. A batch the loop
+            # skipped (no forward) stays in the open step, as its input wait.
+            timer.end_step()
         opened = False
         if not timer.in_step:
             timer.start_step(auto=True)

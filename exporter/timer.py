@@ -157,6 +157,12 @@ class StepTimer:
         return self._step_start >= 0 and self._auto
 
     @property
+    def step_has_work(self) -> bool:
+        """The open step ran forward, backward or the optimizer (not only a batch fetch)."""
+        seen = self._seen
+        return seen[FORWARD] or seen[BACKWARD] or seen[OPTIMIZER]
+
+    @property
     def last_step_id(self) -> int:
         """Id of the last step written, -1 before the first."""
         return self._last_id

@@ -104,6 +104,22 @@ def test_work_after_the_optimizer_lands_in_the_step() -> None:
     assert (rows[:, CPU["step"]] - phases >= AFTER_S * 1e3).all()  # in the residual
 
 
+def test_a_skipped_batch_stays_in_the_next_step() -> None:
+    rw = RankWatch(config=config())
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(rw.watch(model, opt, batches(4))):
+        if i == 1:
+            continue  # a batch the loop skips: no training work, no step of its own
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    rows = rows_of(rw)
+    rw.close(2.0)
+    assert len(rows) == 3
+    assert not np.isnan(rows[:, [CPU["forward"], CPU["backward"]]]).any()
+
+
 class Wrapper:
     """A framework's optimizer wrapper (the torch optimizer in ``.optimizer``)."""
 
