@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test test-floors lint typecheck unit bench clean
+.PHONY: venv backends demo test test-floors lint typecheck unit bench accuracy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,10 @@ test-floors: backends
 
 bench: venv
 	$(PY) -m bench.run_all
+
+# The step-time accuracy matrix: real Gloo jobs, one slow rank per cell -> docs/accuracy.md.
+accuracy: venv
+	$(PY) -m bench.accuracy_step_time --out docs/accuracy.md
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -47,7 +47,16 @@ import numpy as np
 
 from .config import StepTimeConfig
 from .step_time import StepTimeReport, diagnose_arrays, normalize_strategy
-from .step_window import CLOCKS, ROW_WIDTH, SIGNALS, column, rank_items, validate_window
+from .step_window import (
+    CLOCKS,
+    EXTRA_COLUMNS,
+    ROW_WIDTH,
+    SIGNALS,
+    SYNC_SIGNALS,
+    column,
+    rank_items,
+    validate_window,
+)
 
 __all__ = [
     "FORMAT",
@@ -68,7 +77,12 @@ VERSION = 1
 _TOP_KEYS = frozenset(
     ("format", "version", "strategy", "window", "ranks", "config", "meta", "report")
 )
-_RANK_KEYS = frozenset(("step_id", *CLOCKS))
+# Per rank: the step ids, each clock's signals (the CPU clock also carries the sync waits),
+# and the async-collectives flag (rankwatch's extension of the row layout, see step_window).
+_ASYNC = EXTRA_COLUMNS[-1]
+_ASYNC_COL = ROW_WIDTH - 1
+_CLOCK_SIGNALS = {"cpu": (*SIGNALS, *SYNC_SIGNALS), "gpu": SIGNALS}
+_RANK_KEYS = frozenset(("step_id", *CLOCKS, _ASYNC))
 
 
 @dataclass(frozen=True)
@@ -130,7 +144,7 @@ def _rank_to_dict(rank: int, arr: np.ndarray | None) -> dict[str, Any] | None:
     out: dict[str, Any] = {"step_id": [int(x) for x in ids.tolist()]}
     for clock in CLOCKS:
         signals = {}
-        for signal in SIGNALS:
+        for signal in _CLOCK_SIGNALS[clock]:
             values = arr[:, column(clock, signal)]
             if np.isnan(values).all():
                 continue
@@ -144,6 +158,9 @@ def _rank_to_dict(rank: int, arr: np.ndarray | None) -> dict[str, Any] | None:
             signals[signal] = _column_list(values)
         if signals:
             out[clock] = signals
+    flags = arr[:, _ASYNC_COL]
+    if not np.isnan(flags).all():
+        out[_ASYNC] = _column_list(flags)
     return out
 
 
@@ -255,7 +272,7 @@ def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
     unknown = set(obj) - _RANK_KEYS
     if unknown:
         bad = sorted(unknown)[0]
-        raise ValueError(f"{where}.{bad}: unknown key (expected step_id, cpu, gpu)")
+        raise ValueError(f"{where}.{bad}: unknown key (expected step_id, cpu, gpu, {_ASYNC})")
     ids = obj.get("step_id")
     if not isinstance(ids, list):
         raise ValueError(f"{where}.step_id: value {ids!r} is not a list of step ids")
@@ -272,12 +289,14 @@ def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
         if not isinstance(signals, Mapping):
             raise ValueError(f"{where}.{clock}: value {signals!r} is not an object")
         for signal, values in signals.items():
-            if signal not in SIGNALS:
+            if signal not in _CLOCK_SIGNALS[clock]:
                 raise ValueError(
                     f"{where}.{clock}.{signal}: unknown signal (expected one of "
-                    f"{', '.join(SIGNALS)})"
+                    f"{', '.join(_CLOCK_SIGNALS[clock])})"
                 )
             arr[:, column(clock, signal)] = _number_list(f"{where}.{clock}.{signal}", values, n)
+    if obj.get(_ASYNC) is not None:
+        arr[:, _ASYNC_COL] = _number_list(f"{where}.{_ASYNC}", obj[_ASYNC], n)
     return rank, (arr if n else None)
 
 
@@ -380,7 +399,7 @@ def example_window(
     per_rank: dict[int, np.ndarray | None] = {}
     for rank in range(ranks):
         late = 22.0 if rank == slow_rank else 0.0
-        arr = np.empty((steps, ROW_WIDTH))
+        arr = np.full((steps, ROW_WIDTH), np.nan)
         arr[:, 0] = np.arange(steps)
         base = {
             "input_wait": 8.0 + late,

@@ -15,12 +15,18 @@ from .step_window import MEAN_KEYS
 
 __all__ = [
     "COMPONENTS",
+    "GPU_TIMING",
     "KINDS",
     "RANK_MEAN_KEYS",
     "SEVERITIES",
     "STATUS_KINDS",
     "STRAGGLER_KINDS",
     "UNATTRIBUTED",
+    "VISIBLE_DDP",
+    "VISIBLE_DEFINITIONS",
+    "VISIBLE_FSDP",
+    "VISIBLE_NONE",
+    "VISIBLE_SYNC",
     "Finding",
     "StepTimeReport",
     "StragglerEvidence",
@@ -50,6 +56,14 @@ KINDS: tuple[str, ...] = (
 )
 STATUS_KINDS: tuple[str, ...] = ("WARMUP", "INCOMPLETE_DATA", "BALANCED")
 RANK_MEAN_KEYS: tuple[str, ...] = (*MEAN_KEYS, "visible")
+# Which value the straggler rule compared across ranks (``visible_definition``):
+VISIBLE_SYNC = "sync_wait"  # forward_wait + backward_wait (rankwatch's extension, CPU clock)
+VISIBLE_DDP = "backward"  # the seed's DDP/default definition
+VISIBLE_FSDP = "forward+backward"  # the seed's FSDP definition
+VISIBLE_NONE = "none"  # the rule abstained: the CPU clock cannot contain the wait
+VISIBLE_DEFINITIONS: tuple[str, ...] = (VISIBLE_SYNC, VISIBLE_DDP, VISIBLE_FSDP, VISIBLE_NONE)
+# Named in ``missing_signals`` when the straggler rule abstains for want of GPU timing.
+GPU_TIMING = "gpu_timing"
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -71,6 +85,7 @@ class StragglerEvidence:
     ``sync_or_unattributed``). Maps are keyed by component; a component unmeasured on the
     culprit or the victim (or ``compute`` under FSDP) is absent from both.
     ``missing_signals`` names the signals that kept a component out of attribution.
+    ``visible_definition`` names the visible value compared (``VISIBLE_DEFINITIONS``).
     """
 
     culprit_rank: int
@@ -83,6 +98,7 @@ class StragglerEvidence:
     component: str
     eligible_ranks: tuple[int, ...] = ()
     missing_signals: tuple[str, ...] = ()
+    visible_definition: str = VISIBLE_DDP
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -96,6 +112,7 @@ class StragglerEvidence:
             "component": self.component,
             "eligible_ranks": list(self.eligible_ranks),
             "missing_signals": list(self.missing_signals),
+            "visible_definition": self.visible_definition,
         }
 
 
@@ -157,6 +174,9 @@ class StepTimeReport:
     unmeasured). ``missing_signals`` lists, per rank with any, the unmeasured signals;
     ``missing_ranks`` the expected ranks that sent nothing. ``straggler`` is the straggler
     rule's evidence whenever two ranks were eligible, even below the warning score.
+    ``visible_definition`` says which visible value the straggler rule compared
+    (``VISIBLE_DEFINITIONS``; ``"none"`` when it abstained because the CPU clock cannot
+    contain the wait).
     """
 
     kind: str
@@ -171,6 +191,7 @@ class StepTimeReport:
     straggler: StragglerEvidence | None = None
     missing_ranks: tuple[int, ...] = ()
     step_range: tuple[int, int] | None = None
+    visible_definition: str = VISIBLE_DDP
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: rank-keyed maps use string keys, unmeasured values are None, no NaN."""
@@ -180,6 +201,7 @@ class StepTimeReport:
             "clock": self.clock,
             "strategy": self.strategy,
             "steps": self.steps,
+            "visible_definition": self.visible_definition,
             "step_range": None if self.step_range is None else list(self.step_range),
             "ranks": list(self.ranks),
             "missing_ranks": list(self.missing_ranks),

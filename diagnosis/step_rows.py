@@ -22,6 +22,7 @@ from typing import Any, cast
 import numpy as np
 
 from .step_window import (
+    BASE_WIDTH,
     CLOCKS,
     ROW_WIDTH,
     SIGNALS,
@@ -123,11 +124,12 @@ class _Unusual(Exception):
     """A row the fast reader does not handle; the rank is read another way."""
 
 
-# Which table columns a rank's rows fill, by the clocks they carry (has_cpu, has_gpu).
+# Which table columns a rank's rows fill, by the clocks they carry (has_cpu, has_gpu). Row
+# dictionaries carry the two clocks only: the trailing extra columns stay absent (NaN).
 _LAYOUTS: dict[tuple[bool, bool], list[int]] = {
-    (True, True): list(range(ROW_WIDTH)),
+    (True, True): list(range(BASE_WIDTH)),
     (True, False): list(range(1 + len(SIGNALS))),
-    (False, True): [0, *range(1 + len(SIGNALS), ROW_WIDTH)],
+    (False, True): [0, *range(1 + len(SIGNALS), BASE_WIDTH)],
     (False, False): [0],
 }
 
@@ -285,9 +287,10 @@ def _rows_table(
         if explicit:
             _explicit_nan(explicit[0], flat, layout, segments)
     total = sum(lengths)
-    if len(blocks) == 1 and (True, True) in blocks:
-        return blocks[(True, True)].reshape(total, ROW_WIDTH), lengths
     table = np.full((total, ROW_WIDTH), np.nan)
+    if len(blocks) == 1 and (True, True) in blocks:
+        table[:, :BASE_WIDTH] = blocks[(True, True)].reshape(total, BASE_WIDTH)
+        return table, lengths
     offsets = np.cumsum([0, *lengths[:-1]])
     for layout, block in blocks.items():
         cols = _LAYOUTS[layout]

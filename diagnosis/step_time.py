@@ -4,13 +4,17 @@ The policy runs on one window of per-rank means on one clock (see :mod:`.step_wi
 rows become means). In short:
 
 * **Straggler.** Each eligible rank has a *visible* synchronisation phase: ``backward``
-  (DDP) or ``forward + backward`` (FSDP). The rank that waited least in it (minimum visible,
-  ties to the lower rank id) arrived last: the *culprit*. The *victim* is the upper median of
-  the eligible ranks sorted by ``(visible, rank)``. The score is the visible gap over the
-  victim's outer step, ``(visible_victim - visible_culprit) / (input_wait_victim +
-  step_victim)``: below 0.10 no finding, warning from 0.10, critical from 0.20.
+  (DDP) or ``forward + backward`` (FSDP); rankwatch's extension, when every rank timed them
+  on the CPU clock of a DDP job, compares the waits at the synchronisation points instead
+  (``forward_wait + backward_wait``, see :func:`_visible`). The rank that waited least in it
+  (minimum visible, ties to the lower rank id) arrived last: the *culprit*. The *victim* is
+  the upper median of the eligible ranks sorted by ``(visible, rank)``. The score is the
+  visible gap over the victim's outer step, ``(visible_victim - visible_culprit) /
+  (input_wait_victim + step_victim)``: below 0.10 no finding, warning from 0.10, critical
+  from 0.20.
 * **Attribution.** Culprit-minus-victim excess of input wait, H2D (measured on both ranks)
-  and forward (DDP only, measured on both) as bounded coverage of the visible gap; the best
+  and forward (DDP only, measured on both; with the sync waits: forward and backward without
+  their waits) as bounded coverage of the visible gap; the best
   (ties: input > h2d > compute) names the kind when it reaches 0.80, else ``STRAGGLER``.
 * **Bottlenecks.** Medians across ranks of each rank's share of its outer step:
   ``INPUT_BOUND``, ``H2D_BOUND`` (GPU clock only), ``RESIDUAL_HEAVY`` (warning from 0.10,
@@ -41,12 +45,17 @@ import numpy as np
 from .config import StepTimeConfig
 from .step_report import (
     COMPONENTS,
+    GPU_TIMING,
     KINDS,
     RANK_MEAN_KEYS,
     SEVERITIES,
     STATUS_KINDS,
     STRAGGLER_KINDS,
     UNATTRIBUTED,
+    VISIBLE_DDP,
+    VISIBLE_FSDP,
+    VISIBLE_NONE,
+    VISIBLE_SYNC,
     Finding,
     StepTimeReport,
     StragglerEvidence,
@@ -54,8 +63,10 @@ from .step_report import (
 from .step_rows import _rows_table, rows_to_array
 from .step_window import (
     BWD,
+    BWW,
     CLOCKS,
     FWD,
+    FWW,
     H2D,
     IW,
     MEAN_KEYS,
@@ -320,7 +331,12 @@ def _severity(value: float, warning: float, critical: float, capped: bool) -> st
 
 
 def _straggler_evidence(
-    wm: WindowMeans, fsdp: bool, visible: np.ndarray, eligible: np.ndarray, cfg: StepTimeConfig
+    wm: WindowMeans,
+    fsdp: bool,
+    visible: np.ndarray,
+    eligible: np.ndarray,
+    cfg: StepTimeConfig,
+    definition: str,
 ) -> StragglerEvidence | None:
     idx = np.flatnonzero(eligible)
     if idx.size < 2:
@@ -331,22 +347,43 @@ def _straggler_evidence(
     c, v = int(order[0]), int(order[order.size // 2])
     gap = float(visible[v] - visible[c])
     score = gap / float(m[v, IW] + m[v, STEP])
-    excess: dict[str, float] = {"input": float(m[c, IW] - m[v, IW])}
+    excess: dict[str, float] = {}
     missing: list[str] = []
+    if k[c, IW] and k[v, IW]:  # always true on the seed's definitions (eligibility)
+        excess["input"] = float(m[c, IW] - m[v, IW])
+    else:
+        missing.append("input_wait")
     if k[c, H2D] and k[v, H2D]:
         excess["h2d"] = float(m[c, H2D] - m[v, H2D])
     else:
         missing.append("h2d")
-    if not fsdp:
-        if k[c, FWD] and k[v, FWD]:
-            excess["compute"] = float(m[c, FWD] - m[v, FWD])
+    if fsdp:
+        # Measured but not attributable: collectives mask compute under FSDP.
+        excess["compute"] = 0.0
+    elif k[c, FWD] and k[v, FWD]:
+        # A forward of 0 is not a measurement of compute: its excess counts as 0.
+        fwd_c, fwd_v = float(m[c, FWD]), float(m[v, FWD])
+        forward = fwd_c - fwd_v if fwd_c > 0 and fwd_v > 0 else 0.0
+        if definition == VISIBLE_SYNC:
+            # Compute is the local work of both passes: forward minus its pre-forward wait,
+            # backward minus its trailing wait (a backward straggler shows up here).
+            forward = max(0.0, fwd_c - m[c, FWW]) - max(0.0, fwd_v - m[v, FWW])
+            forward = forward if fwd_c > 0 and fwd_v > 0 else 0.0
+            backward = max(0.0, m[c, BWD] - m[c, BWW]) - max(0.0, m[v, BWD] - m[v, BWW])
+            excess["compute"] = float(forward + backward)
         else:
-            missing.append("forward")
-    coverage = {
-        name: (min(1.0, max(0.0, e / gap)) if gap > 0 else 0.0) for name, e in excess.items()
-    }
+            excess["compute"] = forward
+    else:
+        missing.append("forward")
+    # Evidence shows excesses floored at 0: a culprit faster than the victim has no excess.
+    excess = {name: max(0.0, e) for name, e in excess.items()}
+    coverage = {name: (min(1.0, e / gap) if gap > 0 else 0.0) for name, e in excess.items()}
     best = max(COMPONENTS, key=lambda n: (coverage.get(n, -1.0), -COMPONENTS.index(n)))
-    component = best if _at_least(coverage[best], cfg.cause_coverage_min) else UNATTRIBUTED
+    component = (
+        best
+        if best in coverage and _at_least(coverage[best], cfg.cause_coverage_min)
+        else UNATTRIBUTED
+    )
     return StragglerEvidence(
         culprit_rank=int(ranks[c]),
         victim_rank=int(ranks[v]),
@@ -358,7 +395,36 @@ def _straggler_evidence(
         component=component,
         eligible_ranks=tuple(int(r) for r in ranks[idx]),
         missing_signals=tuple(s for s in SIGNALS if s in missing),
+        visible_definition=definition,
     )
+
+
+def _visible(wm: WindowMeans, fsdp: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """``(visible, visible_measured, eligible, definition)`` of the window.
+
+    Rankwatch's extension: on the CPU clock of a DDP/default job whose ranks all timed the
+    waits at the synchronisation points (``forward_wait``, ``backward_wait``), the visible
+    value is that wait, wherever the job synchronises (a buffer broadcast before forward, the
+    gradient reduction after backward). Otherwise the seed's definitions:
+    ``backward`` (DDP/default) or ``forward + backward`` (FSDP).
+    """
+    m, k = wm.means, wm.measured
+    outer_positive = (m[:, IW] + m[:, STEP]) > 0
+    anchored = k[:, STEP] & k[:, BWD] & (m[:, BWD] > 0) & outer_positive
+    has_waits = k[:, FWW] & k[:, BWW]
+    if (
+        not fsdp
+        and wm.clock == "cpu"
+        and bool(has_waits[wm.present].all())
+        and int((anchored & has_waits).sum()) >= 2
+    ):
+        # The input wait is not needed to compare waits: a prefetching loader (whose wait the
+        # hooks cannot see) still gets its culprit named; attribution then lacks ``input``.
+        return m[:, FWW] + m[:, BWW], has_waits, anchored & has_waits, VISIBLE_SYNC
+    if fsdp:
+        eligible = anchored & k[:, IW] & k[:, FWD] & (m[:, FWD] > 0)
+        return m[:, FWD] + m[:, BWD], k[:, FWD] & k[:, BWD], eligible, VISIBLE_FSDP
+    return m[:, BWD].copy(), k[:, BWD].copy(), anchored & k[:, IW], VISIBLE_DDP
 
 
 def _unmeasured(measured: np.ndarray, columns: list[int]) -> tuple[str, ...]:
@@ -411,7 +477,12 @@ def _bottlenecks(wm: WindowMeans, cfg: StepTimeConfig, capped: bool) -> list[tup
             found.append((Finding(kind, sev, median, blamed, missing_signals=missing), median))
     compute_mask = base & k[:, FWD] & k[:, BWD]
     values, median = share(m[:, FWD] + m[:, BWD] + m[:, OPT], compute_mask)
-    others_low = all(x is None or not _at_least(x, warn) for x in medians.values())
+    # H2D bottlenecks exist on the GPU clock only: the CPU clock's H2D share does not gate.
+    others_low = all(
+        x is None or not _at_least(x, warn)
+        for name, x in medians.items()
+        if name != "h2d" or wm.clock == "gpu"
+    )
     if median is not None and _at_least(median, cfg.compute_bound_share) and others_low:
         blamed = tuple(
             int(r) for r in ranks[compute_mask & (values >= cfg.compute_bound_share - EPSILON)]
@@ -452,11 +523,10 @@ def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeRepor
     fsdp = strat == "fsdp"
     m, k = wm.means, wm.measured
     ranks = tuple(wm.ranks)
-    visible = m[:, FWD] + m[:, BWD] if fsdp else m[:, BWD].copy()
-    visible_measured = (k[:, FWD] & k[:, BWD]) if fsdp else k[:, BWD]
-    eligible = k[:, IW] & k[:, STEP] & k[:, BWD] & (m[:, BWD] > 0) & (m[:, STEP] > 0)
-    if fsdp:
-        eligible &= k[:, FWD] & (m[:, FWD] > 0)
+    visible, visible_measured, eligible, definition = _visible(wm, fsdp)
+    # A CPU clock that cannot contain the wait (collectives that do not block the host) must
+    # not be compared across ranks: the straggler rule abstains and says so.
+    blind = wm.clock == "cpu" and wm.async_collectives
 
     # Per-rank means and missing signals (one pass over ranks, no per-step work).
     table = np.concatenate([m, visible[:, None]], axis=1).astype(object)
@@ -484,6 +554,7 @@ def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeRepor
             straggler=evidence,
             missing_ranks=missing_ranks,
             step_range=wm.step_range,
+            visible_definition=VISIBLE_NONE if blind else definition,
         )
 
     abstained = _abstentions(wm)
@@ -491,17 +562,20 @@ def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeRepor
 
     def incomplete() -> Finding:
         union = int(abstained.any(axis=0) @ _BITS)
-        return Finding(
-            "INCOMPLETE_DATA",
-            "info",
-            0.0,
-            tuple(ranks[i] for i in abstained_ranks),
-            missing_signals=_MISSING_BY_CODE[union],
-        )
+        blamed = tuple(ranks[i] for i in abstained_ranks)
+        missing = _MISSING_BY_CODE[union]
+        if blind:
+            blamed = tuple(r for r, p in zip(ranks, wm.present.tolist(), strict=True) if p)
+            missing = (*missing, GPU_TIMING)
+        return Finding("INCOMPLETE_DATA", "info", 0.0, blamed, missing_signals=missing)
 
     if not wm.present.any():
         return report([incomplete()], None)
-    evidence = _straggler_evidence(wm, fsdp, visible, eligible, cfg) if wm.steps > 0 else None
+    evidence = (
+        _straggler_evidence(wm, fsdp, visible, eligible, cfg, definition)
+        if wm.steps > 0 and not blind
+        else None
+    )
     if wm.steps < cfg.min_steps_warning:
         return report([Finding("WARMUP", "info", 0.0)], evidence)
 
@@ -536,7 +610,10 @@ def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeRepor
                 0 if fs[0].is_straggler else 1 + _BOTTLENECK_ORDER.index(fs[0].kind),
             )
         )
-        return report([f for f, _ in ranked], evidence)
-    if abstained_ranks.size:
+        findings = [f for f, _ in ranked]
+        if blind:  # the abstained straggler rule still says why, after the findings
+            findings.append(incomplete())
+        return report(findings, evidence)
+    if abstained_ranks.size or blind:
         return report([incomplete()], evidence)
     return report([Finding("BALANCED", "info", 0.0)], evidence)

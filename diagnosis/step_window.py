@@ -5,10 +5,22 @@ clocks (CUDA events and the CPU). One rank's steps travel as a float64 array of
 ``ROW_WIDTH`` columns::
 
     [step_id, cpu input_wait, h2d, forward, backward, optimizer, step,
-              gpu input_wait, h2d, forward, backward, optimizer, step]
+              gpu input_wait, h2d, forward, backward, optimizer, step,
+              cpu forward_wait, backward_wait, async_collectives]
 
 NaN means *absent* (the signal was not timed on that step); a measured zero is ``0.0``.
-:func:`.step_rows.rows_to_array` builds that array from row dictionaries.
+:func:`.step_rows.rows_to_array` builds that array from row dictionaries (which carry the
+twelve clock columns only; the trailing columns stay absent).
+
+The trailing ``EXTRA_COLUMNS`` are rankwatch's extension of the seed layout, timed by the
+hooks on the CPU clock only:
+
+* ``forward_wait``: the part of ``forward`` spent in the DDP wrapper outside its module
+  (the buffer broadcast at the start of every forward waits there for the slowest rank);
+* ``backward_wait``: the trailing part of ``backward``, from the rank's last local gradient
+  to the end of DDP's end-of-backward work (the wait for the last gradient reduction);
+* ``async_collectives``: 1 when the rank's collectives do not block the host (model on an
+  accelerator: NCCL-style), so its CPU clock cannot contain a wait for another rank.
 
 :func:`reduce_window` turns one array per rank into a :class:`WindowMeans`:
 
@@ -39,9 +51,11 @@ from numpy.typing import NDArray
 
 __all__ = [
     "CLOCKS",
+    "EXTRA_COLUMNS",
     "MEAN_KEYS",
     "ROW_WIDTH",
     "SIGNALS",
+    "SYNC_SIGNALS",
     "WindowMeans",
     "column",
     "rank_items",
@@ -52,11 +66,16 @@ __all__ = [
 
 SIGNALS: tuple[str, ...] = ("input_wait", "h2d", "forward", "backward", "optimizer", "step")
 CLOCKS: tuple[str, ...] = ("cpu", "gpu")
-ROW_WIDTH = 1 + len(CLOCKS) * len(SIGNALS)
-# Keys of a rank's window means: the six signals, then the derived residual.
-MEAN_KEYS: tuple[str, ...] = (*SIGNALS, "residual")
+# Waits at the synchronisation points, CPU clock only (see the module docstring).
+SYNC_SIGNALS: tuple[str, ...] = ("forward_wait", "backward_wait")
+EXTRA_COLUMNS: tuple[str, ...] = (*SYNC_SIGNALS, "async_collectives")
+BASE_WIDTH = 1 + len(CLOCKS) * len(SIGNALS)  # step_id and the two clocks' signals
+ROW_WIDTH = BASE_WIDTH + len(EXTRA_COLUMNS)
+# Keys of a rank's window means: the six signals, the derived residual, the sync waits.
+MEAN_KEYS: tuple[str, ...] = (*SIGNALS, "residual", *SYNC_SIGNALS)
 
-IW, H2D, FWD, BWD, OPT, STEP, RES = range(7)
+IW, H2D, FWD, BWD, OPT, STEP, RES, FWW, BWW = range(9)
+_FWW_COL, _BWW_COL, _ASYNC_COL = range(BASE_WIDTH, ROW_WIDTH)
 _EVERY_STEP = np.array([True, False, True, True, False, True])  # measured only if on every step
 _PHASES = [H2D, FWD, BWD, OPT]
 
@@ -65,13 +84,18 @@ BoolArray = NDArray[np.bool_]
 
 
 def column(clock: str, signal: str) -> int:
-    """Column of ``clock``/``signal`` in a step-time row array."""
+    """Column of ``clock``/``signal`` in a step-time row array (sync waits: ``cpu`` only)."""
+    if signal in SYNC_SIGNALS and clock == "cpu":
+        return BASE_WIDTH + SYNC_SIGNALS.index(signal)
     return 1 + CLOCKS.index(clock) * len(SIGNALS) + SIGNALS.index(signal)
 
 
 def _field_name(col: int) -> str:
     if col == 0:
         return "step_id"
+    if col >= BASE_WIDTH:
+        name = EXTRA_COLUMNS[col - BASE_WIDTH]
+        return f"cpu.{name}" if name in SYNC_SIGNALS else name
     c, s = divmod(col - 1, len(SIGNALS))
     return f"{CLOCKS[c]}.{SIGNALS[s]}"
 
@@ -143,7 +167,8 @@ class WindowMeans:
     ``ranks`` are the expected global ranks, ascending. ``means[r, k]`` follows
     ``MEAN_KEYS`` (ms; 0 where unmeasured) and ``measured[r, k]`` says whether it was
     measured. ``present[r]`` is False for a rank that sent no rows. ``step_range`` is the first
-    and last aligned step id.
+    and last aligned step id. ``async_collectives`` is True when a present rank flagged, on
+    an aligned step, collectives that do not block its host (its CPU clock misses the wait).
     """
 
     ranks: tuple[int, ...]
@@ -153,6 +178,7 @@ class WindowMeans:
     steps: int
     clock: str
     step_range: tuple[int, int] | None = None
+    async_collectives: bool = False
 
 
 def _as_rank_array(rank: int, value: object) -> FloatArray | None:
@@ -170,7 +196,7 @@ def _as_rank_array(rank: int, value: object) -> FloatArray | None:
     if arr.ndim != 2 or arr.shape[1] != ROW_WIDTH:
         raise ValueError(
             f"rank {rank}: field rows: value has shape {arr.shape}, expected [n, {ROW_WIDTH}] "
-            "(step_id, 6 cpu signals, 6 gpu signals)"
+            f"(step_id, 6 cpu signals, 6 gpu signals, {', '.join(EXTRA_COLUMNS)})"
         )
     return arr
 
@@ -259,8 +285,12 @@ def _reduce_aligned(
         0.0,
     ).mean(axis=1)
     res_measured = sig_measured[:, STEP] & sig_measured[:, FWD] & sig_measured[:, BWD]
-    sub_means = np.concatenate([sums / steps, residual[:, None]], axis=1)
-    sub_measured = np.concatenate([sig_measured, res_measured[:, None]], axis=1)
+    # The sync waits exist on the CPU clock only, and only where timed on every aligned step.
+    waits = cube[:, :, _FWW_COL : _BWW_COL + 1]
+    waits_measured = ~np.isnan(waits).any(axis=1) & (not use_gpu)
+    wait_means = np.where(waits_measured, np.nan_to_num(waits).mean(axis=1), 0.0)
+    sub_means = np.concatenate([sums / steps, residual[:, None], wait_means], axis=1)
+    sub_measured = np.concatenate([sig_measured, res_measured[:, None], waits_measured], axis=1)
     sub_means[~sub_measured] = 0.0
     means[present] = sub_means
     measured[present] = sub_measured
@@ -272,6 +302,7 @@ def _reduce_aligned(
         steps,
         "gpu" if use_gpu else "cpu",
         (int(step_ids[0]), int(step_ids[-1])),
+        bool(np.nan_to_num(cube[:, :, _ASYNC_COL]).any()),
     )
 
 

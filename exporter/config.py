@@ -55,6 +55,10 @@ class RankwatchConfig:
     strategy: str = field(
         default="", metadata=option("RANKWATCH_STRATEGY", choices=("", "ddp", "fsdp"))
     )
+    # watch(): fetched batches without an optimizer step before one warning says so
+    optimizer_silent_batches: int = field(
+        default=50, metadata=option("RANKWATCH_OPTIMIZER_SILENT_BATCHES", 1)
+    )
     # Prometheus pull path
     metrics_enabled: bool = field(default=True, metadata=option("RANKWATCH_METRICS_ENABLE"))
     metrics_addr: str = field(default="127.0.0.1", metadata=option("RANKWATCH_METRICS_ADDR"))

@@ -451,7 +451,7 @@ def _run_rank(
                 progress = Progress(elapsed, int(control[1]), int(control[2]), steps)
                 with contextlib.suppress(queue.Full):
                     channel.put_nowait(("progress", progress))
-        # Outside the timed step: the optimizer's post hook closed it, the loader opens the next.
+        # Outside the timed step: the with block below closed it, the loader opens the next.
         dist.broadcast(control, src=0)
         if int(control[0]):
             break
@@ -460,10 +460,14 @@ def _run_rank(
         batches.delay_s = delay_s if slow and phase == "input" else 0.0
         model.module.delay_s = delay_s if slow and phase == "compute" else 0.0
         x, y = next(loader)
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # The demo's control traffic and pause after the step are not training work: an
+        # explicit step adopts the one the fetch opened and ends it here (without it a step
+        # runs from one fetch to the next).
+        with rw.step():
+            loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         feeder.add(DEEPEP_PHASES[int(control[2])])
         rw.collect()  # ships rows every sync_step calls in sync mode; a no-op when async
         steps += 1

@@ -10,27 +10,38 @@ milliseconds and returns the events to the :class:`EventPool` for reuse. Nothing
 
 Everything is bounded: the pool creates at most ``capacity`` events, and a step that cannot get
 an event (pool empty) or that waits too long behind the GPU is finished with its GPU columns
-absent (NaN) rather than growing a queue. On a machine without CUDA this path is never switched
-on and the GPU columns of every row stay NaN: the diagnosis then uses the CPU clock.
+absent (NaN) rather than growing a queue. A phase one of whose occurrences in a step could not
+get its markers is absent for that step (never a partial sum of the occurrences that could).
+On a machine without CUDA this path is never switched on and the GPU columns of every row stay
+NaN: the diagnosis then uses the CPU clock.
+
+Devices. A CUDA event belongs to the device of the stream it was first recorded on, and torch
+refuses to record it on another device's stream. The autograd engine runs a CUDA backward on a
+per-device thread whose current device is the tensors' device, which need not be the main
+thread's current device (a script that never calls ``torch.cuda.set_device``). So a timeline
+records every marker on an explicit stream, the model's device's current stream, and each
+device has its own pool: an event never meets a stream of another device.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["EventLike", "EventPool", "GpuTimeline", "cuda_event_factory"]
+__all__ = ["EventLike", "EventPool", "GpuTimeline", "cuda_event_factory", "cuda_stream_of"]
 
 NAN = math.nan
+log = logging.getLogger("rankwatch.exporter.event_pool")
 
 
 class EventLike(Protocol):
     """What a timing event must do: ``torch.cuda.Event(enable_timing=True)`` does all three."""
 
-    def record(self) -> None:
-        """Enqueue the marker on the current stream."""
+    def record(self, stream: Any = None) -> None:
+        """Enqueue the marker on ``stream`` (None: the current device's current stream)."""
 
     def query(self) -> bool:
         """True once the device has passed the marker; never blocks."""
@@ -47,6 +58,17 @@ def cuda_event_factory() -> Callable[[], EventLike]:
         return torch.cuda.Event(enable_timing=True)  # type: ignore[return-value]
 
     return make
+
+
+def cuda_stream_of(device: Any) -> Callable[[], Any]:
+    """The current stream of ``device``, asked at each record (a ``with stream:`` block of the
+    training loop is honoured), whatever the calling thread's current device is."""
+    import torch
+
+    def stream() -> Any:
+        return torch.cuda.current_stream(device)
+
+    return stream
 
 
 class EventPool:
@@ -95,17 +117,19 @@ _Pair = tuple[int, EventLike, EventLike, bool]
 class _PendingStep:
     """One finished step whose GPU markers the device may not have passed yet."""
 
-    __slots__ = ("pairs", "slot", "step_pair")
+    __slots__ = ("pairs", "slot", "step_pair", "untimed")
 
     def __init__(
         self,
         slot: int,
         pairs: list[_Pair],
         step_pair: tuple[EventLike, EventLike] | None,
+        untimed: frozenset[int] = frozenset(),
     ) -> None:
         self.slot = slot
         self.pairs = pairs
         self.step_pair = step_pair
+        self.untimed = untimed
 
 
 class GpuTimeline:
@@ -114,7 +138,12 @@ class GpuTimeline:
     ``begin``/``end`` bracket a phase (``signal`` is the index into the timer's signal list),
     ``start_step``/``finish_step`` bracket a step, and ``poll`` resolves steps whose markers
     the device has passed, oldest first, writing milliseconds through ``write``. A phase that
-    occurs several times in a step (gradient accumulation) is summed.
+    occurs several times in a step (gradient accumulation) is summed; if one occurrence could
+    not be timed (no event left) the phase is absent for that step.
+
+    ``stream`` returns the stream to record on (the model device's; see the module docstring);
+    None records on the caller's current stream (single-device use). ``device`` names the
+    device the pool's events belong to.
     """
 
     def __init__(
@@ -123,6 +152,9 @@ class GpuTimeline:
         n_signals: int,
         input_wait_signal: int,
         max_pending_steps: int = 256,
+        *,
+        stream: Callable[[], Any] | None = None,
+        device: Any = None,
     ) -> None:
         if max_pending_steps < 1:
             raise ValueError(
@@ -137,8 +169,14 @@ class GpuTimeline:
         self._pairs: list[_Pair] = []
         self._step_start: EventLike | None = None
         self._pending: deque[_PendingStep] = deque()
+        self._stream = stream
+        self.device = device
+        # Signals one of whose occurrences in the open step got no marker: absent this step.
+        self._untimed: set[int] = set()
         # Steps finished without GPU times because the pool ran dry or the device lagged.
         self.dropped_steps = 0
+        self.untimed_phases = 0  # phase occurrences that got no marker (pool empty)
+        self._warned = False
 
     @property
     def pending(self) -> int:
@@ -147,16 +185,37 @@ class GpuTimeline:
     def _record(self) -> EventLike | None:
         event = self.pool.acquire()
         if event is not None:
-            event.record()
+            if self._stream is None:
+                event.record()
+            else:
+                event.record(self._stream())
         return event
+
+    def _warn_once(self, why: str) -> None:
+        # One warning per timeline, naming why GPU times are missing; the rest are counted.
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "rankwatch: GPU timing is incomplete: %s; those steps lack GPU times and "
+                "windows holding them use the CPU clock",
+                why,
+            )
+
+    def _lost(self, signal: int) -> None:
+        self._untimed.add(signal)
+        self.untimed_phases += 1
+        self._warn_once(f"the pool ran out of events ({self.pool.capacity})")
 
     def begin(self, signal: int) -> None:
         """Marker at the start of a phase."""
         stale = self._open[signal]
         if stale is not None:  # a begin without its end: forget the unmatched marker
             self.pool.release(stale)
-        self._open[signal] = self._record()
+        event = self._record()
+        self._open[signal] = event
         self._open_inside[signal] = self._step_start is not None
+        if event is None:
+            self._lost(signal)
 
     def end(self, signal: int) -> None:
         """Marker at the end of a phase; pairs it with the phase's start marker."""
@@ -167,6 +226,7 @@ class GpuTimeline:
         stop = self._record()
         if stop is None:
             self.pool.release(start)
+            self._lost(signal)
             return
         self._pairs.append((signal, start, stop, self._open_inside[signal]))
 
@@ -189,6 +249,7 @@ class GpuTimeline:
         if self._step_start is not None:
             self.pool.release(self._step_start)
             self._step_start = None
+        self._untimed = set()
 
     def finish_step(self, slot: int) -> None:
         """Close the step whose CPU row sits in ring ``slot``; its GPU times come from ``poll``.
@@ -204,8 +265,10 @@ class GpuTimeline:
             step_pair = (start, stop)
         elif start is not None:
             self.pool.release(start)
-        self._pending.append(_PendingStep(slot, self._pairs, step_pair))
+        untimed = frozenset(self._untimed) if self._untimed else frozenset()
+        self._pending.append(_PendingStep(slot, self._pairs, step_pair, untimed))
         self._pairs = []
+        self._untimed = set()
 
     def poll(self, write: Callable[[int, list[float]], None], max_steps: int) -> int:
         """Resolve up to ``max_steps`` finished steps, oldest first; never blocks.
@@ -224,6 +287,7 @@ class GpuTimeline:
             if overdue and not self._ready(head):
                 # The device is far behind: give up on this step's GPU times, keep bounded.
                 self.dropped_steps += 1
+                self._warn_once(f"the device is more than {self.max_pending_steps} steps behind")
                 write(head.slot, [NAN] * (self.n_signals + 1))
             else:
                 write(head.slot, self._times(head))
@@ -266,6 +330,11 @@ class GpuTimeline:
         if step.step_pair is not None:
             total = float(step.step_pair[0].elapsed_time(step.step_pair[1]))
             out[self.n_signals] = max(0.0, total - inside_wait)
+        for signal in step.untimed:
+            # Some occurrence got no marker: a sum of the others would undercount.
+            out[signal] = NAN
+            if signal == self.input_wait_signal:  # the step's own subtraction is unknown
+                out[self.n_signals] = NAN
         return out
 
     def _release(self, step: _PendingStep) -> None:

@@ -5,8 +5,10 @@ explicit ``step()``/``phase()`` calls, from PyTorch's public hook points only (n
 is replaced):
 
 * the loader wrapper's ``__next__`` times ``input_wait`` (fetching the batch) and ``h2d``
-  (moving it to the model's device) and opens the step if none is open, so the step's bracket
-  starts where an explicit ``with step():`` around the fetch would start it;
+  (moving it to the model's device, the batch keeping its type). On the training thread a
+  fetch closes the step a hook opened and opens the next: a step runs from one fetch to the
+  next, so work after the optimizer (logging, checkpointing) is in it, as residual. A fetch
+  on another thread (a prefetching producer) is not timed, and one warning says so;
 * forward pre/post hooks on the top module time ``forward``, wrapped around any hooks a
   wrapper installed (FSDP's parameter all-gather runs in a pre hook);
 * ``backward`` starts when the gradient of the module's output is computed (a tensor hook
@@ -15,8 +17,15 @@ is replaced):
   while the backward pass runs, and a callback queued from a callback runs after all of them,
   so ``backward`` includes the reduction wait exactly as the wall time of ``loss.backward()``
   does;
-* optimizer step pre/post hooks time ``optimizer``; the post hook of the last optimizer closes
-  a step that a hook opened (a step opened by ``step()`` is closed by its ``with`` block).
+* under DDP, the waits at the synchronisation points: ``forward_wait`` (the wrapper's forward
+  outside its module's: the buffer broadcast) and ``backward_wait`` (from the last parameter
+  gradient, seen by post-accumulate-grad hooks, to the end of backward);
+* optimizer step pre/post hooks time ``optimizer``; without a watched loader the post hook of
+  the last optimizer closes a step that a hook opened (a step opened by ``step()`` is closed
+  by its ``with`` block).
+
+Every hook returns at once while ``torch.compile`` traces (``torch.compiler.is_compiling()``),
+so nothing of rankwatch enters a compiled graph and ``fullgraph=True`` keeps working.
 
 The training strategy is read from the wrapper type: ``DistributedDataParallel`` is ``ddp``,
 FSDP (``FullyShardedDataParallel`` or a module managed by ``fully_shard``) is ``fsdp``.
@@ -24,13 +33,24 @@ FSDP (``FullyShardedDataParallel`` or a module managed by ``fully_shard``) is ``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from threading import get_ident
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .timer import BACKWARD, FORWARD, H2D, INPUT_WAIT, OPTIMIZER, StepTimer
+from .timer import (
+    BACKWARD,
+    BACKWARD_WAIT,
+    FORWARD,
+    FORWARD_WAIT,
+    H2D,
+    INPUT_WAIT,
+    OPTIMIZER,
+    StepTimer,
+)
 
 __all__ = [
     "WatchedLoader",
@@ -38,7 +58,11 @@ __all__ = [
     "install",
     "model_device",
     "move_to_device",
+    "unwrap_optimizer",
 ]
+
+log = logging.getLogger("rankwatch.exporter.hooks")
+_is_compiling = torch.compiler.is_compiling
 
 
 def detect_strategy(model: torch.nn.Module) -> str | None:
@@ -68,12 +92,23 @@ def detect_strategy(model: torch.nn.Module) -> str | None:
 
 
 def model_device(model: torch.nn.Module) -> torch.device | None:
-    """Device of the model's first parameter (or buffer); None if it has neither."""
-    for param in model.parameters():
-        return param.device
-    for buf in model.buffers():
-        return buf.device
-    return None
+    """The one device of the model's parameters and buffers; None if it has neither.
+
+    A model spread over several devices is refused (``ValueError`` naming them): the batch's
+    transfer target and the GPU clock's stream would be a guess.
+    """
+    devices: dict[torch.device, None] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type != "meta":
+            devices.setdefault(tensor.device)
+    if len(devices) > 1:
+        names = ", ".join(str(d) for d in devices)
+        raise ValueError(
+            f"watch: field model: parameters and buffers are on several devices ({names}); "
+            "rankwatch times one device per process: watch a single-device model, or time "
+            "the steps with step()/phase()"
+        )
+    return next(iter(devices), None)
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -86,35 +121,58 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
         return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
     if isinstance(batch, list):
         return [move_to_device(x, device, non_blocking) for x in batch]
-    if isinstance(batch, Mapping):
-        return {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
     to = getattr(batch, "to", None)
-    if callable(to):
+    if callable(to) and not isinstance(batch, dict):
+        # Its own ``to`` keeps the batch's type (a tokenizer's BatchEncoding is a Mapping).
         try:
             return to(device, non_blocking=non_blocking)
         except TypeError:  # a ``to`` without the keyword
             return to(device)
+    if isinstance(batch, Mapping):
+        items = {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
+        if type(batch) is dict:
+            return items
+        try:  # a Mapping subclass keeps its type when it can be built from a dict
+            return type(batch)(items)  # type: ignore[call-arg]
+        except Exception:
+            return items
     return batch
 
 
+# Fetched batches after which a watched optimizer that never stepped earns a warning (the
+# default of ``RankwatchConfig.optimizer_silent_batches``).
+OPTIMIZER_SILENT_BATCHES = 50
+
+
 class _WatchedIterator:
-    """Iterator over a watched loader: times the fetch and the transfer of every batch."""
+    """Iterator over a watched loader: times the fetch and the transfer of every batch.
 
-    __slots__ = ("_device", "_it", "_non_blocking", "_timer")
+    On the training thread a fetch also closes the step a hook opened (a step runs from one
+    fetch to the next) and opens the next one. Fetched on any other thread (a prefetching
+    pipeline) it times nothing: the producer's fetch is not what training waits for.
+    """
 
-    def __init__(
-        self, it: Iterator[Any], timer: StepTimer, device: torch.device | None, non_blocking: bool
-    ) -> None:
+    __slots__ = ("_device", "_it", "_loader", "_non_blocking", "_timer")
+
+    def __init__(self, it: Iterator[Any], loader: WatchedLoader) -> None:
         self._it = it
-        self._timer = timer
-        self._device = device
-        self._non_blocking = non_blocking
+        self._loader = loader
+        self._timer = loader._timer
+        self._device = loader.device
+        self._non_blocking = loader._non_blocking
 
     def __iter__(self) -> _WatchedIterator:
         return self
 
     def __next__(self) -> Any:
         timer = self._timer
+        if get_ident() != self._loader.training_thread:
+            return self._loader._untimed(self._it)
+        timer.loader_steps = True
+        if timer.auto_step and timer.step_has_work:
+            # The previous batch's step ends where this fetch starts. A batch the loop
+            # skipped (no forward) stays in the open step, as its input wait.
+            timer.end_step()
         opened = False
         if not timer.in_step:
             timer.start_step(auto=True)
@@ -132,6 +190,9 @@ class _WatchedIterator:
             timer.begin(H2D)
             batch = move_to_device(batch, self._device, self._non_blocking)
             timer.end(H2D)
+        self._loader._fetched += 1
+        if self._loader._fetched == self._loader.optimizer_silent_batches:
+            self._loader._check_optimizer()
         return batch
 
 
@@ -140,6 +201,9 @@ class WatchedLoader:
 
     Everything else (``len()``, ``.dataset``, ``.sampler.set_epoch``...) is the wrapped
     loader's. ``device=None`` leaves batches where they are and times no ``h2d``.
+    ``training_thread`` is the thread that trains (default: the one creating the wrapper);
+    iterated on another thread, the loader is a prefetching pipeline's producer and is not
+    timed (one warning says so).
     """
 
     def __init__(
@@ -148,19 +212,28 @@ class WatchedLoader:
         timer: StepTimer,
         device: torch.device | None = None,
         non_blocking: bool | None = None,
+        *,
+        training_thread: int | None = None,
+        optimizers_watched: bool = False,
+        optimizer_silent_batches: int = OPTIMIZER_SILENT_BATCHES,
     ) -> None:
         if not isinstance(loader, Iterable):
             raise TypeError(f"watch: field dataloader: expected an iterable, got {loader!r}")
         self.loader = loader
         self._timer = timer
         self.device = device
+        self.training_thread = get_ident() if training_thread is None else training_thread
+        self._optimizers_watched = optimizers_watched
+        self.optimizer_silent_batches = optimizer_silent_batches
+        self._fetched = 0
+        self._warned_thread = False
         # Non-blocking copies only make sense towards an accelerator.
         self._non_blocking = (
             (device is not None and device.type != "cpu") if non_blocking is None else non_blocking
         )
 
     def __iter__(self) -> _WatchedIterator:
-        return _WatchedIterator(iter(self.loader), self._timer, self.device, self._non_blocking)
+        return _WatchedIterator(iter(self.loader), self)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -169,22 +242,57 @@ class WatchedLoader:
         # Only called for attributes this wrapper lacks: the loader's own API stays reachable.
         return getattr(self.__dict__["loader"], name)
 
+    def _untimed(self, it: Iterator[Any]) -> Any:
+        if not self._warned_thread:
+            self._warned_thread = True
+            log.warning(
+                "rankwatch: the watched loader is iterated on another thread than training "
+                "(a prefetching pipeline?): input wait is not timed there, since the producer's "
+                "fetch is not what training waits for. Watch the loader the training loop "
+                "iterates (the queue's consumer) to time input wait."
+            )
+        batch = next(it)
+        if self.device is not None:
+            batch = move_to_device(batch, self.device, self._non_blocking)
+        return batch
+
+    def _check_optimizer(self) -> None:
+        if self._optimizers_watched and self._timer.optimizer_steps == 0:
+            log.warning(
+                "rankwatch: %d batches fetched and the watched optimizer has not stepped: "
+                "is the optimizer passed to watch() the one that steps (not a copy, not a "
+                "second optimizer left out)? Steps still close at each fetch.",
+                self.optimizer_silent_batches,
+            )
+
 
 class _BackwardTracker:
     """Opens ``backward`` at the first output gradient of a backward pass, closes it at the
-    very end of the pass (after DDP/FSDP final callbacks)."""
+    very end of the pass (after DDP/FSDP final callbacks).
+
+    With ``sync_waits`` it also credits ``backward_wait``: from the last local gradient
+    (the last post-accumulate-grad hook of a parameter) to that end, the wait for the last
+    gradient reduction and DDP's end-of-backward work.
+    """
 
     def __init__(self, timer: StepTimer) -> None:
         self._timer = timer
         self._active = False
         self._engine = torch.autograd.Variable._execution_engine
+        self._clock = timer._clock
+        self.last_grad_ns = -1
 
     def on_output_grad(self, grad: torch.Tensor) -> None:
         if self._active:
             return
         self._active = True
+        self.last_grad_ns = -1
         self._timer.begin(BACKWARD)
         self._engine.queue_callback(self._requeue)
+
+    def on_param_grad(self, param: torch.Tensor) -> None:
+        # One clock read per parameter per backward: the last one wins.
+        self.last_grad_ns = self._clock()
 
     def _requeue(self) -> None:
         # Runs among the final callbacks; queue once more to run after every callback that
@@ -193,6 +301,10 @@ class _BackwardTracker:
 
     def _finish(self) -> None:
         self._active = False
+        last = self.last_grad_ns
+        if last >= 0:
+            self._timer.add(BACKWARD_WAIT, self._clock() - last)
+            self.last_grad_ns = -1
         self._timer.end(BACKWARD)
 
     def watch_output(self, output: Any) -> None:
@@ -223,27 +335,53 @@ def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
                 yield from _tensors(v, depth + 1)
 
 
+def unwrap_optimizer(obj: Any) -> torch.optim.Optimizer | None:
+    """The ``torch.optim.Optimizer`` of ``obj``: itself, or found through a chain of
+    ``.optimizer`` attributes (framework wrappers: accelerate, Lightning, ...); else None."""
+    for _ in range(8):
+        if isinstance(obj, torch.optim.Optimizer):
+            return obj
+        obj = getattr(obj, "optimizer", None)
+        if obj is None:
+            return None
+    return None
+
+
 def install(
     timer: StepTimer,
     model: torch.nn.Module | None,
     optimizers: Sequence[torch.optim.Optimizer],
 ) -> list[RemovableHandle]:
-    """Install the model and optimizer hooks; returns the handles (``remove()`` undoes them)."""
+    """Install the model and optimizer hooks; returns the handles (``remove()`` undoes them).
+
+    Under DDP the waits at the synchronisation points are timed too: ``forward_wait`` is the
+    DDP wrapper's forward outside its module's (the buffer broadcast), ``backward_wait`` the
+    trailing wait of backward. Every hook returns at once while ``torch.compile`` traces it:
+    nothing of rankwatch enters a compiled graph.
+    """
     handles: list[RemovableHandle] = []
     if model is not None:
         tracker = _BackwardTracker(timer)
+        inner = _ddp_inner(model)
+        sync = inner is not None
 
         def forward_pre(module: torch.nn.Module, args: Any) -> None:
+            if _is_compiling():
+                return
             if not timer.in_step:
                 # A forward outside any step is evaluation or inference: not a training step.
                 if not (module.training and torch.is_grad_enabled()):
                     return
                 timer.start_step(auto=True)
             timer.begin(FORWARD)
+            if sync:
+                timer.begin(FORWARD_WAIT)
 
         def forward_post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if not timer.phase_open(FORWARD):
+            if _is_compiling() or not timer.phase_open(FORWARD):
                 return
+            if sync:
+                timer.end(FORWARD_WAIT)
             timer.end(FORWARD)
             if torch.is_grad_enabled():
                 tracker.watch_output(output)
@@ -252,10 +390,54 @@ def install(
         # hook) and any wait in it belong to forward, as they do to the wall time of model(x).
         handles.append(model.register_forward_pre_hook(forward_pre, prepend=True))
         handles.append(model.register_forward_hook(forward_post, always_call=True))
+        if inner is not None:
+            handles.extend(_sync_wait_hooks(timer, tracker, inner))
     for k, opt in enumerate(optimizers):
         pre, post = _optimizer_hooks(timer, closes_step=k == len(optimizers) - 1)
         handles.append(opt.register_step_pre_hook(pre))
         handles.append(opt.register_step_post_hook(post))
+    return handles
+
+
+def _ddp_inner(model: torch.nn.Module) -> torch.nn.Module | None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model.module
+    return None
+
+
+def _sync_wait_hooks(
+    timer: StepTimer, tracker: _BackwardTracker, inner: torch.nn.Module
+) -> list[RemovableHandle]:
+    """Hooks on DDP's module that split the waits out of forward and backward.
+
+    ``forward_wait`` runs from the wrapper's pre hook to the module's first pre hook, and from
+    the module's first post hook to the wrapper's post hook: DDP's pre-forward work (buffer
+    broadcast, a collective that waits for the slowest rank) and post-forward work.
+    ``backward_wait`` starts at the last parameter gradient accumulated (a post-accumulate
+    hook per parameter, registered once: one clock read per parameter per backward).
+    """
+
+    def inner_pre(module: torch.nn.Module, args: Any) -> None:
+        if not _is_compiling():
+            timer.end(FORWARD_WAIT)
+
+    def inner_post(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not _is_compiling() and timer.phase_open(FORWARD):
+            timer.begin(FORWARD_WAIT)
+
+    def param_grad(param: torch.Tensor) -> None:
+        if not _is_compiling():
+            tracker.on_param_grad(param)
+
+    handles = [
+        inner.register_forward_pre_hook(inner_pre, prepend=True),
+        inner.register_forward_hook(inner_post, prepend=True),
+    ]
+    for param in inner.parameters():
+        if param.requires_grad:
+            handles.append(param.register_post_accumulate_grad_hook(param_grad))
     return handles
 
 
@@ -271,16 +453,22 @@ def _optimizer_hooks(
     depth = [0]
 
     def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _is_compiling():
+            return
         depth[0] += 1
         if depth[0] == 1:
             timer.begin(OPTIMIZER)
 
     def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _is_compiling():
+            return
         depth[0] = max(0, depth[0] - 1)
         if depth[0]:
             return
         timer.end(OPTIMIZER)
-        if closes_step and timer.auto_step:
+        timer.optimizer_steps += 1
+        # With a watched loader the next fetch closes the step (post-step work included).
+        if closes_step and timer.auto_step and not timer.loader_steps:
             timer.end_step()
 
     return pre, post

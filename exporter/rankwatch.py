@@ -20,6 +20,7 @@ the windows and publishes them. Without ``torch.distributed`` the process is a g
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -29,8 +30,8 @@ from rankwatch.diagnosis.step_time import normalize_strategy
 from rankwatch.diagnosis.window_report import WindowReport
 
 from .config import RankwatchConfig
-from .event_pool import EventPool, GpuTimeline, cuda_event_factory
-from .hooks import WatchedLoader, detect_strategy, install, model_device
+from .event_pool import EventPool, GpuTimeline, cuda_event_factory, cuda_stream_of
+from .hooks import WatchedLoader, detect_strategy, install, model_device, unwrap_optimizer
 from .publisher import Publisher
 from .timer import PHASES, StepTimer
 from .windows import (
@@ -136,7 +137,10 @@ class RankWatch:
     ``"fsdp"`` or None (detected by :meth:`watch`, else ``config.strategy``, else DDP rules).
     ``publishers`` receive every window report on the root and are closed by :meth:`close`.
     ``gpu_timing``: None times the GPU clock with CUDA events when the watched model is on
-    CUDA (or, without ``watch``, when CUDA is available); False never; True always.
+    CUDA (or, without ``watch``, when CUDA is available); False never; True requires CUDA. The
+    events are recorded on the current stream of the watched model's device, one event pool
+    per device; a watched model off CUDA turns GPU timing off (with one warning when it was
+    asked for, or when the model is on another accelerator).
     """
 
     def __init__(
@@ -182,6 +186,9 @@ class RankWatch:
         self._detected_strategy: str | None = None
         self._handles: list[Any] = []
         self._watched: set[int] = set()
+        self._optimizers_watched = False
+        self._pools: dict[str, EventPool] = {}  # one event pool per CUDA device
+        self._gpu_off_warned = False
         self._collects = 0
         self._closed = False
         self._collector: WindowCollector | None = None
@@ -281,10 +288,15 @@ class RankWatch:
         dataloader: Iterable[Any] | None = None,
     ) -> Any:
         """Install hooks: forward/backward on ``model``, step hooks on ``optimizer`` (one or a
-        sequence; the last one's step closes the training step), and return ``dataloader``
-        wrapped to time input wait and the batch's host-to-device copy (None if not given).
+        sequence; a framework's wrapper holding the optimizer in ``.optimizer`` is accepted),
+        and return ``dataloader`` wrapped to time input wait and the batch's host-to-device
+        copy (None if not given).
 
-        The strategy is detected from a DDP/FSDP wrapper around ``model``.
+        With a watched loader a step runs from one batch fetch to the next (work after the
+        optimizer lands in the step's residual); without one the last optimizer's step closes
+        it. The loader must be iterated by the training thread (the thread calling ``watch``):
+        a prefetching thread's fetches are not timed. The strategy is detected from a
+        DDP/FSDP wrapper around ``model``.
         """
         import torch
 
@@ -293,11 +305,13 @@ class RankWatch:
         optimizers: list[torch.optim.Optimizer] = []
         if optimizer is not None:
             items = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
-            for opt in items:
-                if not isinstance(opt, torch.optim.Optimizer):
+            for item in items:
+                # A framework's wrapper is accepted: its optimizer is found inside it.
+                opt = unwrap_optimizer(item)
+                if opt is None:
                     raise TypeError(
-                        f"watch: field optimizer: expected a torch.optim.Optimizer (or a list "
-                        f"of them), got {opt!r}"
+                        f"watch: field optimizer: expected a torch.optim.Optimizer, a wrapper "
+                        f"holding one in .optimizer (or a list of them), got {item!r}"
                     )
                 optimizers.append(opt)
         if dataloader is not None and (
@@ -321,13 +335,25 @@ class RankWatch:
                     )
         if self.timer is None:
             return dataloader
-        if model is not None and self._gpu_timing is None:
-            self._want_gpu(device is not None and device.type == "cuda")
+        if model is not None:
+            self._gpu_for_model(device)
+        if device is not None:
+            # Collectives on accelerator tensors (NCCL) do not block the host: this rank's
+            # CPU clock cannot contain a wait, and the diagnosis must know it.
+            self.timer.async_collectives = device.type != "cpu"
         self._handles.extend(install(self.timer, model, optimizers))
         self._watched.update(id(o) for o in (model, *optimizers) if o is not None)
+        self._optimizers_watched |= bool(optimizers)
         if dataloader is None:
             return None
-        return WatchedLoader(dataloader, self.timer, device)
+        return WatchedLoader(
+            dataloader,
+            self.timer,
+            device,
+            training_thread=threading.get_ident(),
+            optimizers_watched=bool(optimizers) or self._optimizers_watched,
+            optimizer_silent_batches=self.config.optimizer_silent_batches,
+        )
 
     # ---- shutdown ------------------------------------------------------------------------
 
@@ -383,16 +409,48 @@ class RankWatch:
 
         return bool(torch.cuda.is_available())
 
-    def _want_gpu(self, on: bool) -> None:
+    def _gpu_for_model(self, device: Any) -> None:
+        """GPU timing on the watched model's device, or off with one warning saying why."""
+        on_cuda = device is not None and device.type == "cuda"
+        if self._gpu_timing is False:
+            return
+        if on_cuda:
+            self._want_gpu(True, device)
+            return
+        self._want_gpu(False)
+        if self._gpu_timing or (device is not None and device.type != "cpu"):
+            self._warn_gpu_off(
+                f"the watched model is on {device}, and GPU timing uses CUDA events on the "
+                "model's own device"
+            )
+
+    def _warn_gpu_off(self, why: str) -> None:
+        if not self._gpu_off_warned:
+            self._gpu_off_warned = True
+            log.warning("rankwatch: GPU timing is off: %s; steps are timed on the CPU clock", why)
+
+    def _want_gpu(self, on: bool, device: Any = None) -> None:
         timer = self.timer
         if timer is None:
             return
-        if on and timer.gpu is None:
-            if not self._cuda_available():
-                raise ValueError("RankWatch: field gpu_timing: value True needs CUDA")
-            # A pending step's ring slot must not come round again before its GPU times land.
-            in_flight = max(1, min(_GPU_STEPS_IN_FLIGHT, timer.capacity // 2))
-            pool = EventPool(in_flight * _EVENTS_PER_STEP, cuda_event_factory())
-            timer.set_gpu(GpuTimeline(pool, len(PHASES), 0, in_flight))
-        elif not on and timer.gpu is not None:
-            timer.set_gpu(None)
+        if not on:
+            if timer.gpu is not None:
+                timer.set_gpu(None)
+            return
+        if not self._cuda_available():
+            raise ValueError("RankWatch: field gpu_timing: value True needs CUDA")
+        import torch
+
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        if timer.gpu is not None and timer.gpu.device == dev:
+            return
+        # A pending step's ring slot must not come round again before its GPU times land.
+        in_flight = max(1, min(_GPU_STEPS_IN_FLIGHT, timer.capacity // 2))
+        pool = self._pools.get(str(dev))
+        if pool is None:  # events of one device never meet another device's stream
+            pool = self._pools[str(dev)] = EventPool(
+                in_flight * _EVENTS_PER_STEP, cuda_event_factory()
+            )
+        timer.set_gpu(
+            GpuTimeline(pool, len(PHASES), 0, in_flight, stream=cuda_stream_of(dev), device=dev)
+        )

@@ -1,9 +1,12 @@
 """The step timer: per-step rows of phase times, written into a preallocated ring.
 
 One row per training step, in the step-time diagnosis' layout (``ROW_WIDTH`` float64 columns):
-``[step_id, 6 cpu signals (ms), 6 gpu signals (ms)]`` with the signals in ``SIGNALS`` order
-(``input_wait, h2d, forward, backward, optimizer, step``). NaN means the signal was not timed in
-that step; a timed phase that took no time is ``0.0``.
+``[step_id, 6 cpu signals (ms), 6 gpu signals (ms), cpu forward_wait, cpu backward_wait,
+async_collectives]`` with the signals in ``SIGNALS`` order (``input_wait, h2d, forward,
+backward, optimizer, step``). NaN means the signal was not timed in that step; a timed phase
+that took no time is ``0.0``. The two waits (CPU clock only) are timed by the hooks inside
+``forward`` and ``backward`` (see :mod:`.hooks`); ``async_collectives`` is 1 on a rank whose
+collectives do not block the host (see :attr:`StepTimer.async_collectives`).
 
 How the columns are defined:
 
@@ -37,16 +40,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import NDArray
 from rankwatch.diagnosis.step_time import ROW_WIDTH, SIGNALS
+from rankwatch.diagnosis.step_window import SYNC_SIGNALS
 
 if TYPE_CHECKING:
     from .event_pool import GpuTimeline
 
-__all__ = ["INPUT_WAIT", "PHASES", "StepTimer"]
+__all__ = ["BACKWARD_WAIT", "FORWARD_WAIT", "INPUT_WAIT", "PHASES", "StepTimer"]
 
 # The phases a user (or a hook) brackets; ``step`` is derived from the step's own bracket.
 PHASES: tuple[str, ...] = SIGNALS[:-1]
 INPUT_WAIT, H2D, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
-_N = len(PHASES)
+_NG = len(PHASES)  # phases timed on the GPU clock too
+# The sync waits inside forward and backward (hooks only, CPU clock only), in SYNC_SIGNALS order.
+FORWARD_WAIT, BACKWARD_WAIT = range(_NG, _NG + len(SYNC_SIGNALS))
+_N = _NG + len(SYNC_SIGNALS)
 _GPU0 = 1 + len(SIGNALS)  # first GPU column
 _NAN = math.nan
 _MS = 1e-6  # ns -> ms
@@ -127,6 +134,13 @@ class StepTimer:
         self._step_id = 0
         self._last_id = -1
         self._gpu = gpu
+        # Set by ``watch()`` for a model on an accelerator: its collectives do not block the
+        # host, so the CPU clock of this rank cannot contain a wait for another rank.
+        self.async_collectives = False
+        # A watched loader fetching on the training thread closes hook-opened steps at the
+        # next fetch (so work after the optimizer is in the step); else the optimizer does.
+        self.loader_steps = False
+        self.optimizer_steps = 0  # outermost optimizer steps seen by the hooks
         self._phases = {name: _Phase(self, i) for i, name in enumerate(PHASES)}
         self._step_ctx = _Step(self)
 
@@ -141,6 +155,12 @@ class StepTimer:
     def auto_step(self) -> bool:
         """The open step was opened by a hook (the optimizer hook may close it)."""
         return self._step_start >= 0 and self._auto
+
+    @property
+    def step_has_work(self) -> bool:
+        """The open step ran forward, backward or the optimizer (not only a batch fetch)."""
+        seen = self._seen
+        return seen[FORWARD] or seen[BACKWARD] or seen[OPTIMIZER]
 
     @property
     def last_step_id(self) -> int:
@@ -193,7 +213,7 @@ class StepTimer:
     def begin(self, index: int) -> None:
         """Enter phase ``index`` (``PHASES`` order)."""
         self._start[index] = self._clock()
-        if self._gpu is not None:
+        if self._gpu is not None and index < _NG:
             self._gpu.begin(index)
 
     def end(self, index: int) -> None:
@@ -207,8 +227,14 @@ class StepTimer:
         self._seen[index] = True
         if index == 0 and self._step_start >= 0 and start >= self._step_start:
             self._inside_wait += now - start
-        if self._gpu is not None:
+        if self._gpu is not None and index < _NG:
             self._gpu.end(index)
+
+    def add(self, index: int, ns: int) -> None:
+        """Credit ``ns`` to phase ``index`` of the current step (a wait measured by a hook
+        from its own marks, not bracketed by begin/end); CPU clock only."""
+        self._acc[index] += ns
+        self._seen[index] = True
 
     def start_step(self, step_id: int | None = None, *, auto: bool = False) -> None:
         """Open a step (phases timed before it, while no step was open, count toward it)."""
@@ -247,6 +273,9 @@ class StepTimer:
             acc[4] * _MS if seen[4] else _NAN,
             (now - start - self._inside_wait) * _MS,
             *_NO_GPU,
+            acc[5] * _MS if seen[5] else _NAN,
+            acc[6] * _MS if seen[6] else _NAN,
+            1.0 if self.async_collectives else _NAN,
         )
         self._last_id = self._step_id
         self._step_start = -1
@@ -276,7 +305,7 @@ class StepTimer:
     # ---- GPU columns ---------------------------------------------------------------------
 
     def _write_gpu(self, slot: int, gpu_ms: list[float]) -> None:
-        self.ring[slot, _GPU0:] = gpu_ms
+        self.ring[slot, _GPU0 : _GPU0 + len(SIGNALS)] = gpu_ms
 
     def poll_gpu(self, max_steps: int = 64) -> int:
         """Resolve finished GPU markers without blocking (training thread only)."""

@@ -81,7 +81,7 @@ def test_fast_and_careful_readers_agree() -> None:
     odd = [dict(r, cpu={**r["cpu"]}) for r in plain]
     odd[2]["gpu"] = None  # forces the mixed reader
     a, b = rows_to_array(plain), rows_to_array(odd)
-    assert np.array_equal(a[[0, 1, 3, 4]], b[[0, 1, 3, 4]])
+    assert np.array_equal(a[[0, 1, 3, 4]], b[[0, 1, 3, 4]], equal_nan=True)
     assert np.isnan(b[2, 7:]).all()
 
 

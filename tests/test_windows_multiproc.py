@@ -418,10 +418,12 @@ def test_watch_gives_the_explicit_rows_and_detects_ddp_and_fsdp(tmp_path: Path) 
         assert all("field group" in e[1] for e in res[r]["bad_groups"])
         ex, wa = res[r]["explicit_rows"], res[r]["watch_rows"]
         assert [row[0] for row in ex] == [row[0] for row in wa] == list(range(8))
-        # Same signals measured: all six CPU signals, no GPU signal.
+        # Same signals measured: all six CPU signals, no GPU signal; the hooks also time the
+        # DDP sync waits (explicit phases cannot), the trailing columns.
         for a, b in zip(ex, wa, strict=True):
-            assert [v is None for v in a] == [v is None for v in b]
+            assert [v is None for v in a[:13]] == [v is None for v in b[:13]]
             assert all(v is not None for v in a[1:7]) and all(v is None for v in a[7:])
+            assert b[13] is not None and b[14] is not None and b[15] is None
             for row in (a, b):
                 assert row[3] >= SLEEP_S * 1e3  # forward holds the injected sleep
                 assert row[2] >= SLEEP_S * 1e3  # so does h2d

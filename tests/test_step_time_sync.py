@@ -1,0 +1,188 @@
+"""Rankwatch's extension of the straggler policy: the wait at the synchronisation points.
+
+Means in ms. A normal rank: input wait 5, forward 40, backward 50, optimizer 5, step 100. The
+ranks that wait for a late rank wait where the job synchronises: in forward under DDP's buffer
+broadcast (BatchNorm), at the end of backward for the gradient reduction. The seed's visible
+``backward`` sees the second only; the sync wait sees both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays, diagnose_means
+from rankwatch.diagnosis.step_window import BASE_WIDTH, EXTRA_COLUMNS, column
+
+Means = dict[str, float | None]
+
+
+def rank(**kw: float | None) -> Means:
+    out: Means = {
+        "input_wait": 5.0,
+        "forward": 40.0,
+        "backward": 50.0,
+        "optimizer": 5.0,
+        "step": 100.0,
+        "forward_wait": 0.0,
+        "backward_wait": 5.0,
+    }
+    out.update(kw)
+    return out
+
+
+def seed_only(m: Means) -> Means:
+    return {k: v for k, v in m.items() if k not in ("forward_wait", "backward_wait")}
+
+
+def input_straggler_with_buffers() -> dict[int, Means | None]:
+    """Rank 0 fetches 30 ms late; the others wait 30 ms in the buffer broadcast (forward)."""
+    victim = rank(forward=70.0, forward_wait=30.0, step=130.0)
+    culprit = rank(input_wait=35.0)
+    return {0: culprit, 1: victim, 2: dict(victim)}
+
+
+def backward_straggler() -> dict[int, Means | None]:
+    """Rank 2's backward computes 30 ms longer; the others wait 30 ms more for the reduction."""
+    victim = rank(backward_wait=35.0)
+    culprit = rank(backward_wait=5.0)  # same backward: 45 compute + 5 wait vs 15 + 35
+    return {0: victim, 1: dict(victim), 2: culprit}
+
+
+def test_buffer_broadcast_wait_names_the_input_straggler() -> None:
+    means = input_straggler_with_buffers()
+    seed = diagnose_means({r: seed_only(m) for r, m in means.items() if m}, steps=100)
+    assert seed.visible_definition == "backward"
+    assert not seed.findings[0].is_straggler  # the seed cannot see a wait in forward
+    r = diagnose_means(means, steps=100)
+    assert r.visible_definition == "sync_wait"
+    top = r.findings[0]
+    assert (top.kind, top.culprit_rank, top.severity) == ("INPUT_STRAGGLER", 0, "critical")
+    assert top.score == pytest.approx(30.0 / 135.0)
+    assert r.straggler is not None and r.straggler.visible_definition == "sync_wait"
+    assert r.rank_means[1]["visible"] == 35.0 and r.rank_means[0]["visible"] == 5.0
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_buffer_broadcast_wait_with_more_ranks(n: int) -> None:
+    victim = rank(forward=70.0, forward_wait=30.0, step=130.0)
+    means: dict[int, Means | None] = {r: dict(victim) for r in range(n)}
+    means[0] = rank(input_wait=35.0)
+    r = diagnose_means(means, steps=100)
+    top = r.findings[0]
+    assert (top.kind, top.culprit_rank) == ("INPUT_STRAGGLER", 0)
+    # The seed's visible backward is equal everywhere: no straggler is named.
+    seed = diagnose_means({k: seed_only(m) for k, m in means.items() if m}, steps=100)
+    assert not any(f.is_straggler for f in seed.findings)
+
+
+def test_backward_straggler_is_a_compute_straggler() -> None:
+    means = backward_straggler()
+    seed = diagnose_means({r: seed_only(m) for r, m in means.items() if m}, steps=100)
+    assert seed.straggler is not None and seed.straggler.score == 0.0
+    r = diagnose_means(means, steps=100)
+    top = r.findings[0]
+    assert (top.kind, top.culprit_rank) == ("COMPUTE_STRAGGLER", 2)
+    assert top.component_excesses_ms["compute"] == pytest.approx(30.0)
+    assert top.component_coverage["compute"] == pytest.approx(1.0)
+
+
+def test_seed_definitions_stay_the_fallback() -> None:
+    means = backward_straggler()
+    means[1] = seed_only(means[1] or {})  # one rank without the waits: seed definition
+    assert diagnose_means(means, steps=100).visible_definition == "backward"
+    fsdp = diagnose_means(input_straggler_with_buffers(), steps=100, strategy="fsdp")
+    assert fsdp.visible_definition == "forward+backward"
+
+
+def test_unmeasured_input_wait_still_names_the_culprit_with_sync_waits() -> None:
+    # A prefetching loader: the training thread's wait for its batch is not timed.
+    means = {r: {**m, "input_wait": None} for r, m in input_straggler_with_buffers().items() if m}
+    means[0]["step"] = 135.0  # the unseen wait is in the culprit's step
+    r = diagnose_means(means, steps=100)
+    top = r.findings[0]
+    assert (top.kind, top.culprit_rank) == ("STRAGGLER", 0)
+    assert "input" not in top.component_excesses_ms
+    assert "input_wait" in top.missing_signals
+
+
+def rows(n: int, forward_wait: float, backward_wait: float, gpu: bool = False) -> np.ndarray:
+    arr = np.full((n, ROW_WIDTH), math.nan)
+    arr[:, 0] = np.arange(n)
+    for clock in ("cpu", "gpu") if gpu else ("cpu",):
+        for s, v in (
+            ("input_wait", 5.0),
+            ("h2d", 1.0),
+            ("forward", 40.0),
+            ("backward", 50.0),
+            ("optimizer", 5.0),
+            ("step", 100.0),
+        ):
+            arr[:, column(clock, s)] = v
+    arr[:, column("cpu", "forward_wait")] = forward_wait
+    arr[:, column("cpu", "backward_wait")] = backward_wait
+    return arr
+
+
+def test_row_layout_appends_the_extra_columns_once() -> None:
+    assert EXTRA_COLUMNS == ("forward_wait", "backward_wait", "async_collectives")
+    assert ROW_WIDTH == BASE_WIDTH + len(EXTRA_COLUMNS) == 16
+    assert column("cpu", "forward_wait") == 13 and column("cpu", "backward_wait") == 14
+
+
+def test_sync_waits_from_arrays_on_the_cpu_clock_only() -> None:
+    per_rank = {0: rows(30, 0.0, 5.0), 1: rows(30, 30.0, 5.0), 2: rows(30, 30.0, 5.0)}
+    r = diagnose_arrays(per_rank, window=30)
+    assert r.visible_definition == "sync_wait" and r.straggler is not None
+    assert r.straggler.culprit_rank == 0
+    # A wait missing on one aligned step is not a measurement: the seed definition applies.
+    per_rank[1][3, column("cpu", "backward_wait")] = math.nan
+    assert diagnose_arrays(per_rank, window=30).visible_definition == "backward"
+    # On the GPU clock the CPU waits are not comparable: the seed definition applies.
+    gpu = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0, gpu=True) for r in range(3)}
+    g = diagnose_arrays(gpu, window=30)
+    assert g.clock == "gpu" and g.visible_definition == "backward"
+
+
+def test_cpu_clock_of_host_async_collectives_abstains() -> None:
+    per_rank = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0) for r in range(3)}
+    per_rank[1][:, BASE_WIDTH + 2] = 1.0  # rank 1's collectives do not block its host
+    r = diagnose_arrays(per_rank, window=30)
+    assert r.straggler is None and r.visible_definition == "none"
+    assert not any(f.is_straggler for f in r.findings)
+    incomplete = [f for f in r.findings if f.kind == "INCOMPLETE_DATA"]
+    assert incomplete and "gpu_timing" in incomplete[0].missing_signals
+    assert incomplete[0].ranks == (0, 1, 2)
+
+
+def test_compute_bound_gate_ignores_h2d_on_the_cpu_clock() -> None:
+    means = {r: rank(input_wait=0.0, h2d=10.0, forward=45.0, backward=45.0, optimizer=0.0)
+             for r in range(3)}  # fmt: skip
+    cpu = diagnose_means(means, steps=100, clock="cpu")
+    assert cpu.kind == "COMPUTE_BOUND"
+    gpu = diagnose_means(means, steps=100, clock="gpu")
+    assert gpu.kind == "H2D_BOUND"
+    assert "COMPUTE_BOUND" not in [f.kind for f in gpu.findings]
+
+
+def test_zero_forward_is_no_compute_excess() -> None:
+    # The victim's forward is 0 (not a measurement of compute): no compute excess.
+    means = {r: seed_only(rank(forward=0.0)) for r in range(3)}
+    means[0] = seed_only(rank(forward=30.0, backward=20.0))
+    ev = diagnose_means(means, steps=100).straggler
+    assert ev is not None and ev.culprit_rank == 0
+    assert ev.component_excesses_ms["compute"] == 0.0 and ev.component != "compute"
+
+
+def test_a_saved_window_keeps_the_sync_waits_and_the_flag(tmp_path: Any) -> None:
+    from rankwatch.diagnosis.step_artifact import load_window, save_window
+
+    per_rank = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0) for r in range(3)}
+    live = diagnose_arrays(per_rank, window=30)
+    path = save_window(tmp_path / "w.json", per_rank, window=30)
+    assert load_window(path).diagnose() == live and live.visible_definition == "sync_wait"
+    per_rank[2][:, BASE_WIDTH + 2] = 1.0
+    path = save_window(tmp_path / "f.json", per_rank, window=30)
+    assert load_window(path).diagnose().visible_definition == "none"
