@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -57,7 +58,9 @@ _N = _NG + len(SYNC_SIGNALS)
 _GPU0 = 1 + len(SIGNALS)  # first GPU column
 _NAN = math.nan
 _MS = 1e-6  # ns -> ms
-_NO_GPU = (_NAN,) * len(SIGNALS)
+_STEP_COL = len(SIGNALS)  # the ``step`` column (CPU clock)
+_WAIT0 = _GPU0 + len(SIGNALS)  # first sync-wait column
+_ASYNC_COL = _WAIT0 + len(SYNC_SIGNALS)
 
 
 class _Phase:
@@ -122,6 +125,11 @@ class StepTimer:
             raise ValueError(f"StepTimer.capacity: must be >= 2, got {capacity!r}")
         self.capacity = capacity
         self.ring: NDArray[np.float64] = np.full((capacity, ROW_WIDTH), _NAN)
+        # The ring's memory as one flat run of doubles, and the row ``end_step`` fills: a
+        # row goes in with one buffer-to-buffer slice copy, no numpy call on the hot path
+        # (building a numpy assignment from 16 Python floats costs several microseconds).
+        self._flat = memoryview(self.ring.data).cast("B").cast("d")
+        self._row = array("d", [_NAN] * ROW_WIDTH)
         self.written = 0  # rows whose CPU columns are final
         self.finished = 0  # rows whose GPU columns are final as well
         self._clock = time.perf_counter_ns
@@ -262,21 +270,22 @@ class StepTimer:
         start = self._step_start
         if start < 0:
             return
-        acc, seen = self._acc, self._seen
+        acc, seen, row = self._acc, self._seen, self._row
         slot = self.written % self.capacity
-        self.ring[slot] = (
-            self._step_id,
-            acc[0] * _MS if seen[0] else _NAN,
-            acc[1] * _MS if seen[1] else _NAN,
-            acc[2] * _MS if seen[2] else _NAN,
-            acc[3] * _MS if seen[3] else _NAN,
-            acc[4] * _MS if seen[4] else _NAN,
-            (now - start - self._inside_wait) * _MS,
-            *_NO_GPU,
-            acc[5] * _MS if seen[5] else _NAN,
-            acc[6] * _MS if seen[6] else _NAN,
-            1.0 if self.async_collectives else _NAN,
-        )
+        # Columns not written here stay NaN in ``row`` (the GPU ones are filled in the ring
+        # later, by ``_write_gpu``).
+        row[0] = self._step_id
+        row[1] = acc[0] * _MS if seen[0] else _NAN
+        row[2] = acc[1] * _MS if seen[1] else _NAN
+        row[3] = acc[2] * _MS if seen[2] else _NAN
+        row[4] = acc[3] * _MS if seen[3] else _NAN
+        row[5] = acc[4] * _MS if seen[4] else _NAN
+        row[_STEP_COL] = (now - start - self._inside_wait) * _MS
+        row[_WAIT0] = acc[FORWARD_WAIT] * _MS if seen[FORWARD_WAIT] else _NAN
+        row[_WAIT0 + 1] = acc[BACKWARD_WAIT] * _MS if seen[BACKWARD_WAIT] else _NAN
+        row[_ASYNC_COL] = 1.0 if self.async_collectives else _NAN
+        base = slot * ROW_WIDTH
+        self._flat[base : base + ROW_WIDTH] = row
         self._last_id = self._step_id
         self._step_start = -1
         self._auto = False
