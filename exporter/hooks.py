@@ -115,22 +115,40 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     """``batch`` with every tensor moved to ``device``: tensors, tuples (named too), lists,
     mappings, and any object with a ``to(device, non_blocking=...)`` method; the rest as is.
 
-    A tensor already on ``device`` is kept, and a container none of whose tensors moved is
-    returned itself (same object, same type): on a CPU model the common batch costs a few
-    device comparisons, not a rebuilt batch.
+    A batch whose tensors are all on ``device`` already is returned itself (same object, same
+    type): on a CPU model the common batch costs a few device comparisons, not a rebuilt batch
+    and a no-op ``.to()`` per tensor.
     """
+    if _on_device(batch, device):
+        return batch
+    return _moved(batch, device, non_blocking)
+
+
+def _on_device(batch: Any, device: torch.device, depth: int = 0) -> bool:
+    """Every tensor of ``batch`` is on ``device`` (an object with its own ``to`` is not
+    looked into: it decides for itself)."""
     if isinstance(batch, torch.Tensor):
-        if batch.device == device:
-            return batch
+        return batch.device == device
+    if depth > 4:  # batches are shallow; do not walk arbitrary object graphs
+        return False
+    if isinstance(batch, (tuple, list, dict)):
+        # A loop, not all(<generator>): this runs on every batch, and the generator costs
+        # more than the comparisons it makes.
+        for x in batch.values() if isinstance(batch, dict) else batch:
+            if not _on_device(x, device, depth + 1):
+                return False
+        return True
+    return not callable(getattr(batch, "to", None)) and not isinstance(batch, Mapping)
+
+
+def _moved(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, tuple):
-        moved = [move_to_device(x, device, non_blocking) for x in batch]
-        if _unchanged(moved, batch):
-            return batch
+        moved = [_moved(x, device, non_blocking) for x in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
     if isinstance(batch, list):
-        moved = [move_to_device(x, device, non_blocking) for x in batch]
-        return batch if _unchanged(moved, batch) else moved
+        return [_moved(x, device, non_blocking) for x in batch]
     to = getattr(batch, "to", None)
     if callable(to) and not isinstance(batch, dict):
         # Its own ``to`` keeps the batch's type (a tokenizer's BatchEncoding is a Mapping).
@@ -139,9 +157,7 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
         except TypeError:  # a ``to`` without the keyword
             return to(device)
     if isinstance(batch, Mapping):
-        items = {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
-        if _unchanged(items.values(), batch.values()):
-            return batch
+        items = {k: _moved(v, device, non_blocking) for k, v in batch.items()}
         if type(batch) is dict:
             return items
         try:  # a Mapping subclass keeps its type when it can be built from a dict
@@ -149,10 +165,6 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
         except Exception:
             return items
     return batch
-
-
-def _unchanged(moved: Iterable[Any], original: Iterable[Any]) -> bool:
-    return all(m is o for m, o in zip(moved, original, strict=True))
 
 
 # Fetched batches after which a watched optimizer that never stepped earns a warning (the
@@ -185,14 +197,9 @@ class _WatchedIterator:
         if get_ident() != self._loader.training_thread:
             return self._loader._untimed(self._it)
         timer.loader_steps = True
-        if timer.auto_step and timer.step_has_work:
-            # The previous batch's step ends where this fetch starts. A batch the loop
-            # skipped (no forward) stays in the open step, as its input wait.
-            timer.end_step()
-        opened = False
-        if not timer.in_step:
-            timer.start_step(auto=True)
-            opened = True
+        # The previous batch's step ends where this fetch starts. A batch the loop skipped
+        # (no forward) stays in the open step, as its input wait.
+        opened = timer.turn_step()
         timer.begin(INPUT_WAIT)
         try:
             batch = next(self._it)

@@ -255,6 +255,21 @@ class StepTimer:
         if self._gpu is not None:
             self._gpu.start_step()
 
+    def turn_step(self) -> bool:
+        """A watched loader's fetch on the training thread: close the step a hook opened if it
+        ran work (forward, backward or the optimizer), and open one if none is open.
+
+        True if it opened a step. A step opened by ``step()`` is left to its ``with`` block,
+        and an auto step without work (a batch the loop skipped) stays open.
+        """
+        if self._step_start >= 0:
+            seen = self._seen
+            if not (self._auto and (seen[FORWARD] or seen[BACKWARD] or seen[OPTIMIZER])):
+                return False
+            self.end_step()
+        self.start_step(auto=True)
+        return True
+
     def open_explicit(self, step_id: int | None) -> None:
         """``step()``'s enter: opens a step, or adopts the one a hook opened for this batch."""
         if self._step_start >= 0 and self._auto:
