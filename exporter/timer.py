@@ -22,9 +22,11 @@ The CPU clock is ``time.perf_counter_ns``. The GPU clock (CUDA events, see
 step's markers, which is why the ring has two cursors: ``written`` (CPU columns final) and
 ``finished`` (GPU columns final too). On CPU both advance together.
 
-The hot path is the training thread entering and leaving phases and steps. It does integer
-arithmetic on Python lists and one row assignment per step; it never allocates per phase (the
-phase context managers are created once), takes no lock and does no I/O. The background thread
+The hot path is the training thread entering and leaving phases and steps. Leaving a phase
+adds its milliseconds into the open step's row (a preallocated ``array('d')``), and closing
+the step copies that row into the ring with one buffer copy (no numpy call); it never
+allocates per phase (the phase context managers are created once), takes no lock and does no
+I/O. The background thread
 reads finished rows with :meth:`StepTimer.read`, which detects rows the training thread
 overwrote while they were being copied (the ring is a seqlock without the lock: with the GIL,
 a row is complete before ``written`` moves past it).
@@ -61,19 +63,28 @@ _MS = 1e-6  # ns -> ms
 _STEP_COL = len(SIGNALS)  # the ``step`` column (CPU clock)
 _WAIT0 = _GPU0 + len(SIGNALS)  # first sync-wait column
 _ASYNC_COL = _WAIT0 + len(SYNC_SIGNALS)
+# Row column of each timed phase (``PHASES`` then the sync waits).
+_COL: tuple[int, ...] = (*range(1, 1 + _NG), *range(_WAIT0, _WAIT0 + len(SYNC_SIGNALS)))
+_FWD_COL, _BWD_COL, _OPT_COL = _COL[FORWARD], _COL[BACKWARD], _COL[OPTIMIZER]
 
 
 class _Phase:
     """Context manager of one phase; one instance per phase per timer, reused every time."""
 
-    __slots__ = ("_i", "_timer")
+    __slots__ = ("_end", "_i", "_timer")
 
     def __init__(self, timer: StepTimer, index: int) -> None:
         self._timer = timer
         self._i = index
+        self._end = timer.end
 
     def __enter__(self) -> _Phase:
-        self._timer.begin(self._i)
+        # ``StepTimer.begin`` inlined: a mark is two of these calls, and this saves one of
+        # its four Python calls.
+        timer = self._timer
+        timer._start[self._i] = timer._clock()
+        if timer._gpu is not None:
+            timer._gpu.begin(self._i)
         return self
 
     def __exit__(
@@ -82,7 +93,7 @@ class _Phase:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._timer.end(self._i)
+        self._end(self._i)
 
 
 class _Step:
@@ -129,12 +140,13 @@ class StepTimer:
         # row goes in with one buffer-to-buffer slice copy, no numpy call on the hot path
         # (building a numpy assignment from 16 Python floats costs several microseconds).
         self._flat = memoryview(self.ring.data).cast("B").cast("d")
-        self._row = array("d", [_NAN] * ROW_WIDTH)
+        # The open step's row: a phase's milliseconds accumulate in its column, NaN until it
+        # is first timed (so "not timed" and "took no time" stay apart without a flag).
+        self._blank = array("d", [_NAN] * ROW_WIDTH)
+        self._row = array("d", self._blank)
         self.written = 0  # rows whose CPU columns are final
         self.finished = 0  # rows whose GPU columns are final as well
         self._clock = time.perf_counter_ns
-        self._acc = [0] * _N  # ns per phase in the current step
-        self._seen = [False] * _N  # phase timed at least once in the current step
         self._start = [-1] * _N  # ns at which the phase was entered, -1 when not in it
         self._step_start = -1  # ns, -1 when no step is open
         self._inside_wait = 0  # ns of input wait timed inside the open step's bracket
@@ -167,8 +179,9 @@ class StepTimer:
     @property
     def step_has_work(self) -> bool:
         """The open step ran forward, backward or the optimizer (not only a batch fetch)."""
-        seen = self._seen
-        return seen[FORWARD] or seen[BACKWARD] or seen[OPTIMIZER]
+        row = self._row  # NaN != NaN: a column equal to itself was timed
+        fwd, bwd, opt = row[_FWD_COL], row[_BWD_COL], row[_OPT_COL]
+        return fwd == fwd or bwd == bwd or opt == opt
 
     @property
     def last_step_id(self) -> int:
@@ -231,8 +244,9 @@ class StepTimer:
         if start < 0:
             return
         self._start[index] = -1
-        self._acc[index] += now - start
-        self._seen[index] = True
+        row, col = self._row, _COL[index]
+        before = row[col]
+        row[col] = (now - start) * _MS + (before if before == before else 0.0)
         if index == 0 and self._step_start >= 0 and start >= self._step_start:
             self._inside_wait += now - start
         if self._gpu is not None and index < _NG:
@@ -241,8 +255,9 @@ class StepTimer:
     def add(self, index: int, ns: int) -> None:
         """Credit ``ns`` to phase ``index`` of the current step (a wait measured by a hook
         from its own marks, not bracketed by begin/end); CPU clock only."""
-        self._acc[index] += ns
-        self._seen[index] = True
+        row, col = self._row, _COL[index]
+        before = row[col]
+        row[col] = ns * _MS + (before if before == before else 0.0)
 
     def start_step(self, step_id: int | None = None, *, auto: bool = False) -> None:
         """Open a step (phases timed before it, while no step was open, count toward it)."""
@@ -263,8 +278,7 @@ class StepTimer:
         and an auto step without work (a batch the loop skipped) stays open.
         """
         if self._step_start >= 0:
-            seen = self._seen
-            if not (self._auto and (seen[FORWARD] or seen[BACKWARD] or seen[OPTIMIZER])):
+            if not (self._auto and self.step_has_work):
                 return False
             self.end_step()
         self.start_step(auto=True)
@@ -285,27 +299,20 @@ class StepTimer:
         start = self._step_start
         if start < 0:
             return
-        acc, seen, row = self._acc, self._seen, self._row
+        row = self._row
         slot = self.written % self.capacity
-        # Columns not written here stay NaN in ``row`` (the GPU ones are filled in the ring
-        # later, by ``_write_gpu``).
+        # Columns never timed in the step are still NaN in ``row`` (the GPU ones are filled
+        # in the ring later, by ``_write_gpu``).
         row[0] = self._step_id
-        row[1] = acc[0] * _MS if seen[0] else _NAN
-        row[2] = acc[1] * _MS if seen[1] else _NAN
-        row[3] = acc[2] * _MS if seen[2] else _NAN
-        row[4] = acc[3] * _MS if seen[3] else _NAN
-        row[5] = acc[4] * _MS if seen[4] else _NAN
         row[_STEP_COL] = (now - start - self._inside_wait) * _MS
-        row[_WAIT0] = acc[FORWARD_WAIT] * _MS if seen[FORWARD_WAIT] else _NAN
-        row[_WAIT0 + 1] = acc[BACKWARD_WAIT] * _MS if seen[BACKWARD_WAIT] else _NAN
-        row[_ASYNC_COL] = 1.0 if self.async_collectives else _NAN
+        if self.async_collectives:
+            row[_ASYNC_COL] = 1.0
         base = slot * ROW_WIDTH
         self._flat[base : base + ROW_WIDTH] = row
+        row[:] = self._blank
         self._last_id = self._step_id
         self._step_start = -1
         self._auto = False
-        self._acc = [0] * _N
-        self._seen = [False] * _N
         self.written += 1
         gpu = self._gpu
         if gpu is None:
@@ -320,8 +327,7 @@ class StepTimer:
         self._step_start = -1
         self._auto = False
         self._inside_wait = 0
-        self._acc = [0] * _N
-        self._seen = [False] * _N
+        self._row[:] = self._blank
         self._start = [-1] * _N
         if self._gpu is not None:
             self._gpu.abort_step()
