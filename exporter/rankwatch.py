@@ -265,7 +265,10 @@ class RankWatch:
                     f"phase: field name: value {name!r} is not one of {', '.join(PHASES)}"
                 )
             return _INERT
-        return self.timer.phase(name)
+        try:  # the timer's own context manager, without a second call on the hot path
+            return self.timer._phases[name]
+        except (KeyError, TypeError):
+            return self.timer.phase(name)  # raises the error naming the field
 
     def collect(self) -> None:
         """Mark one training step for collection; in sync mode every ``sync_step``-th call

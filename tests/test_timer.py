@@ -6,6 +6,7 @@ bounds: these machines are shared and slow, and speed is the benchmarks' busines
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from typing import Any
@@ -584,3 +585,20 @@ def test_optimizer_subclass_calling_super_step_is_timed_once_from_the_outer_call
     optimizer_ms = rows[:, CPU["optimizer"]]
     assert len(optimizer_ms) == 3
     assert (optimizer_ms >= OPT_S * 1e3).all(), optimizer_ms
+
+
+def test_a_batch_already_on_the_device_is_returned_itself() -> None:
+    # A CPU model's batch is neither rebuilt nor copied: same object, same type.
+    cpu = torch.device("cpu")
+    Pair = collections.namedtuple("Pair", "x y")
+    for batch in (
+        torch.zeros(2),
+        (torch.zeros(2), torch.ones(1)),
+        [torch.zeros(2), "text", 3],
+        {"a": torch.zeros(2), "b": [torch.ones(1)]},
+        Pair(torch.zeros(2), torch.ones(1)),
+    ):
+        assert move_to_device(batch, cpu) is batch
+    # A tensor elsewhere (the meta device stands in for an accelerator) is still moved.
+    moved = move_to_device((torch.zeros(2), torch.empty(2, device="meta")), torch.device("meta"))
+    assert all(t.device.type == "meta" for t in moved)
