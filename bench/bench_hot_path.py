@@ -152,39 +152,65 @@ def _explicit_block_us(rw: Any, training: Any, steps: int) -> float:
     return statistics.median(times) / 1e3
 
 
-def _training_blocks(
-    hooked_rw: Any, explicit_rw: Any
-) -> tuple[list[float], list[float], list[float]]:
-    """Per block: (hooks extra, explicit phases extra, bare step) in us.
+def _noop_hooked(steps: int) -> tuple[Any, Any, Any]:
+    """The tiny MLP with hooks of the kinds ``watch()`` installs, all doing nothing: forward
+    pre and post hooks, a pre hook on the output's autograd node per forward queuing a final
+    callback, optimizer step pre and post hooks. Their cost is torch's own, the floor under
+    what any tool timing these points from public hooks pays."""
+    import torch
 
-    The three loops run the same tiny MLP in interleaved blocks (bare, hooks, explicit, then
-    the order rotates), each block's median step against the bare block's of the same round,
-    so all three see the same machine load.
+    model, opt, batches = _tiny_training(None, steps)
+    engine = torch.autograd.Variable._execution_engine
+
+    def nothing(*args: Any) -> None:
+        return None
+
+    def at_output_grad(*grads: Any) -> None:
+        engine.queue_callback(nothing)
+
+    def forward_post(module: Any, args: Any, output: Any) -> None:
+        output.grad_fn.register_prehook(at_output_grad)
+
+    model.register_forward_pre_hook(nothing, prepend=True)
+    model.register_forward_hook(forward_post, always_call=True)
+    opt.register_step_pre_hook(nothing)
+    opt.register_step_post_hook(nothing)
+    return model, opt, batches
+
+
+def _training_blocks(hooked_rw: Any, explicit_rw: Any) -> dict[str, list[float]]:
+    """Per block, in us: the extra step time of hooks, explicit phases and no-op hooks, and
+    the bare step (key ``bare``).
+
+    The four loops run the same tiny MLP in interleaved blocks (the order rotating every
+    round), each block's median step against the bare block's of the same round, so all of
+    them see the same machine load.
     """
     total = HOOK_STEPS * (REPEATS + 1)
     hooked = _tiny_training(hooked_rw, total)
     bare = _tiny_training(None, total * 2)
     explicit = _tiny_training(None, total)
-    runners = (
-        lambda n: _bare_block_us(bare, n),
-        lambda n: _bare_block_us(hooked, n),  # the hooks time it: same loop as the bare one
-        lambda n: _explicit_block_us(explicit_rw, explicit, n),
-    )
-    for run_block in runners:  # warm-up
+    noop = _noop_hooked(total * 2)
+    runners = {
+        "bare": lambda n: _bare_block_us(bare, n),
+        "hooks": lambda n: _bare_block_us(hooked, n),  # the hooks time it: the bare loop
+        "explicit": lambda n: _explicit_block_us(explicit_rw, explicit, n),
+        "noop": lambda n: _bare_block_us(noop, n),
+    }
+    names = list(runners)
+    for run_block in runners.values():  # warm-up
         run_block(HOOK_STEPS // 4)
-    hooks_extra, explicit_extra, plain = [], [], []
+    out: dict[str, list[float]] = {name: [] for name in names}
     for r in range(REPEATS):
-        medians = [0.0, 0.0, 0.0]
-        for k in (r % 3, (r + 1) % 3, (r + 2) % 3):
-            medians[k] = runners[k](HOOK_STEPS // 2)
-        hooks_extra.append(medians[1] - medians[0])
-        explicit_extra.append(medians[2] - medians[0])
-        plain.append(medians[0])
-    return hooks_extra, explicit_extra, plain
+        medians = {name: runners[name](HOOK_STEPS // 2) for name in names[r:] + names[:r]}
+        for name in names:
+            base = 0.0 if name == "bare" else medians["bare"]
+            out[name].append(medians[name] - base)
+    return out
 
 
 def _row(
-    name: str, target: float, values: list[float], unit: str, baselines: list[float]
+    name: str, target: float | None, values: list[float], unit: str, baselines: list[float]
 ) -> dict[str, Any]:
     med, base = statistics.median(values), statistics.median(baselines)
     return {
@@ -214,7 +240,7 @@ def run() -> list[dict[str, Any]]:
             bare_marks.append(_bare_mark_us(MARKS))
             steps.append(_step_cost_us(rw, STEPS) / STEP_BUDGET_US * 100)
             bare_steps.append(_bare_step_us(STEPS) / STEP_BUDGET_US * 100)
-        hooks_extra, explicit_extra, plain = _training_blocks(hooked_rw, explicit_rw)
+        blocks = _training_blocks(hooked_rw, explicit_rw)
     finally:
         rw.close(2.0)
         hooked_rw.close(2.0)
@@ -228,24 +254,21 @@ def run() -> list[dict[str, Any]]:
             "%",
             bare_steps,
         ),
-        _row(
-            "watch() hooks per tiny-MLP step (extra over unhooked)",
-            HOOKS_TARGET_US,
-            hooks_extra,
-            "us",
-            plain,
-        ),
-        _row(
+    ]
+    plain = blocks["bare"]
+    for key, name, target in (
+        ("hooks", "watch() hooks per tiny-MLP step (extra over unhooked)", HOOKS_TARGET_US),
+        (
+            "explicit",
             "step() + 5 phase() per tiny-MLP step (extra over unhooked)",
             EXPLICIT_TARGET_US,
-            explicit_extra,
-            "us",
-            plain,
         ),
-    ]
-    # These rows' baseline is the unhooked step itself: their ratio is the relative cost.
-    for row, extra in ((rows[2], hooks_extra), (rows[3], explicit_extra)):
-        row["ratio"] = statistics.median(extra) / statistics.median(plain)
+        ("noop", "no-op hooks of the same kinds per tiny-MLP step (torch's own cost)", None),
+    ):
+        row = _row(name, target, blocks[key], "us", plain)
+        # The baseline is the unhooked step itself: the ratio is the relative cost.
+        row["ratio"] = statistics.median(blocks[key]) / statistics.median(plain)
+        rows.append(row)
     return rows
 
 
