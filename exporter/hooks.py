@@ -346,8 +346,8 @@ class _BackwardTracker:
         Python bookkeeping is what this saves, once per forward).
         """
         self._active = False
-        if isinstance(output, torch.Tensor):  # the common case, without the generator
-            self._hook(output)
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:  # the common case
+            output.grad_fn.register_prehook(self.on_output_grad)
             return
         for tensor in _tensors(output):
             self._hook(tensor)
@@ -415,12 +415,12 @@ def install(
                 timer.begin(FORWARD_WAIT)
 
         def forward_post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if _is_compiling() or not timer.phase_open(FORWARD):
+            if _is_compiling():
                 return
-            if sync:
+            if sync:  # (open only inside an open forward)
                 timer.end(FORWARD_WAIT)
-            timer.end(FORWARD)
-            if torch.is_grad_enabled():
+            # A forward that did not open the phase (evaluation outside a step) ends nothing.
+            if timer.end(FORWARD) and torch.is_grad_enabled():
                 tracker.watch_output(output)
 
         # First of the pre hooks, last of the post hooks: the FSDP all-gather (its own pre
@@ -505,7 +505,7 @@ def _optimizer_hooks(
         timer.end(OPTIMIZER)
         timer.optimizer_steps += 1
         # With a watched loader the next fetch closes the step (post-step work included).
-        if closes_step and timer.auto_step and not timer.loader_steps:
+        if closes_step and not timer.loader_steps and timer.auto_step:
             timer.end_step()
 
     return pre, post

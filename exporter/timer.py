@@ -237,12 +237,12 @@ class StepTimer:
         if self._gpu is not None and index < _NG:
             self._gpu.begin(index)
 
-    def end(self, index: int) -> None:
-        """Leave phase ``index``; a leave without an enter is ignored."""
+    def end(self, index: int) -> bool:
+        """Leave phase ``index``; a leave without an enter is ignored (returns False)."""
         now = self._clock()
         start = self._start[index]
         if start < 0:
-            return
+            return False
         self._start[index] = -1
         row, col = self._row, _COL[index]
         before = row[col]
@@ -251,6 +251,7 @@ class StepTimer:
             self._inside_wait += now - start
         if self._gpu is not None and index < _NG:
             self._gpu.end(index)
+        return True
 
     def add(self, index: int, ns: int) -> None:
         """Credit ``ns`` to phase ``index`` of the current step (a wait measured by a hook
