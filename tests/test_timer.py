@@ -602,3 +602,33 @@ def test_a_batch_already_on_the_device_is_returned_itself() -> None:
     # A tensor elsewhere (the meta device stands in for an accelerator) is still moved.
     moved = move_to_device((torch.zeros(2), torch.empty(2, device="meta")), torch.device("meta"))
     assert all(t.device.type == "meta" for t in moved)
+
+
+class TupleOut(torch.nn.Module):
+    """Returns a tuple whose first tensor is a leaf parameter (no autograd node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2))
+        self.lin = torch.nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.w, {"y": self.lin(x)}
+
+
+@pytest.mark.parametrize("use", ["leaf", "nested"])
+def test_backward_is_timed_from_any_output_tensor(use: str) -> None:
+    # The backward start hooks an output's autograd node, or the tensor itself for a leaf.
+    from rankwatch.exporter.hooks import install
+
+    timer = StepTimer(8)
+    model = TupleOut()
+    install(timer, model, [])
+    for _ in range(2):
+        with timer.step():
+            w, rest = model(torch.randn(3, 2))
+            (w.sum() if use == "leaf" else rest["y"].sum()).backward()
+    rows = rows_of(timer)
+    assert len(rows) == 2
+    assert not np.isnan(rows[:, CPU["backward"]]).any()
+    assert (rows[:, CPU["backward"]] >= 0).all()
