@@ -80,7 +80,8 @@ def check_report(report: Any, window: NormalWindow, config: RankwatchConfig) -> 
         assert result.status in PROBE_STATUSES
         for a in result.anomalies:
             assert a.scope in SCOPES and math.isfinite(a.factor)
-            assert a.score is None or math.isfinite(a.score)
+            # A zero spread makes a real deviation an infinite score, never NaN.
+            assert a.score is None or math.isfinite(a.score) or a.score == math.inf
             assert all(0 <= r < ep for r in a.ranks)
     for incident in report.incidents:
         assert all(0 <= r < ep for r in incident.ranks)

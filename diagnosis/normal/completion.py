@@ -23,6 +23,7 @@ each shared slowdown is reported once, at its widest scope.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -35,6 +36,7 @@ from .robust import (
     median_excluding_self,
     modified_zscores,
     robust_location_scale,
+    scores_from,
 )
 
 __all__ = [
@@ -71,6 +73,15 @@ def cost_per_sample(cost: np.ndarray, samples: np.ndarray) -> np.ndarray:
         np.divide(cost, samples, out=out, where=np.asarray(samples) > 0)
     out[np.isinf(out)] = np.nan
     return out
+
+
+# exp() of a log factor above this overflows float64; such a factor (costs spanning the whole
+# float range) is reported at the largest finite value instead.
+_MAX_LOG_FACTOR = 709.0
+
+
+def _factor(log_factor: float) -> float:
+    return math.exp(min(float(log_factor), _MAX_LOG_FACTOR))
 
 
 def _flag(
@@ -113,6 +124,66 @@ def _block_anomalies(
                 ranks=ranks,
             )
         )
+    return out
+
+
+def _class_aggregates(block_log: np.ndarray, flagged: set[tuple[int, int]]) -> dict[str, float]:
+    """Per link class, the median of its blocks' medians, leaving out the blocks flagged local.
+
+    A class is globally slow only when its paths are slower as a whole: a block that already
+    stands out from its class is a local finding and must not carry the class along (on two
+    nodes one slow inter-node block is half the class). The median keeps one odd block from
+    moving the aggregate on larger topologies as well.
+    """
+    n = block_log.shape[0]
+    out: dict[str, float] = {}
+    for name, same in (("intra_node", True), ("inter_node", False)):
+        values = [
+            float(block_log[a, b])
+            for a in range(n)
+            for b in range(n)
+            if (a == b) == same and (a, b) not in flagged and math.isfinite(block_log[a, b])
+        ]
+        if values:
+            out[name] = math.exp(float(np.median(values)))
+    return out
+
+
+def _share(tokens: float, samples: float) -> float:
+    return tokens / samples if samples > 0 else math.nan
+
+
+def _with_load(
+    anomalies: list[Anomaly], tokens: np.ndarray, samples: np.ndarray, rpn: int
+) -> list[Anomaly]:
+    """Attach each anomaly's load context: tokens per sample in its scope over the rest's.
+
+    Sums run only when there is something to explain, so a clean window pays nothing.
+    """
+    if not anomalies:
+        return anomalies
+    t = np.where(samples > 0, tokens, 0.0)
+    total_t, total_s = float(t.sum()), float(samples.sum())
+    row_t, row_s = t.sum(axis=1), samples.sum(axis=1)
+    col_t, col_s = t.sum(axis=0), samples.sum(axis=0)
+    out = []
+    for a in anomalies:
+        if a.scope in ("row", "src_gateway") and a.src is not None:
+            part_t, part_s = float(row_t[a.src]), float(row_s[a.src])
+        elif a.scope in ("column", "dst_gateway") and a.dst is not None:
+            part_t, part_s = float(col_t[a.dst]), float(col_s[a.dst])
+        elif a.scope in ("point", "edge") and a.src is not None and a.dst is not None:
+            part_t, part_s = float(t[a.src, a.dst]), float(samples[a.src, a.dst])
+        elif a.scope == "block" and a.src is not None and a.dst is not None:
+            rows = slice(a.src * rpn, (a.src + 1) * rpn)
+            cols = slice(a.dst * rpn, (a.dst + 1) * rpn)
+            part_t, part_s = float(t[rows, cols].sum()), float(samples[rows, cols].sum())
+        else:
+            out.append(a)
+            continue
+        peers = _share(total_t - part_t, total_s - part_s)
+        ratio = _share(part_t, part_s) / peers if peers > 0 else math.nan
+        out.append(dataclasses.replace(a, load_ratio=ratio if math.isfinite(ratio) else None))
     return out
 
 
@@ -225,11 +296,14 @@ def diagnose_completion(
     if gateway:
         src, dst = np.nonzero(valid)
         aggregate, row_log, col_log, resid = _gateway_effects(cps[src, dst], src, dst, ep)
+        classes = {"gateway": aggregate}
     else:
         block_log, row_log, col_log, resid_mat = _dense_effects(cps, rpn)
         aggregate = math.exp(float(np.mean(block_log[np.isfinite(block_log)])))
         if block_log.shape[0] > 1:
             anomalies.extend(_block_anomalies(block_log, probe, rpn, config))
+        flagged = {(a.src, a.dst) for a in anomalies if a.src is not None and a.dst is not None}
+        classes = _class_aggregates(block_log, flagged)
 
     row_scope, col_scope, point_scope = (
         ("src_gateway", "dst_gateway", "edge") if gateway else ("row", "column", "point")
@@ -245,7 +319,7 @@ def diagnose_completion(
                 row_scope,
                 int(r),
                 None,
-                math.exp(row_log[r]),
+                _factor(row_log[r]),
                 float(row_scores[r]),
                 (int(r),),
             )
@@ -257,7 +331,7 @@ def diagnose_completion(
                 col_scope,
                 None,
                 int(c),
-                math.exp(col_log[c]),
+                _factor(col_log[c]),
                 float(col_scores[c]),
                 (int(c),),
             )
@@ -286,7 +360,7 @@ def diagnose_completion(
     if src_idx.size:
         center, sigma = robust_location_scale(all_resid)
         values = values.astype(np.float64)
-        scores = (values - center) / sigma
+        scores = scores_from(values, center, sigma)
         keep = scores >= config.robust_score - LOG_TOLERANCE
         src_idx, dst_idx, values, scores = src_idx[keep], dst_idx[keep], values[keep], scores[keep]
         if src_idx.size > MAX_POINT_ANOMALIES:
@@ -300,9 +374,11 @@ def diagnose_completion(
         for s, d, v, z in zip(src_idx, dst_idx, values, scores, strict=True):
             ranks = (int(s),) if s == d else (int(s), int(d))
             anomalies.append(
-                Anomaly(probe, point_scope, int(s), int(d), math.exp(v), float(z), ranks)
+                Anomaly(probe, point_scope, int(s), int(d), _factor(v), float(z), ranks)
             )
 
+    if tokens is not None:
+        anomalies = _with_load(anomalies, np.asarray(tokens, np.float64), samples, rpn)
     return ProbeResult(
         probe=probe,
         kind="completion",
@@ -312,4 +388,5 @@ def diagnose_completion(
         tokens_per_sample=tps,
         aggregate=aggregate,
         detail=detail,
+        class_aggregates=classes,
     )
