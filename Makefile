@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test lint typecheck unit bench clean
+.PHONY: venv backends demo test lint typecheck unit bench accuracy-deepep clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ test: venv backends lint typecheck unit
 
 bench: venv
 	$(PY) -m bench.run_all
+
+# Regenerates the DeepEP normal-mode accuracy matrix in docs/diagnosis-deepep.md.
+accuracy-deepep: venv
+	$(PY) -m bench.accuracy_deepep --write
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -68,10 +68,10 @@ def cost_per_sample(cost: np.ndarray, samples: np.ndarray) -> np.ndarray:
     e.g. 1 / 5e-324) is NaN too: it is no measurement, and an infinite cell would turn the
     window's aggregate into NaN.
     """
-    out = np.full(np.shape(cost), np.nan)
-    with np.errstate(over="ignore"):
-        np.divide(cost, samples, out=out, where=np.asarray(samples) > 0)
-    out[np.isinf(out)] = np.nan
+    # One division (0 / 0 and x / 0 give NaN / inf) and one pass to clear the non-finite.
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        out = np.divide(cost, samples, dtype=np.float64)
+    np.copyto(out, np.nan, where=~np.isfinite(out))
     return out
 
 
@@ -136,55 +136,59 @@ def _class_aggregates(block_log: np.ndarray, flagged: set[tuple[int, int]]) -> d
     moving the aggregate on larger topologies as well.
     """
     n = block_log.shape[0]
+    usable = np.isfinite(block_log)
+    for a, b in flagged:
+        usable[a, b] = False
+    intra = np.eye(n, dtype=bool)
     out: dict[str, float] = {}
-    for name, same in (("intra_node", True), ("inter_node", False)):
-        values = [
-            float(block_log[a, b])
-            for a in range(n)
-            for b in range(n)
-            if (a == b) == same and (a, b) not in flagged and math.isfinite(block_log[a, b])
-        ]
-        if values:
+    for name, mask in (("intra_node", intra), ("inter_node", ~intra)):
+        values = block_log[mask & usable]
+        if values.size:
             out[name] = math.exp(float(np.median(values)))
     return out
 
 
-def _share(tokens: float, samples: float) -> float:
-    return tokens / samples if samples > 0 else math.nan
+class _Load:
+    """Load context of flagged scopes: tokens per sample inside over tokens per sample outside.
 
-
-def _with_load(
-    anomalies: list[Anomaly], tokens: np.ndarray, samples: np.ndarray, rpn: int
-) -> list[Anomaly]:
-    """Attach each anomaly's load context: tokens per sample in its scope over the rest's.
-
-    Sums run only when there is something to explain, so a clean window pays nothing.
+    Only flagged scopes are summed (plus one total, taken on first use), vectorised over all
+    flagged rows, columns or cells at once: a clean window pays nothing, and a flagged one pays
+    for what it flags, not for every row and column.
     """
-    if not anomalies:
-        return anomalies
-    t = np.where(samples > 0, tokens, 0.0)
-    total_t, total_s = float(t.sum()), float(samples.sum())
-    row_t, row_s = t.sum(axis=1), samples.sum(axis=1)
-    col_t, col_s = t.sum(axis=0), samples.sum(axis=0)
-    out = []
-    for a in anomalies:
-        if a.scope in ("row", "src_gateway") and a.src is not None:
-            part_t, part_s = float(row_t[a.src]), float(row_s[a.src])
-        elif a.scope in ("column", "dst_gateway") and a.dst is not None:
-            part_t, part_s = float(col_t[a.dst]), float(col_s[a.dst])
-        elif a.scope in ("point", "edge") and a.src is not None and a.dst is not None:
-            part_t, part_s = float(t[a.src, a.dst]), float(samples[a.src, a.dst])
-        elif a.scope == "block" and a.src is not None and a.dst is not None:
-            rows = slice(a.src * rpn, (a.src + 1) * rpn)
-            cols = slice(a.dst * rpn, (a.dst + 1) * rpn)
-            part_t, part_s = float(t[rows, cols].sum()), float(samples[rows, cols].sum())
-        else:
-            out.append(a)
-            continue
-        peers = _share(total_t - part_t, total_s - part_s)
-        ratio = _share(part_t, part_s) / peers if peers > 0 else math.nan
-        out.append(dataclasses.replace(a, load_ratio=ratio if math.isfinite(ratio) else None))
-    return out
+
+    def __init__(self, tokens: np.ndarray | None, samples: np.ndarray) -> None:
+        self.tokens = tokens
+        self.samples = samples
+        self._total: tuple[float, float] | None = None
+
+    def _ratio(self, part_t: np.ndarray, part_s: np.ndarray) -> list[float | None]:
+        if self._total is None:
+            assert self.tokens is not None
+            self._total = (float(self.tokens.sum()), float(self.samples.sum()))
+        total_t, total_s = self._total
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = (part_t / part_s) / ((total_t - part_t) / (total_s - part_s))
+        return [float(r) if math.isfinite(r) and r >= 0 else None for r in ratio]
+
+    def lanes(self, idx: np.ndarray, axis: int) -> list[float | None]:
+        """Rows (``axis=1``) or columns (``axis=0``) ``idx``."""
+        if self.tokens is None or idx.size == 0:
+            return [None] * idx.size
+        if axis == 1:
+            return self._ratio(self.tokens[idx].sum(axis=1), self.samples[idx].sum(axis=1))
+        return self._ratio(self.tokens[:, idx].sum(axis=0), self.samples[:, idx].sum(axis=0))
+
+    def cells(self, src: np.ndarray, dst: np.ndarray) -> list[float | None]:
+        if self.tokens is None or src.size == 0:
+            return [None] * src.size
+        return self._ratio(self.tokens[src, dst], self.samples[src, dst])
+
+    def block(self, a: int, b: int, rpn: int) -> float | None:
+        if self.tokens is None:
+            return None
+        rows, cols = slice(a * rpn, (a + 1) * rpn), slice(b * rpn, (b + 1) * rpn)
+        part = (self.tokens[rows, cols].sum(), self.samples[rows, cols].sum())
+        return self._ratio(np.array([part[0]]), np.array([part[1]]))[0]
 
 
 def _remove_window_effect(row_med: np.ndarray) -> np.ndarray:
@@ -312,7 +316,12 @@ def diagnose_completion(
     col_scores = modified_zscores(col_log)
     rows = _flag(row_log, row_scores, config.axis_slowdown, config)
     cols = _flag(col_log, col_scores, config.axis_slowdown, config)
-    for r in rows:
+    load = _Load(None if tokens is None else np.asarray(tokens, np.float64), samples)
+    anomalies = [
+        dataclasses.replace(a, load_ratio=load.block(int(a.src or 0), int(a.dst or 0), rpn))
+        for a in anomalies
+    ]
+    for r, ratio in zip(rows, load.lanes(rows, 1), strict=True):
         anomalies.append(
             Anomaly(
                 probe,
@@ -322,9 +331,10 @@ def diagnose_completion(
                 _factor(row_log[r]),
                 float(row_scores[r]),
                 (int(r),),
+                ratio,
             )
         )
-    for c in cols:
+    for c, ratio in zip(cols, load.lanes(cols, 0), strict=True):
         anomalies.append(
             Anomaly(
                 probe,
@@ -334,6 +344,7 @@ def diagnose_completion(
                 _factor(col_log[c]),
                 float(col_scores[c]),
                 (int(c),),
+                ratio,
             )
         )
 
@@ -371,14 +382,13 @@ def diagnose_completion(
             top = np.argsort(-values, kind="stable")[:MAX_POINT_ANOMALIES]
             top.sort()
             src_idx, dst_idx, values, scores = src_idx[top], dst_idx[top], values[top], scores[top]
-        for s, d, v, z in zip(src_idx, dst_idx, values, scores, strict=True):
+        ratios = load.cells(src_idx, dst_idx)
+        for s, d, v, z, ratio in zip(src_idx, dst_idx, values, scores, ratios, strict=True):
             ranks = (int(s),) if s == d else (int(s), int(d))
             anomalies.append(
-                Anomaly(probe, point_scope, int(s), int(d), _factor(v), float(z), ranks)
+                Anomaly(probe, point_scope, int(s), int(d), _factor(v), float(z), ranks, ratio)
             )
 
-    if tokens is not None:
-        anomalies = _with_load(anomalies, np.asarray(tokens, np.float64), samples, rpn)
     return ProbeResult(
         probe=probe,
         kind="completion",

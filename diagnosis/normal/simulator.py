@@ -246,15 +246,16 @@ class NormalSimulator:
     # --- Completion -----------------------------------------------------------------------
 
     def _tokens(self, calls: int, hot: np.ndarray | None = None) -> np.ndarray:
-        """Routed tokens ``[src, dst]``; ``hot`` multiplies the routing probability per cell."""
+        """Routed tokens ``[src, dst]``; ``hot`` multiplies a cell's expert selections (a hot
+        expert is picked that many times more often, whatever the group size)."""
         prof, ep = self.profile, self.ep_size
         experts = prof.experts_per_rank * ep
         # Probability that a token picks at least one of a destination's experts.
         p = 1.0 - np.prod(
             [(experts - prof.experts_per_rank - i) / (experts - i) for i in range(prof.top_k)]
         )
-        prob = np.full((ep, ep), p) if hot is None else np.minimum(p * hot, 1.0)
-        return self.rng.binomial(prof.tokens_per_rank * calls, prob).astype(np.float64)
+        tokens = self.rng.binomial(prof.tokens_per_rank * calls, p, (ep, ep)).astype(np.float64)
+        return tokens if hot is None else np.rint(tokens * hot)
 
     def _cost(self, probe: str, per_sample: np.ndarray, samples: np.ndarray) -> np.ndarray:
         noise = np.exp(self.rng.normal(0.0, self.profile.window_noise, per_sample.shape))
