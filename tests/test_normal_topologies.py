@@ -151,3 +151,25 @@ def test_6_one_node_late_rank_before_dispatch_is_a_pre_stage_skew():
         rdma = report.probes[RD]
         assert rdma.status == "not_applicable"
         assert "not applicable" in rdma.detail
+
+
+def test_hot_expert_is_said_to_be_a_hot_spot_in_the_summary():
+    """A hot expert is localized on its rank, with load context, and the summary says so."""
+    from rankwatch.exporter.summary import normal_verdict
+
+    sim, d = _bootstrapped(seed=4, hot_rank=10)
+    report = d.diagnose(sim.window("hot_expert"))
+    (incident,) = report.incidents
+    assert (incident.cls, incident.ranks) == ("localized_data_path_slowdown", (10,))
+    assert incident.evidence["load"]["hot"] is True
+    assert incident.evidence["load"]["load_ratio"] > 2.5
+    verdict = normal_verdict(report)
+    assert "hot spot" in verdict.why and "routing" in verdict.action
+
+
+def test_a_hardware_fault_carries_normal_load():
+    sim, d = _bootstrapped(seed=4)
+    report = d.diagnose(sim.window("single_hca_pressure"))
+    (incident,) = report.incidents
+    assert incident.evidence["load"]["hot"] is False
+    assert 0.8 < incident.evidence["load"]["load_ratio"] < 1.25
