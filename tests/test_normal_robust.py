@@ -104,3 +104,13 @@ def test_lane_medians_leave_the_input_alone():
         lane_medians(a, 0)
         lane_medians(a, 1)
         assert np.array_equal(a, before)
+
+
+def test_transposed_copy_matches_numpy_for_any_shape():
+    from rankwatch.diagnosis.normal.robust import transposed_copy
+
+    rng = np.random.default_rng(0)
+    for shape in ((1, 1), (3, 70), (70, 3), (33, 65), (64, 64)):
+        x = rng.normal(size=shape).astype(np.float32)
+        out = transposed_copy(x)
+        assert out.flags.c_contiguous and np.array_equal(out, x.T)
