@@ -173,3 +173,25 @@ def test_a_hardware_fault_carries_normal_load():
     (incident,) = report.incidents
     assert incident.evidence["load"]["hot"] is False
     assert 0.8 < incident.evidence["load"]["load_ratio"] < 1.25
+
+
+def test_simulator_is_seeded_and_faults_touch_only_their_paths():
+    a = NormalSimulator(16, 8, seed=11).window(("slow_link", "all_hca_pressure"))
+    b = NormalSimulator(16, 8, seed=11).window(("slow_link", "all_hca_pressure"))
+    for probe in (DF, RD, CB):
+        pairs = zip(a.completion[probe], b.completion[probe], strict=True)
+        assert all(np.array_equal(x, y) for x, y in pairs)
+    # Same seed, same draws: the only difference is the fault.
+    quiet = NormalSimulator(16, 8, seed=11).window("baseline").cost_per_sample(DF)
+    loaded = NormalSimulator(16, 8, seed=11).window("all_hca_pressure").cost_per_sample(DF)
+    ratio = loaded / quiet
+    inter = _inter(16, 8)
+    assert np.allclose(ratio[~inter], 1.0, atol=1e-4)  # NVLink paths untouched
+    assert np.allclose(ratio[inter], 1.371, rtol=1e-3)
+
+
+def test_network_faults_do_nothing_on_one_node():
+    for phase in ("all_hca_pressure", "single_hca_pressure", "node_pair_pressure"):
+        sim, d = _bootstrapped(ep=8, rpn=8, seed=6, slow_rank=3)
+        report = d.diagnose(sim.window(phase))
+        assert report.incidents == (), phase
