@@ -19,6 +19,12 @@ sample). The rule, all in log space so that factors multiply and effects add:
 A slow block never shows up as rows or points (the block reference absorbs it), and a slow row
 or column never shows up as points (its effect is removed first and its cells are suppressed):
 each shared slowdown is reported once, at its widest scope.
+
+4. Robust scores: with a zero spread (MAD = 0), any real deviation is an infinite score, as in
+   the specification; the factor thresholds still apply.
+5. For the global part, one aggregate per link class (``class_aggregates``): dense probes the
+   median of the intra-node and of the inter-node block medians, leaving out flagged blocks;
+   the gateway probe its median edge. Every anomaly carries its load context (``load_ratio``).
 """
 
 from __future__ import annotations

@@ -13,13 +13,20 @@ insufficient                                                 raw anomalies, no i
 ``dispatch_final`` and ``combine_logical_recv`` both          ``global_data_path_slowdown``
 globally slow
 local anomalies of ``dispatch_final`` and                     ``localized_data_path_slowdown``
-``combine_logical_recv`` share ranks                          over the shared ranks
+``combine_logical_recv`` describe the same place              over that place
 any Completion anomaly explained by none of the above        ``unclassified`` (one per probe)
 =========================================================== =================================
 
+"The same place" means the same granularity and corresponding roles (see :class:`_Place`):
+token owners (dispatch rows, combine columns), experts (dispatch columns, combine rows), and
+node pairs (blocks, ``(owner node, expert node)``). A node block never vouches for a single
+link or row, nor the other way round.
+
 ``dispatch_rdma_recv`` evidence joins a data-path incident when it points the same way: its
 global slowdown joins the global incident, its local anomalies join the localized incident when
-they share ranks with it. The gateway matrix is not read as a fixed HCA-to-rank map.
+they name one of its ranks. The gateway matrix is not read as a fixed HCA-to-rank map.
+Localized and unclassified incidents carry the load context of their anomalies
+(``evidence["load"]``: the highest ``load_ratio`` and whether it reaches ``hot_load_ratio``).
 """
 
 from __future__ import annotations
