@@ -252,9 +252,11 @@ def junk_arrays(draw: Any, ep: int, ndim: int) -> Any:
     if choice == 1:  # right shape, any dtype
         dtype = draw(st.sampled_from(["f8", "f4", "i8", "u1", "c16", "?", "U3", "O", "M8[s]"]))
         if dtype == "O":
-            return np.array([draw(junk) for _ in range(math.prod(shape))], dtype=object).reshape(
-                shape
-            )
+            # Filled cell by cell: np.array() would nest a junk element that is a sequence.
+            cells = np.empty(math.prod(shape), dtype=object)
+            for i in range(cells.size):
+                cells[i] = draw(junk)
+            return cells.reshape(shape)
         return draw(hnp.arrays(np.dtype(dtype), shape))
     if choice == 2:  # wrong shape
         return np.ones(draw(hnp.array_shapes(min_dims=0, max_dims=3, max_side=5)))
