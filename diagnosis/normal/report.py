@@ -146,8 +146,9 @@ class ProbeResult:
 
     Notify probes fill ``notify_ratio`` and ``mean_duration_ns`` ([EP], NaN where a rank made
     no launch); Completion probes fill ``cost_per_sample`` and ``tokens_per_sample`` ([src, dst],
-    NaN where a cell had no sample), ``aggregate`` (the topology-aggregated cost per sample
-    compared with history), ``global_factor`` (None until the history is bootstrapped) and
+    NaN where a cell had no sample), ``aggregate`` (the whole probe's cost per sample: the
+    geometric mean of its node-block medians, for logs and artifacts; the history compares the
+    per-class aggregates), ``global_factor`` (None until the history is bootstrapped) and
     ``global_status`` (None for Notify probes and for an ``insufficient`` Completion probe).
     The global part is kept per link class: ``class_aggregates`` holds this window's aggregate
     of each class (cycles per sample), ``class_factors`` each class against its own history
