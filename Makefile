@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test test-floors lint typecheck unit bench accuracy clean
+.PHONY: venv backends demo test test-floors lint typecheck unit bench accuracy accuracy-deepep clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,10 @@ bench: venv
 # The step-time accuracy matrix: real Gloo jobs, one slow rank per cell -> docs/accuracy.md.
 accuracy: venv
 	$(PY) -m bench.accuracy_step_time --out docs/accuracy.md
+
+# Regenerates the DeepEP normal-mode accuracy matrix in docs/diagnosis-deepep.md.
+accuracy-deepep: venv
+	$(PY) -m bench.accuracy_deepep --write
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
