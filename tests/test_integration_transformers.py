@@ -1,0 +1,159 @@
+"""The Hugging Face ``Trainer`` callback on a real run: two Gloo ranks on the CPU.
+
+A tiny BERT built from a config (no download) trains under ``Trainer`` with DDP; rank 1's data
+collator sleeps, so rank 1 is the input straggler and the root's windows must say so.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.framework_world import SLEEP_S, Recorder, run_world, top_findings
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.multiproc
+
+SLOW_RANK = 1
+STEPS = 120
+
+
+def tiny_bert() -> Any:
+    """A two-class BERT small enough that a step takes a few milliseconds on one core."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
+    return BertForSequenceClassification(config)
+
+
+class TokenDataset:
+    """``n`` random token sequences with labels (map-style, as the Trainer expects)."""
+
+    def __init__(self, n: int, length: int = 12) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(1, 64, (n, length), generator=gen)
+        self.labels = torch.randint(0, 2, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class SlowCollator:
+    """Stacks the examples; sleeps first on the slow rank (its input pipeline is slow)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        self.calls += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+def training_args(out_dir: str, steps: int, **extra: Any) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out_dir,
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **extra,
+    )
+
+
+def scenario_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Train under ``Trainer`` with the callback; the root records every window report."""
+    import torch.distributed as dist
+    from rankwatch.exporter.config import RankwatchConfig
+    from rankwatch.exporter.integrations.transformers import RankwatchCallback
+    from rankwatch.exporter.rankwatch import RankWatch
+    from transformers import Trainer
+
+    # The Trainer's collectives before the forward pass (token-count gather, DDP buffer
+    # broadcast) off: the late rank's wait then lands in backward, where DDP rules look.
+    args = training_args(
+        out, STEPS, average_tokens_across_devices=False, ddp_broadcast_buffers=False
+    )
+    recorder = Recorder()
+    config = RankwatchConfig.from_env(interval_seconds=1.0, gather_timeout_seconds=20.0)
+    callback = RankwatchCallback(lambda: RankWatch(config=config, publishers=[recorder]))
+    collator = SlowCollator(SLEEP_S if rank == SLOW_RANK else 0.0)
+    trainer = Trainer(
+        model=tiny_bert(),
+        args=args,
+        train_dataset=TokenDataset(STEPS * 4 * world),
+        data_collator=collator,
+        callbacks=[callback],
+    )
+    trainer.train()
+    rw = callback.rankwatch
+    assert rw is not None
+    rows = rw.timer.ring[: rw.timer.written].tolist() if rw.timer is not None else []
+    loader = trainer.callback_handler.train_dataloader
+    dist.barrier()
+    return {
+        "reports": recorder.reports,
+        "rows": len(rows),
+        "input_wait_ms": [r[1] for r in rows],
+        "collator_calls": collator.calls,
+        "loader_module_after": type(loader).__module__,
+        "closed": not rw.active,
+        "is_root": rw.is_root,
+        "strategy": rw.strategy,
+    }
+
+
+def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
+    tmp_path: Path,
+) -> None:
+    res = run_world(f"{__name__}:scenario_trainer", 2, tmp_path)
+    root, other = res[0], res[1]
+    assert root["is_root"] and not other["is_root"]
+    assert other["reports"] == []  # only the root publishes
+    assert root["closed"] and other["closed"]  # closed at train end
+    # Every optimizer step is a row, on both ranks, timed from the loader the Trainer holds.
+    for r in (root, other):
+        assert r["rows"] == STEPS, r["rows"]
+        assert r["collator_calls"] >= STEPS
+        assert all(v == v for v in r["input_wait_ms"])  # input_wait timed in every step (no NaN)
+        # The loader gets its own class back at train end.
+        assert r["loader_module_after"] == "accelerate.data_loader", r["loader_module_after"]
+    slow_wait = sorted(res[SLOW_RANK]["input_wait_ms"])[STEPS // 2]
+    assert slow_wait >= SLEEP_S * 1000 * 0.9, slow_wait
+    findings = top_findings(root["reports"])
+    assert root["reports"][0]["step_time"]["strategy"] == "ddp"
+    assert findings, root["reports"]
+    assert ("INPUT_STRAGGLER", SLOW_RANK) in findings, findings
+    kinds = [r["window_kind"] for r in root["reports"]]
+    assert kinds[-1] == "summary", kinds
+    summary = root["reports"][-1]["step_time"]["findings"][0]
+    assert (summary["kind"], summary["culprit_rank"]) == ("INPUT_STRAGGLER", SLOW_RANK)
