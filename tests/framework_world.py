@@ -105,3 +105,12 @@ def top_findings(reports: list[dict[str, Any]]) -> list[tuple[str, int | None]]:
         top = st["findings"][0]
         out.append((top["kind"], top.get("culprit_rank")))
     return out
+
+
+def assert_input_straggler(reports: list[dict[str, Any]], rank: int) -> None:
+    """A live window and the closing summary both name ``rank`` as the input straggler."""
+    findings = top_findings(reports)
+    assert ("INPUT_STRAGGLER", rank) in findings, findings
+    assert reports[-1]["window_kind"] == "summary", [r["window_kind"] for r in reports]
+    summary = reports[-1]["step_time"]["findings"][0]
+    assert (summary["kind"], summary["culprit_rank"]) == ("INPUT_STRAGGLER", rank), summary

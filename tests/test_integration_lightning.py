@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.framework_world import SLEEP_S, Recorder, run_world, top_findings
+from tests.framework_world import SLEEP_S, Recorder, assert_input_straggler, run_world
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.multiproc
@@ -126,8 +126,4 @@ def test_lightning_callback_names_the_slow_collate_rank_as_input_straggler(
             assert h2d != h2d and wait == wait and fwd == fwd and bwd == bwd and opt == opt
     slow = sorted(row[0] for row in res[SLOW_RANK]["row_signals"])[STEPS // 2]
     assert slow >= SLEEP_S * 1000 * 0.9, slow
-    findings = top_findings(root["reports"])
-    assert ("INPUT_STRAGGLER", SLOW_RANK) in findings, findings
-    assert root["reports"][-1]["window_kind"] == "summary"
-    summary = root["reports"][-1]["step_time"]["findings"][0]
-    assert (summary["kind"], summary["culprit_rank"]) == ("INPUT_STRAGGLER", SLOW_RANK)
+    assert_input_straggler(root["reports"], SLOW_RANK)

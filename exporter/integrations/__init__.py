@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..rankwatch import RankWatch
 
-__all__ = ["make_rankwatch", "unwrap_optimizer", "watch_loader_in_place"]
+__all__ = ["RankwatchStarter", "unwrap_optimizer", "watch_loader_in_place"]
 
 # Optimizer wrappers keep the real optimizer under one of these attributes:
 # Accelerate's AcceleratedOptimizer (``optimizer``), Lightning's LightningOptimizer
@@ -26,17 +26,54 @@ __all__ = ["make_rankwatch", "unwrap_optimizer", "watch_loader_in_place"]
 _WRAPPED_OPTIMIZER_ATTRS = ("optimizer", "_optimizer")
 
 
-def make_rankwatch(factory: Callable[[], RankWatch] | None, overrides: dict[str, Any]) -> RankWatch:
-    """``factory()`` if given, else :func:`rankwatch.exporter.init` with ``overrides``.
+class RankwatchStarter:
+    """What both callbacks share: make the ``RankWatch`` when training starts, close it at the
+    end.
 
-    Called when training starts, after the framework has initialised ``torch.distributed``:
-    construction is collective, and every rank of the job starts training together.
+    ``rankwatch``: a function returning the ``RankWatch`` to use (called when each training
+    run starts); default :func:`rankwatch.exporter.init` with ``overrides`` (e.g.
+    ``metrics_port=9500``, ``on_incident=...``). ``close_timeout_seconds`` bounds the close.
+    The attribute ``rankwatch`` is the ``RankWatch`` of the latest run (still there, closed,
+    after it).
     """
-    if factory is not None:
-        return factory()
-    from .. import init
 
-    return init(**overrides)
+    def __init__(
+        self,
+        rankwatch: Callable[[], RankWatch] | None = None,
+        *,
+        close_timeout_seconds: float = 5.0,
+        **overrides: Any,
+    ) -> None:
+        if rankwatch is not None and not callable(rankwatch):
+            raise TypeError(
+                f"RankwatchCallback: field rankwatch: expected a function returning a "
+                f"RankWatch, got {rankwatch!r}"
+            )
+        if rankwatch is not None and overrides:
+            raise ValueError(
+                f"RankwatchCallback: overrides {sorted(overrides)} apply to init() only, not "
+                "to the RankWatch your rankwatch= function makes"
+            )
+        self._factory = rankwatch
+        self._overrides = overrides
+        self._close_timeout_seconds = close_timeout_seconds
+        self.rankwatch: RankWatch | None = None
+
+    def _start_rankwatch(self) -> RankWatch:
+        """Make the run's ``RankWatch``. Called when training starts, after the framework has
+        initialised ``torch.distributed``: construction is collective, and every rank starts
+        training together."""
+        if self._factory is not None:
+            self.rankwatch = self._factory()
+        else:
+            from .. import init
+
+            self.rankwatch = init(**self._overrides)
+        return self.rankwatch
+
+    def _close_rankwatch(self) -> None:
+        if self.rankwatch is not None:  # kept after closing: ``latest_report`` stays readable
+            self.rankwatch.close(self._close_timeout_seconds)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch import Callback
 
 from ..rankwatch import RankWatch
-from . import make_rankwatch, unwrap_optimizer
+from . import RankwatchStarter, unwrap_optimizer
 
 __all__ = ["FETCH_ACTION_SUFFIX", "RankwatchCallback"]
 
@@ -48,13 +48,11 @@ log = logging.getLogger("rankwatch.integrations.lightning")
 FETCH_ACTION_SUFFIX = ".train_dataloader_next"
 
 
-class RankwatchCallback(Callback):
+class RankwatchCallback(Callback, RankwatchStarter):
     """A Lightning ``Callback`` that times every training step and closes rankwatch at the end.
 
-    ``rankwatch``: a function returning the ``RankWatch`` to use (called when each ``fit``
-    starts); default :func:`rankwatch.exporter.init` with ``overrides``.
-    ``close_timeout_seconds`` bounds the close. The attribute ``rankwatch`` is the
-    ``RankWatch`` of the latest ``fit`` (still there, closed, after it).
+    Arguments as :class:`~rankwatch.exporter.integrations.RankwatchStarter`; the ``RankWatch``
+    is made when each ``fit`` starts.
     """
 
     def __init__(
@@ -64,20 +62,9 @@ class RankwatchCallback(Callback):
         close_timeout_seconds: float = 5.0,
         **overrides: Any,
     ) -> None:
-        if rankwatch is not None and not callable(rankwatch):
-            raise TypeError(
-                f"RankwatchCallback: field rankwatch: expected a function returning a "
-                f"RankWatch, got {rankwatch!r}"
-            )
-        if rankwatch is not None and overrides:
-            raise ValueError(
-                f"RankwatchCallback: overrides {sorted(overrides)} apply to init() only, not "
-                "to the RankWatch your rankwatch= function makes"
-            )
-        self._factory = rankwatch
-        self._overrides = overrides
-        self._close_timeout_seconds = close_timeout_seconds
-        self.rankwatch: RankWatch | None = None
+        RankwatchStarter.__init__(
+            self, rankwatch, close_timeout_seconds=close_timeout_seconds, **overrides
+        )
         self._step: Any = None  # the entered ``rw.step()`` context, None between steps
         self._fetch: Any = None  # the entered ``rw.phase("input_wait")``
         self._undo: list[Callable[[], None]] = []
@@ -87,7 +74,7 @@ class RankwatchCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Start rankwatch; watch the model, the optimizers and the loop's batch fetch."""
         self._teardown()  # a previous fit that ended without on_train_end
-        rw = self.rankwatch = make_rankwatch(self._factory, self._overrides)
+        rw = self._start_rankwatch()
         model = getattr(trainer.strategy, "model", None)
         rw.watch(model if isinstance(model, torch.nn.Module) else pl_module)
         optimizers = [unwrap_optimizer(o) for o in trainer.optimizers]
@@ -118,8 +105,7 @@ class RankwatchCallback(Callback):
     def close(self) -> None:
         """Undo the hooks and close rankwatch; idempotent."""
         self._teardown()
-        if self.rankwatch is not None:
-            self.rankwatch.close(self._close_timeout_seconds)
+        self._close_rankwatch()
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..rankwatch import RankWatch
-from . import make_rankwatch, unwrap_optimizer, watch_loader_in_place
+from . import RankwatchStarter, unwrap_optimizer, watch_loader_in_place
 
 __all__ = ["RankwatchCallback"]
 
@@ -68,13 +68,11 @@ def _warn_early_collectives(args: Any, model: Any) -> None:
         )
 
 
-class RankwatchCallback(TrainerCallback):
+class RankwatchCallback(TrainerCallback, RankwatchStarter):
     """A ``TrainerCallback`` that times every training step and closes rankwatch at train end.
 
-    ``rankwatch``: a function returning the ``RankWatch`` to use (called once per
-    ``train()``, when it begins); default :func:`rankwatch.exporter.init` with ``overrides``.
-    ``close_timeout_seconds`` bounds the close at train end. The attribute ``rankwatch`` is the
-    ``RankWatch`` of the latest ``train()`` (still there, closed, after it).
+    Arguments as :class:`~rankwatch.exporter.integrations.RankwatchStarter`; the ``RankWatch``
+    is made when each ``train()`` begins.
     """
 
     def __init__(
@@ -84,20 +82,9 @@ class RankwatchCallback(TrainerCallback):
         close_timeout_seconds: float = 5.0,
         **overrides: Any,
     ) -> None:
-        if rankwatch is not None and not callable(rankwatch):
-            raise TypeError(
-                f"RankwatchCallback: field rankwatch: expected a function returning a "
-                f"RankWatch, got {rankwatch!r}"
-            )
-        if rankwatch is not None and overrides:
-            raise ValueError(
-                f"RankwatchCallback: overrides {sorted(overrides)} apply to init() only, not "
-                "to the RankWatch your rankwatch= function makes"
-            )
-        self._factory = rankwatch
-        self._overrides = overrides
-        self._close_timeout_seconds = close_timeout_seconds
-        self.rankwatch: RankWatch | None = None
+        RankwatchStarter.__init__(
+            self, rankwatch, close_timeout_seconds=close_timeout_seconds, **overrides
+        )
         self._restore_loader: Callable[[], None] = lambda: None
         self._steps_closed_by_callback = False
 
@@ -113,7 +100,7 @@ class RankwatchCallback(TrainerCallback):
     ) -> None:
         """Start rankwatch and watch the model, the optimizer and the training dataloader."""
         self.close()  # a previous train() that ended with an exception
-        rw = self.rankwatch = make_rankwatch(self._factory, self._overrides)
+        rw = self._start_rankwatch()
         inner = unwrap_optimizer(optimizer)
         if optimizer is not None and inner is None:
             log.warning(
@@ -143,5 +130,4 @@ class RankwatchCallback(TrainerCallback):
         """Restore the dataloader and close rankwatch; idempotent."""
         self._restore_loader()
         self._restore_loader = lambda: None
-        if self.rankwatch is not None:  # kept after closing: ``latest_report`` stays readable
-            self.rankwatch.close(self._close_timeout_seconds)
+        self._close_rankwatch()
