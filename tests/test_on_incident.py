@@ -21,6 +21,7 @@ pytestmark = pytest.mark.multiproc
 
 SLOW_RANK = 1
 MAX_STEPS = 3000  # a bound only: the run stops on the incident's close long before
+COMPUTE_S = 0.005
 
 
 def scenario_react(rank: int, world: int, out: str) -> dict[str, Any]:
@@ -45,7 +46,11 @@ def scenario_react(rank: int, world: int, out: str) -> dict[str, Any]:
 
     rw = init(on_incident=on_incident, interval_seconds=0.5, gather_timeout_seconds=20.0)
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 1))
+    inner = torch.nn.Linear(32, 1)
+    # A balanced few milliseconds of "compute" on every rank: a loaded machine's jitter stays
+    # small against the step, so the windows after the straggler is gone are clean.
+    inner.register_forward_pre_hook(lambda module, args: time.sleep(COMPUTE_S))
+    model = torch.nn.parallel.DistributedDataParallel(inner)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     # [a straggler incident opened, it closed]: set on the root, read by every rank
     flags = torch.zeros(2)
@@ -90,11 +95,14 @@ def test_on_incident_hears_the_straggler_open_and_close_and_every_rank_stops_tog
     assert root["is_root"] and not other["is_root"]
     assert other["events"] == []  # only the root diagnoses, so only it is called
     assert root["threads"] == ["rankwatch-publish"]  # off the training thread
-    actions = [(e["action"], e["cls"], tuple(e["ranks"])) for e in root["events"]]
-    straggler = ("step_time_straggler", (SLOW_RANK,))
-    assert actions[:1] == [("open", *straggler)], root["events"]
-    assert ("close", *straggler) in actions, root["events"]
-    assert root["events"][0]["cause"] == "input_straggler", root["events"]
+    # Other incidents may open beside it (the slow rank is input-bound too): the straggler's
+    # own events are one open, then one close.
+    straggler = [e for e in root["events"] if e["cls"] == "step_time_straggler"]
+    assert [(e["action"], e["ranks"]) for e in straggler] == [
+        ("open", [SLOW_RANK]),
+        ("close", [SLOW_RANK]),
+    ], root["events"]
+    assert straggler[0]["cause"] == "input_straggler", root["events"]
     # The flag reached every rank at the same step, and they stopped together, early.
     assert root["heard_open_at"] == other["heard_open_at"] > 0
-    assert root["steps"] == other["steps"] < 3000
+    assert root["steps"] == other["steps"] < MAX_STEPS
