@@ -22,6 +22,9 @@ from tests.servers import free_port
 
 JOIN_TIMEOUT_S = 240.0
 SLEEP_S = 0.04  # the injected input delay: large against a tiny model's step on two cores
+SLOW_RANK = 1  # the rank whose input is slow
+STEPS = 120  # optimizer steps per run
+BATCH = 8
 
 
 def _entry(rank: int, world: int, port: int, scenario: str, out: str) -> None:
@@ -114,3 +117,31 @@ def assert_input_straggler(reports: list[dict[str, Any]], rank: int) -> None:
     assert reports[-1]["window_kind"] == "summary", [r["window_kind"] for r in reports]
     summary = reports[-1]["step_time"]["findings"][0]
     assert (summary["kind"], summary["culprit_rank"]) == ("INPUT_STRAGGLER", rank), summary
+
+
+class SlowCollate:
+    """Stacks (x, y) pairs; sleeps first when ``delay_s`` is set (a slow input pipeline)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, examples: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+        import torch
+
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        xs, ys = zip(*examples, strict=True)
+        return torch.stack(xs), torch.stack(ys)
+
+
+def pairs_loader(rank: int, samples: int) -> Any:
+    """A DataLoader of ``samples`` random (x[32], y[1]) pairs in batches of ``BATCH``, whose
+    ``collate_fn`` sleeps ``SLEEP_S`` on ``SLOW_RANK``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(samples, 32, generator=gen), torch.randn(samples, 1, generator=gen)
+    collate = SlowCollate(SLEEP_S if rank == SLOW_RANK else 0.0)
+    return torch.utils.data.DataLoader(
+        list(zip(xs, ys, strict=True)), batch_size=BATCH, collate_fn=collate
+    )

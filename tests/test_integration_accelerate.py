@@ -12,15 +12,18 @@ from typing import Any
 
 import pytest
 
-from tests.framework_world import SLEEP_S, Recorder, assert_input_straggler, run_world
-from tests.test_integration_lightning import SlowCollate
+from tests.framework_world import (
+    BATCH,
+    SLOW_RANK,
+    STEPS,
+    Recorder,
+    assert_input_straggler,
+    pairs_loader,
+    run_world,
+)
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.multiproc
-
-SLOW_RANK = 1
-STEPS = 120
-BATCH = 8
 
 
 def scenario_accelerate(rank: int, world: int, out: str) -> dict[str, Any]:
@@ -34,14 +37,7 @@ def scenario_accelerate(rank: int, world: int, out: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(1)
-    n = STEPS * BATCH * world
-    data = list(
-        zip(torch.randn(n, 32, generator=gen), torch.randn(n, 1, generator=gen), strict=True)
-    )
-    loader = torch.utils.data.DataLoader(
-        data, batch_size=BATCH, collate_fn=SlowCollate(SLEEP_S if rank == SLOW_RANK else 0.0)
-    )
+    loader = pairs_loader(rank, STEPS * BATCH * world)
     model, opt, loader = accelerator.prepare(model, opt, loader)
 
     recorder = Recorder()

@@ -14,15 +14,18 @@ from typing import Any
 
 import pytest
 
-from tests.framework_world import SLEEP_S, Recorder, assert_input_straggler, run_world
-from tests.test_integration_lightning import SlowCollate
+from tests.framework_world import (
+    BATCH,
+    SLOW_RANK,
+    STEPS,
+    Recorder,
+    assert_input_straggler,
+    pairs_loader,
+    run_world,
+)
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.multiproc
-
-SLOW_RANK = 1
-STEPS = 120
-BATCH = 8
 
 
 def scenario_deepspeed(rank: int, world: int, out: str) -> dict[str, Any]:
@@ -44,17 +47,7 @@ def scenario_deepspeed(rank: int, world: int, out: str) -> dict[str, Any]:
             "zero_allow_untested_optimizer": True,
         },
     )
-    gen = torch.Generator().manual_seed(1)
-    data = list(
-        zip(
-            torch.randn(STEPS * BATCH, 32, generator=gen),
-            torch.randn(STEPS * BATCH, 1),
-            strict=True,
-        )
-    )
-    loader = torch.utils.data.DataLoader(
-        data, batch_size=BATCH, collate_fn=SlowCollate(SLEEP_S if rank == SLOW_RANK else 0.0)
-    )
+    loader = pairs_loader(rank, STEPS * BATCH)
     recorder = Recorder()
     config = RankwatchConfig.from_env(interval_seconds=1.0, gather_timeout_seconds=20.0)
     rw = RankWatch(strategy="ddp", config=config, publishers=[recorder])

@@ -6,35 +6,24 @@ A tiny LightningModule trains under ``lightning.Trainer(strategy="ddp")``; rank 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.framework_world import SLEEP_S, Recorder, assert_input_straggler, run_world
+from tests.framework_world import (
+    BATCH,
+    SLEEP_S,
+    SLOW_RANK,
+    STEPS,
+    Recorder,
+    assert_input_straggler,
+    pairs_loader,
+    run_world,
+)
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.multiproc
-
-SLOW_RANK = 1
-STEPS = 120
-BATCH = 8
-
-
-class SlowCollate:
-    """Stacks (x, y) pairs; sleeps first on the slow rank (its input pipeline is slow)."""
-
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
-
-    def __call__(self, examples: list[tuple[Any, Any]]) -> tuple[Any, Any]:
-        import torch
-
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        xs, ys = zip(*examples, strict=True)
-        return torch.stack(xs), torch.stack(ys)
 
 
 def make_module() -> Any:
@@ -63,22 +52,11 @@ def make_module() -> Any:
 def scenario_lightning(rank: int, world: int, out: str) -> dict[str, Any]:
     """Fit with DDP and the callback; the root records every window report."""
     import lightning.pytorch as lp
-    import torch
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.integrations.lightning import RankwatchCallback
     from rankwatch.exporter.rankwatch import RankWatch
 
-    gen = torch.Generator().manual_seed(1)
-    data = list(
-        zip(
-            torch.randn(STEPS * BATCH * world, 32, generator=gen),
-            torch.randn(STEPS * BATCH * world, 1, generator=gen),
-            strict=True,
-        )
-    )
-    loader = torch.utils.data.DataLoader(
-        data, batch_size=BATCH, collate_fn=SlowCollate(SLEEP_S if rank == SLOW_RANK else 0.0)
-    )
+    loader = pairs_loader(rank, STEPS * BATCH * world)  # Lightning shards it per rank
     recorder = Recorder()
     config = RankwatchConfig.from_env(interval_seconds=1.0, gather_timeout_seconds=20.0)
     callback = RankwatchCallback(lambda: RankWatch(config=config, publishers=[recorder]))

@@ -12,13 +12,17 @@ from typing import Any
 
 import pytest
 
-from tests.framework_world import SLEEP_S, Recorder, assert_input_straggler, run_world
+from tests.framework_world import (
+    SLEEP_S,
+    SLOW_RANK,
+    STEPS,
+    Recorder,
+    assert_input_straggler,
+    run_world,
+)
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiproc
-
-SLOW_RANK = 1
-STEPS = 120
 
 
 def tiny_bert() -> Any:
