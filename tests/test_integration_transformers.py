@@ -1,7 +1,8 @@
 """The Hugging Face ``Trainer`` callback on a real run: two Gloo ranks on the CPU.
 
 A tiny BERT built from a config (no download) trains under ``Trainer`` with DDP; rank 1's data
-collator sleeps, so rank 1 is the input straggler and the root's windows must say so.
+collator sleeps, so rank 1 is the input straggler: the root's incident callback and its summary
+window must say so.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from tests.framework_world import (
     SLEEP_S,
     SLOW_RANK,
     STEPS,
-    Recorder,
-    assert_input_straggler,
     run_world,
 )
 
@@ -95,11 +94,10 @@ def training_args(out_dir: str, steps: int, **extra: Any) -> Any:
 
 
 def scenario_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
-    """Train under ``Trainer`` with the callback; the root records every window report."""
+    """Train under ``Trainer`` with the callback as a user writes it: ``init()`` with overrides
+    and an ``on_incident`` function (the root records the incident events)."""
     import torch.distributed as dist
-    from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.integrations.transformers import RankwatchCallback
-    from rankwatch.exporter.rankwatch import RankWatch
     from transformers import Trainer
 
     # The Trainer's collectives before the forward pass (token-count gather, DDP buffer
@@ -107,9 +105,16 @@ def scenario_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
     args = training_args(
         out, STEPS, average_tokens_across_devices=False, ddp_broadcast_buffers=False
     )
-    recorder = Recorder()
-    config = RankwatchConfig.from_env(interval_seconds=1.0, gather_timeout_seconds=20.0)
-    callback = RankwatchCallback(lambda: RankWatch(config=config, publishers=[recorder]))
+    events: list[dict[str, Any]] = []
+
+    def on_incident(event: Any) -> None:
+        inc = event.incident
+        events.append({"action": event.action, "cls": inc.cls, "ranks": list(inc.ranks)})
+        events[-1]["cause"] = inc.cause
+
+    callback = RankwatchCallback(
+        on_incident=on_incident, interval_seconds=1.0, gather_timeout_seconds=20.0
+    )
     collator = SlowCollator(SLEEP_S if rank == SLOW_RANK else 0.0)
     trainer = Trainer(
         model=tiny_bert(),
@@ -124,8 +129,10 @@ def scenario_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
     rows = rw.timer.ring[: rw.timer.written].tolist() if rw.timer is not None else []
     loader = trainer.callback_handler.train_dataloader
     dist.barrier()
+    summary = rw.latest_report  # the root's last report: the summary window at close
     return {
-        "reports": recorder.reports,
+        "events": events,
+        "summary": summary.to_dict() if summary is not None else None,
         "rows": len(rows),
         "input_wait_ms": [r[1] for r in rows],
         "collator_calls": collator.calls,
@@ -142,7 +149,7 @@ def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
     res = run_world(f"{__name__}:scenario_trainer", 2, tmp_path)
     root, other = res[0], res[1]
     assert root["is_root"] and not other["is_root"]
-    assert other["reports"] == []  # only the root publishes
+    assert other["events"] == [] and other["summary"] is None  # only the root diagnoses
     assert root["closed"] and other["closed"]  # closed at train end
     # Every optimizer step is a row, on both ranks, timed from the loader the Trainer holds.
     for r in (root, other):
@@ -153,5 +160,19 @@ def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
         assert r["loader_module_after"] == "accelerate.data_loader", r["loader_module_after"]
     slow_wait = sorted(res[SLOW_RANK]["input_wait_ms"])[STEPS // 2]
     assert slow_wait >= SLEEP_S * 1000 * 0.9, slow_wait
-    assert root["reports"][0]["step_time"]["strategy"] == "ddp"
-    assert_input_straggler(root["reports"], SLOW_RANK)
+    # Live windows named it (an incident opens after 2 of 3 windows agree), and so does the
+    # summary window published at train end.
+    opened = [e for e in root["events"] if e["action"] == "open"]
+    assert {
+        "action": "open",
+        "cls": "step_time_straggler",
+        "ranks": [SLOW_RANK],
+        "cause": "input_straggler",
+    } in opened, root["events"]
+    assert root["summary"]["window_kind"] == "summary"
+    st = root["summary"]["step_time"]
+    assert st["strategy"] == "ddp"
+    assert (st["findings"][0]["kind"], st["findings"][0]["culprit_rank"]) == (
+        "INPUT_STRAGGLER",
+        SLOW_RANK,
+    )
