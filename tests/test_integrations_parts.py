@@ -99,3 +99,20 @@ def test_hub_calls_on_incident_with_each_event_and_survives_its_errors(
     ]
     assert seen[0].window_index == 1 and seen[1].window_index == 4
     assert caplog.text.count("on_incident failed") == 2  # logged, and publishing went on
+
+
+def test_the_core_never_imports_a_framework() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pkgutil, importlib, rankwatch.exporter as e\n"
+        "for m in pkgutil.iter_modules(e.__path__):\n"
+        "    if m.name != 'integrations':\n"
+        "        importlib.import_module('rankwatch.exporter.' + m.name)\n"
+        "import rankwatch.exporter.integrations\n"
+        "print(sorted(n for n in ('transformers', 'accelerate', 'lightning', 'deepspeed')"
+        " if n in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out
