@@ -116,3 +116,34 @@ def test_the_core_never_imports_a_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out
+
+
+def test_lightning_callback_makes_one_row_per_optimizer_step_when_accumulating(
+    tmp_path: Any,
+) -> None:
+    import lightning.pytorch as lp
+    from rankwatch.exporter.integrations.lightning import RankwatchCallback
+
+    from tests.framework_world import pairs_loader
+    from tests.test_integration_lightning import make_module
+
+    callback = RankwatchCallback(lambda: RankWatch(config=_config()))
+    trainer = lp.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=5,
+        accumulate_grad_batches=2,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(make_module(), train_dataloaders=pairs_loader(0, 8 * 10))
+    rw = callback.rankwatch
+    assert rw is not None and rw.timer is not None and not rw.active
+    rows = rw.timer.ring[: rw.timer.written]
+    assert len(rows) == 5  # ten batches, five optimizer steps
+    assert not any(math.isnan(v) for v in rows[:, [1, 3, 4, 5]].ravel())
+    assert all(math.isnan(v) for v in rows[:, 2])  # h2d is not timed

@@ -17,7 +17,10 @@ overrides; or pass ``rankwatch=`` a function returning your own ``RankWatch``) a
   cannot be wrapped); the callback listens on the Trainer's profiler for it. The fetch opens
   the step. ``h2d`` (Lightning's ``batch_to_device``, after the fetch) is not timed.
 * ``forward`` and ``backward``: hooks on the strategy's model (the DDP wrapper under DDP, so
-  the strategy is detected), as ``RankWatch.watch`` installs them.
+  the strategy is detected), as ``RankWatch.watch`` installs them. A model Lightning does not
+  wrap (one device) has ``training_step`` called directly, past every forward hook: then
+  ``forward`` runs from ``on_train_batch_start`` to ``on_before_backward`` and ``backward``
+  from there to ``on_after_backward``.
 * ``optimizer``: from ``on_before_optimizer_step`` (Lightning calls it after the closure that
   runs forward and backward, inside ``optimizer.step(closure)``) to the end of the real
   optimizer's ``step()``; that end closes the step. The optimizer is not handed to ``watch``:
@@ -68,6 +71,7 @@ class RankwatchCallback(Callback, RankwatchStarter):
         self._step: Any = None  # the entered ``rw.step()`` context, None between steps
         self._fetch: Any = None  # the entered ``rw.phase("input_wait")``
         self._undo: list[Callable[[], None]] = []
+        self._phases_from_callbacks = False
 
     # ---- Lightning hooks -----------------------------------------------------------------
 
@@ -76,7 +80,14 @@ class RankwatchCallback(Callback, RankwatchStarter):
         self._teardown()  # a previous fit that ended without on_train_end
         rw = self._start_rankwatch()
         model = getattr(trainer.strategy, "model", None)
-        rw.watch(model if isinstance(model, torch.nn.Module) else pl_module)
+        # Lightning calls a wrapper's forward (DDP, FSDP...), which the hooks time; a model it
+        # does not wrap gets ``training_step`` called directly, past every forward hook: the
+        # callback's own hooks time forward and backward then.
+        self._phases_from_callbacks = not (
+            isinstance(model, torch.nn.Module) and model is not pl_module
+        )
+        if not self._phases_from_callbacks:
+            rw.watch(model)
         optimizers = [unwrap_optimizer(o) for o in trainer.optimizers]
         optimizers = [o for o in optimizers if o is not None]
         for k, opt in enumerate(optimizers):
@@ -88,6 +99,27 @@ class RankwatchCallback(Callback, RankwatchStarter):
         if not optimizers:
             log.warning("rankwatch: no torch optimizer in the Trainer; steps are not closed")
         self._listen_to_fetches(trainer.profiler)
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Unwrapped model: ``training_step`` (the forward) runs next."""
+        self._callback_phase("forward", enter=True)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        """Unwrapped model: the forward is over, the backward starts."""
+        self._callback_phase("forward", enter=False)
+        self._callback_phase("backward", enter=True)
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        """Unwrapped model: the backward is over."""
+        self._callback_phase("backward", enter=False)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """A ``training_step`` that returned no loss has no backward: its forward ends here."""
+        self._callback_phase("forward", enter=False)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """Forward and backward (the closure) are done: the optimizer's own work starts."""
@@ -142,6 +174,16 @@ class RankwatchCallback(Callback, RankwatchStarter):
                     delattr(profiler, name)
 
         self._undo.append(restore)
+
+    def _callback_phase(self, name: str, *, enter: bool) -> None:
+        rw = self.rankwatch
+        if not self._phases_from_callbacks or rw is None or not rw.active:
+            return
+        phase = rw.phase(name)
+        if enter:
+            phase.__enter__()
+        else:
+            phase.__exit__(None, None, None)  # ignored when the phase is not open
 
     def _fetch_started(self) -> None:
         rw = self.rankwatch
