@@ -75,7 +75,7 @@ class SlowCollator:
         return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
 
 
-def training_args(out_dir: str, steps: int, **extra: Any) -> Any:
+def training_args(out_dir: str, steps: int, ddp_backend: str | None = "gloo", **extra: Any) -> Any:
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -83,7 +83,7 @@ def training_args(out_dir: str, steps: int, **extra: Any) -> Any:
         max_steps=steps,
         per_device_train_batch_size=4,
         use_cpu=True,
-        ddp_backend="gloo",
+        ddp_backend=ddp_backend,
         report_to=[],
         save_strategy="no",
         logging_strategy="no",

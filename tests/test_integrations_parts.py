@@ -147,3 +147,33 @@ def test_lightning_callback_makes_one_row_per_optimizer_step_when_accumulating(
     assert len(rows) == 5  # ten batches, five optimizer steps
     assert not any(math.isnan(v) for v in rows[:, [1, 3, 4, 5]].ravel())
     assert all(math.isnan(v) for v in rows[:, 2])  # h2d is not timed
+
+
+def test_trainer_callback_makes_one_row_per_optimizer_step_when_accumulating(
+    tmp_path: Any,
+) -> None:
+    from rankwatch.exporter.integrations.transformers import RankwatchCallback
+    from transformers import Trainer
+
+    from tests.test_integration_transformers import (
+        SlowCollator,
+        TokenDataset,
+        tiny_bert,
+        training_args,
+    )
+
+    callback = RankwatchCallback(lambda: RankWatch(config=_config()))
+    trainer = Trainer(
+        model=tiny_bert(),
+        args=training_args(str(tmp_path), 5, None, gradient_accumulation_steps=2),
+        train_dataset=TokenDataset(4 * 10),
+        data_collator=SlowCollator(0.0),
+        callbacks=[callback],
+    )
+    trainer.train()
+    rw = callback.rankwatch
+    assert rw is not None and rw.timer is not None and not rw.active
+    rows = rw.timer.ring[: rw.timer.written]
+    assert len(rows) == 5  # ten micro-batches, five optimizer steps
+    assert not any(math.isnan(v) for v in rows[:, [1, 3, 4, 5]].ravel())
+    assert type(trainer.callback_handler.train_dataloader).__module__ == "accelerate.data_loader"
