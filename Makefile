@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# The CPU build first: a plain `torch` requirement would otherwise pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# DeepSpeed (its integration test) ships as source only: build it against the torch above,
+	# which an isolated build would replace with a download of another torch.
+	$(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.19.8'
 	touch $(STAMP)
 
 # The dashboards are also checked against the schema of the oldest Grafana docs/grafana.md
