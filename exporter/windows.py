@@ -48,7 +48,13 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from rankwatch.diagnosis.step_time import ROW_WIDTH, StepTimeReport, diagnose_arrays
+from rankwatch.diagnosis.step_blocks import BLOCK_STEPS, StepBlocks
+from rankwatch.diagnosis.step_time import (
+    ROW_WIDTH,
+    StepTimeReport,
+    diagnose_arrays,
+    diagnose_window,
+)
 from rankwatch.diagnosis.window_report import RankInfo, WindowReport
 
 from .config import RankwatchConfig
@@ -66,6 +72,7 @@ __all__ = [
     "decode_message",
     "encode_message",
     "local_identity",
+    "root_tail_rows",
     "window_arrays",
 ]
 
@@ -290,6 +297,13 @@ class RowBuffer:
         return rows[-n:].copy()
 
 
+def root_tail_rows(config: RankwatchConfig) -> int:
+    """Rows of each rank the root keeps: the live window's tail, and two blocks of steps
+    (older steps live on as block sums, so the root's memory does not grow with the run)."""
+    live = config.diagnosis.step_time.live_window_steps
+    return max(live * _TAIL_SLACK + 16, 2 * BLOCK_STEPS + 16)
+
+
 def window_arrays(
     buffers: Mapping[int, RowBuffer], present: Sequence[int], window: int
 ) -> dict[int, NDArray[np.float64] | None]:
@@ -462,9 +476,19 @@ class WindowCollector:
         self._thread = threading.Thread(
             target=self._run, name=f"rankwatch-{layout.rank}", daemon=True
         )
-        # Root state (buffers only on the root: the others just ship).
-        cap = max(config.max_buffered_steps, 2)
+        # Root state (buffers only on the root: the others just ship): the newest rows of each
+        # rank, and block sums of the older ones for the summary window.
+        cap = root_tail_rows(config)
         self._buffers = {r: RowBuffer(cap) for r in layout.ranks} if layout.is_root else {}
+        self._blocks = (
+            StepBlocks(
+                layout.ranks,
+                window_steps=config.diagnosis.step_time.summary_window_steps,
+                tail_rows=cap,
+            )
+            if layout.is_root
+            else None
+        )
         self._artifacts = StepArtifactWriter.from_config(config) if layout.is_root else None
         self._peers = {r: _PeerState() for r in layout.peers}
         host, local = identity if identity is not None else local_identity()
@@ -624,10 +648,12 @@ class WindowCollector:
 
     def _drain(self) -> None:
         """Move the root's own new rows and every arrived message into the row buffers."""
+        if self._blocks is not None:
+            self._blocks.flush()  # the blocks the last drain closed, batched over ranks
         now = time.monotonic()
         rows, self._cursor, lost = self.timer.read(self._cursor)
         self.lost += lost
-        self._buffers[self.layout.rank].append(rows, now)
+        self._keep(self.layout.rank, rows, now)
         if self.transport is None or self.transport.failed:
             return
         messages: list[NDArray[np.float64]] = []
@@ -652,7 +678,7 @@ class WindowCollector:
             if state is None:
                 log.warning("rankwatch: message from rank %d, not in the group", msg.sender)
                 continue
-            self._buffers[msg.sender].append(msg.rows, now)
+            self._keep(msg.sender, msg.rows, now)
             state.last_heard = now
             state.lost = msg.lost
             if msg.strategy is not None:
@@ -665,6 +691,11 @@ class WindowCollector:
             if state.missing_since is not None and now > state.missing_since:
                 log.info("rankwatch: rank %d is back", msg.sender)
                 state.missing_since = None
+
+    def _keep(self, rank: int, rows: NDArray[np.float64], now: float) -> None:
+        self._buffers[rank].append(rows, now)
+        if self._blocks is not None:
+            self._blocks.add(rank, rows)
 
     def _waiting_for(self, round_seq: int, round_start: float) -> list[int]:
         """Peers expected in this round that have not shipped for it yet.
@@ -762,15 +793,9 @@ class WindowCollector:
         now = time.monotonic()
         missing = self._missing(now, summary=kind == "summary")
         present = [r for r in self.layout.ranks if r not in missing]
-        per_rank = window_arrays(self._buffers, present, window)
         started = time.perf_counter()
         try:
-            step_time: StepTimeReport = diagnose_arrays(
-                per_rank,
-                strategy=self.strategy(),
-                window=window,
-                config=self.config.diagnosis.step_time,
-            )
+            per_rank, step_time = self._diagnose(kind, present, window)
         except Exception:
             log.exception("rankwatch: step-time diagnosis failed for this window")
             return
@@ -802,6 +827,23 @@ class WindowCollector:
                 pub.publish(report)
             except Exception:  # one failing publisher must not starve the others
                 log.exception("rankwatch: publisher %r failed", pub)
+
+    def _diagnose(
+        self, kind: str, present: list[int], window: int
+    ) -> tuple[dict[int, NDArray[np.float64] | None], StepTimeReport]:
+        """The window's rows as kept and its report. Live windows come from the rows; the
+        summary from the rows and the block sums of older steps (bounded memory)."""
+        cfg, strategy = self.config.diagnosis.step_time, self.strategy()
+        if kind != "summary" or self._blocks is None:
+            per_rank = window_arrays(self._buffers, present, window)
+            return per_rank, diagnose_arrays(per_rank, strategy=strategy, window=window, config=cfg)
+        keep = set(present)
+        tails: dict[int, NDArray[np.float64] | None] = {
+            r: (b.tail(len(b)) if r in keep else None) for r, b in self._buffers.items()
+        }
+        complete = [r for r, b in self._buffers.items() if b.count <= b.capacity]
+        means = self._blocks.reduce(tails, window, complete=complete)
+        return tails, diagnose_window(means, strategy=strategy, config=cfg)
 
 
 def dedicated_store(group: Any) -> Any:
