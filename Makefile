@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test lint typecheck unit bench clean
+.PHONY: venv backends demo test lint typecheck unit bench bench-scale clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ test: venv backends lint typecheck unit
 
 bench: venv
 	$(PY) -m bench.run_all
+
+# Root memory, CPU per window, sockets per rank and publishing at 8 ... 4,096 ranks (spawns up
+# to 32 Gloo processes for a few seconds).
+bench-scale: venv
+	$(PY) -m bench.run_all --only bench_scale
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -182,6 +182,9 @@ class StepBlocks:
         self._gpu_ok[idx, slot] = gpu_steps(cube).all(axis=1)
         self._index[idx, slot] = block
         self._steps[idx, slot] = steps
+        if steps == self.block_steps:  # every step id of the block (the usual case)
+            self._mask[idx, slot] = np.packbits(np.ones(steps, dtype=bool))
+            return
         offsets = (ids - (block * self.block_steps)[:, None]).astype(np.int64)
         bits = np.zeros((n, self.block_steps), dtype=bool)
         bits[np.arange(n)[:, None], offsets] = True

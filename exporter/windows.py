@@ -11,8 +11,10 @@ Gloo cannot abandon a wait: ``work.wait(timeout)`` that times out closes *every*
 the group, and a posted receive cannot be polled (``is_completed()`` stays False until waited
 on). So the root never waits on a receive that has not arrived. After a sender's send
 completed (the data is in the root's posted buffer or on the wire to it) the sender increments
-its *doorbell*, a counter in the job's c10d store; the root reads all doorbells with one
-``multi_get`` per poll and waits only on receives whose doorbell moved, which return at once.
+its *doorbell*, a counter in the job's c10d store, then the group's doorbell total; the root
+reads the total per poll, all doorbells with one ``multi_get`` when it moved, and waits only
+on receives whose doorbell moved, which return at once. With ``gloo_lazy_connect`` the group
+connects lazily, so a rank opens a connection to the root only, never a full mesh.
 A rank that dies or stalls simply stops ringing: the root's round times out on its own clock
 (``gather_timeout_seconds``), the window names the rank missing, and later rounds do not wait
 for it again until it rings. A dead peer's connection failing never affects the others'.
@@ -35,13 +37,14 @@ shutdown budget is spent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -95,6 +98,9 @@ IDLE_POLL_SECONDS = 0.1
 _MAX_POLLS_PER_DRAIN = 16
 # Keep a little more than the window per rank when cutting tails, for steps some rank skipped.
 _TAIL_SLACK = 2
+# The root's rows per rank, at least: a live window aligns ranks up to about this many steps
+# apart (a rank further behind leaves the others no common steps to align on).
+ROOT_TAIL_MIN_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -298,10 +304,12 @@ class RowBuffer:
 
 
 def root_tail_rows(config: RankwatchConfig) -> int:
-    """Rows of each rank the root keeps: the live window's tail, and two blocks of steps
-    (older steps live on as block sums, so the root's memory does not grow with the run)."""
+    """Rows of each rank the root keeps: the live window's tail and two blocks of steps, and
+    room for ranks that are apart by several hundred steps (ranks that do not synchronise, a
+    rank that stalled and runs behind); older steps live on as block sums, so the root's
+    memory does not grow with the run."""
     live = config.diagnosis.step_time.live_window_steps
-    return max(live * _TAIL_SLACK + 16, 2 * BLOCK_STEPS + 16)
+    return max(live * _TAIL_SLACK + 16, 2 * BLOCK_STEPS + 16, ROOT_TAIL_MIN_ROWS)
 
 
 def window_arrays(
@@ -328,18 +336,56 @@ def window_arrays(
 # ---- transport -----------------------------------------------------------------------------
 
 
-def create_gloo_group(ranks: Sequence[int], members_only: bool, timeout: timedelta) -> Any:
+def create_gloo_group(
+    ranks: Sequence[int], members_only: bool, timeout: timedelta, lazy: bool | None = None
+) -> Any:
     """The dedicated Gloo group over ``ranks`` (global).
 
     ``members_only=False`` is the ordinary ``new_group``: every process of the job calls it,
     in the same order as its other ``new_group`` calls. ``members_only=True`` lets only the
     members call it (for a group given as a process group handle, which non-members lack).
+
+    ``lazy`` (None: ``RankwatchConfig.gloo_lazy_connect`` from the environment) makes the
+    group connect lazily (Gloo's ``TORCH_GLOO_LAZY_INIT``, set only while it is created): a
+    pair connects on its first message, and only rank-to-root pairs ever carry one, so a rank
+    holds one monitoring connection instead of one per member (a full mesh: thousands of
+    sockets per rank in a 4,096-rank job). ``new_group`` ignores Gloo options, so the
+    variable is the only switch; other groups are created as they would be without it.
     """
     import torch.distributed as dist
 
-    return dist.new_group(
-        list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=members_only
-    )
+    if lazy is None:
+        lazy = _lazy_from_env()
+    with _env(_GLOO_LAZY_INIT, "1") if lazy else contextlib.nullcontext():
+        return dist.new_group(
+            list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=members_only
+        )
+
+
+def _lazy_from_env() -> bool:
+    """``gloo_lazy_connect`` as the environment sets it (validated like the config)."""
+    name = "RANKWATCH_GLOO_LAZY_CONNECT"
+    if name not in os.environ:
+        return False
+    return RankwatchConfig.from_env(env={name: os.environ[name]}).gloo_lazy_connect
+
+
+_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+_ANY_DOORBELL = "db/any"
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the block, then the previous value (or none)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 class Transport:
@@ -357,13 +403,25 @@ class Transport:
         self.send_buffer = message_buffer()
         self._recv: dict[int, tuple[Any, Any]] = {}
         self._consumed: dict[int, int] = {}
+        # The group's doorbell total: every send rings it after its own doorbell, so an idle
+        # poll reads one key instead of one per peer (4,096 at a time in a large group).
+        self._rung = -1
         self.broken: set[int] = set()  # peers whose connection failed
         self.failed = False  # the store or the root is gone: nothing more will move
+        # Peers whose receive is not posted yet: the group connects lazily, and posting a
+        # receive connects to the peer, so the root posts one only once the peer says its end
+        # of the group exists (its hello key); a connection to a peer that has not created the
+        # group yet would be refused.
+        self._hello = {r: f"hello/{r}" for r in layout.ranks}
+        self._unposted: list[int] = []
         if layout.is_root:
             for peer in layout.peers:
-                # Create every doorbell so one multi_get never waits for a key.
+                # Create every key so one multi_get never waits for one.
                 self._consumed[peer] = int(store.add(self._db[peer], 0))
-                self._post(peer)
+                store.add(self._hello[peer], 0)
+                self._unposted.append(peer)
+        else:
+            store.add(self._hello[layout.rank], 1)
 
     def publish_identity(self, hostname: str, local_rank: int) -> None:
         """Tell the root where this rank runs (once, at start-up)."""
@@ -399,11 +457,34 @@ class Transport:
         if work is not None:  # None only for a process outside the group
             work.wait()
         self.store.add(self._db[self.layout.rank], 1)
+        self.store.add(_ANY_DOORBELL, 1)
+
+    def _admit(self) -> None:
+        """Post the first receive of every peer that has created its end of the group."""
+        said = self.store.multi_get([self._hello[p] for p in self._unposted])
+        waiting = []
+        for peer, value in zip(self._unposted, said, strict=True):
+            if int(value) < 1:
+                waiting.append(peer)
+                continue
+            try:
+                self._post(peer)
+            except RuntimeError as exc:
+                log.warning("rankwatch: cannot connect to rank %d: %s", peer, exc)
+                self.broken.add(peer)
+        self._unposted = waiting
 
     def poll(self) -> list[NDArray[np.float64]]:
         """Messages that arrived since the last poll (root only; never blocks on a peer)."""
-        peers = [p for p in self.layout.peers if p not in self.broken]
+        if self._unposted:
+            self._admit()
+        peers = [p for p in self.layout.peers if p not in self.broken and p in self._recv]
         if not peers:
+            return []
+        # Read the total first: every doorbell it counts has already moved (a sender rings
+        # its own before the total), so nothing it counts can be missed below.
+        total = int(self.store.add(_ANY_DOORBELL, 0))
+        if total == self._rung:
             return []
         raw = self.store.multi_get([self._db[p] for p in peers])
         out: list[NDArray[np.float64]] = []
@@ -418,8 +499,9 @@ class Transport:
                     self.broken.add(peer)
                     break
                 self._consumed[peer] += 1
-                out.append(buf.numpy().copy())
+                out.append(buf.numpy())  # a fresh buffer is posted next: no copy needed
                 self._post(peer)
+        self._rung = total
         return out
 
 
