@@ -110,7 +110,7 @@ class _StoreTransport:
 
     def poll(self) -> list[np.ndarray]:
         total = int(self.store.add("db/any", 0)) if not self.legacy else -2
-        if total == self.total:
+        if total == self.total and not self.legacy:
             return []
         raw = self.store.multi_get(self.keys)
         for peer, value in zip(self.peers, raw, strict=True):
