@@ -313,14 +313,19 @@ def root_tail_rows(config: RankwatchConfig) -> int:
 
 
 def window_arrays(
-    buffers: Mapping[int, RowBuffer], present: Sequence[int], window: int
+    buffers: Mapping[int, RowBuffer],
+    present: Sequence[int],
+    window: int,
+    rows: int | None = None,
 ) -> dict[int, NDArray[np.float64] | None]:
     """Per expected rank: the tail the diagnosis aligns (None for absent ranks).
 
     Tails are cut at the lowest last step among present ranks (no rank can be aligned beyond
-    it) and to ``window`` steps plus slack, so a live window costs the same however long the
-    buffers are. The diagnosis itself keeps the last ``window`` step ids every rank has.
+    it) and to ``rows`` rows (default: ``window`` steps plus slack), so a live window costs the
+    same however long the buffers are. The diagnosis itself keeps the last ``window`` step ids
+    every rank has.
     """
+    rows = window * _TAIL_SLACK + 16 if rows is None else rows
     present_set = set(present)
     lasts = [buffers[r].last_step for r in present_set if len(buffers[r])]
     top = min(lasts) if lasts else None
@@ -329,7 +334,7 @@ def window_arrays(
         if rank not in present_set:
             out[rank] = None
             continue
-        out[rank] = buf.tail(window * _TAIL_SLACK + 16, top)
+        out[rank] = buf.tail(rows, top)
     return out
 
 
@@ -917,8 +922,14 @@ class WindowCollector:
         summary from the rows and the block sums of older steps (bounded memory)."""
         cfg, strategy = self.config.diagnosis.step_time, self.strategy()
         if kind != "summary" or self._blocks is None:
-            per_rank = window_arrays(self._buffers, present, window)
-            return per_rank, diagnose_arrays(per_rank, strategy=strategy, window=window, config=cfg)
+            # Ranks in step (the usual case) share their last ``window`` rows: aligning just
+            # those gives the same window at half the cost; otherwise align the longer tails.
+            per_rank = window_arrays(self._buffers, present, window, rows=window)
+            report = diagnose_arrays(per_rank, strategy=strategy, window=window, config=cfg)
+            if report.steps < window:
+                per_rank = window_arrays(self._buffers, present, window)
+                report = diagnose_arrays(per_rank, strategy=strategy, window=window, config=cfg)
+            return per_rank, report
         keep = set(present)
         tails: dict[int, NDArray[np.float64] | None] = {
             r: (b.tail(len(b)) if r in keep else None) for r, b in self._buffers.items()

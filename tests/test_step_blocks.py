@@ -14,7 +14,7 @@ from rankwatch.diagnosis.step_time import diagnose_arrays, diagnose_window
 from rankwatch.diagnosis.step_window import MEAN_KEYS, column, reduce_window
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.timer import StepTimer
-from rankwatch.exporter.windows import GroupLayout, WindowCollector, root_tail_rows
+from rankwatch.exporter.windows import GroupLayout, WindowCollector, root_tail_rows, window_arrays
 
 TAIL = 216
 
@@ -177,3 +177,29 @@ def test_the_root_summary_matches_the_full_rows() -> None:
     _, got = collector._diagnose("summary", list(ranks), window)
     want = diagnose_arrays(per_rank, strategy="ddp", window=window)
     same(want.to_dict(), got.to_dict())
+
+
+@pytest.mark.parametrize("gap", [False, True])
+def test_the_live_window_from_short_tails_is_the_full_tail_window(gap: bool) -> None:
+    """Ranks in step align on their last rows alone; a rank that skipped steps makes the root
+    align the longer tails, as before."""
+    ranks = (0, 1, 2)
+    config = RankwatchConfig.from_env(env={})
+    collector = WindowCollector(
+        GroupLayout(ranks, 0), StepTimer(64), config, [], None, lambda: "ddp", ("host", 0)
+    )
+    per_rank: dict[int, np.ndarray | None] = dict(example_window(3, 400, slow_rank=1).per_rank)
+    if gap:
+        rows = per_rank[1]
+        assert rows is not None
+        per_rank[1] = np.delete(rows, np.s_[350:360], axis=0)
+    for r in ranks:
+        rows = per_rank[r]
+        assert rows is not None
+        collector._keep(r, rows, 0.0)
+    window = config.diagnosis.step_time.live_window_steps
+    _, got = collector._diagnose("live", list(ranks), window)
+    full = window_arrays(collector._buffers, list(ranks), window)
+    want = diagnose_arrays(full, strategy="ddp", window=window)
+    same(want.to_dict(), got.to_dict())
+    assert got.steps == window and got.step_range == ((290, 399) if gap else (300, 399))
