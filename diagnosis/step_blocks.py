@@ -28,6 +28,7 @@ block means stand for the common steps.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import groupby
 
 import numpy as np
 
@@ -159,10 +160,11 @@ class StepBlocks:
     def flush(self) -> None:
         """Reduce the blocks closed since the last flush (batched over ranks by row count)."""
         closing, self._closing = self._closing, []
-        by_len: dict[int, list[tuple[int, FloatArray]]] = {}
-        for i, block in closing:
-            by_len.setdefault(len(block), []).append((i, block))
-        for group in by_len.values():
+        # Oldest blocks first, so a rank that closed more blocks than the ring holds in one
+        # shipment keeps its newest ones; runs of equal length reduce together.
+        closing.sort(key=lambda item: float(item[1][0, 0]))
+        for _, run in groupby(closing, key=lambda item: len(item[1])):
+            group = list(run)
             self._store([i for i, _ in group], np.stack([b for _, b in group]))
 
     def _store(self, rows_of: list[int], cube: FloatArray) -> None:

@@ -203,3 +203,17 @@ def test_the_live_window_from_short_tails_is_the_full_tail_window(gap: bool) -> 
     want = diagnose_arrays(full, strategy="ddp", window=window)
     same(want.to_dict(), got.to_dict())
     assert got.steps == window and got.step_range == ((290, 399) if gap else (300, 399))
+
+
+def test_one_shipment_longer_than_the_ring_keeps_the_newest_blocks() -> None:
+    """A rank that ships more steps at once than the summary window keeps the newest blocks
+    (fast steps, long interval), so the summary is still the last ``window`` steps."""
+    per_rank: dict[int, np.ndarray | None] = dict(example_window(2, 2600, slow_rank=1).per_rank)
+    for r, rows in per_rank.items():  # an old block with a gap: shorter than the others
+        assert rows is not None
+        per_rank[r] = np.delete(rows, np.s_[1200:1210], axis=0)
+    means, blocks = bounded(per_rank, 1000, chunk=2600)
+    want = reduce_window(per_rank, window=1000)
+    assert not blocks.approximate
+    assert means.step_range == want.step_range == (1600, 2599)
+    assert np.allclose(means.means, want.means, rtol=1e-9)
