@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test test-floors lint typecheck unit bench accuracy accuracy-deepep clean
+.PHONY: venv backends demo test test-floors lint typecheck unit bench bench-scale accuracy accuracy-deepep clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,11 @@ accuracy: venv
 # Regenerates the DeepEP normal-mode accuracy matrix in docs/diagnosis-deepep.md.
 accuracy-deepep: venv
 	$(PY) -m bench.accuracy_deepep --write
+
+# Root memory, CPU per window, sockets per rank and publishing at 8 ... 4,096 ranks (spawns up
+# to 32 Gloo processes for a few seconds).
+bench-scale: venv
+	$(PY) -m bench.run_all --only bench_scale
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
