@@ -33,16 +33,19 @@ from itertools import groupby
 import numpy as np
 
 from .step_window import (
+    _ASYNC_COL,
     CLOCKS,
     MEAN_KEYS,
     ROW_WIDTH,
     SIGNALS,
+    SYNC_SIGNALS,
     BoolArray,
     FloatArray,
     WindowMeans,
     _align,
     _check_table,
     _reduce_cube,
+    column,
     gpu_steps,
     validate_window,
 )
@@ -60,11 +63,16 @@ def every_step_keys() -> BoolArray:
     Derived keys (the residual) depend on every-step keys, so they combine the same way.
     """
     out = np.ones(len(MEAN_KEYS), dtype=bool)
-    for k in range(len(SIGNALS)):
+    for k, key in enumerate(MEAN_KEYS):
+        if key in SIGNALS:
+            cols = [column(clock, key) for clock in CLOCKS]
+        elif key in SYNC_SIGNALS:
+            cols = [column("cpu", key)]
+        else:
+            continue  # derived (the residual): combines like the keys it is made of
         cube = np.full((1, 2, ROW_WIDTH), 1.0)
         cube[0, :, 0] = (0.0, 1.0)
-        for c in range(len(CLOCKS)):
-            cube[0, 1, 1 + c * len(SIGNALS) + k] = np.nan
+        cube[0, 1, cols] = np.nan
         wm = _reduce_cube([0], np.ones(1, dtype=bool), cube, cube[0, :, 0], clock="cpu")
         out[k] = not bool(wm.measured[0, k])
     return out
@@ -115,6 +123,8 @@ class StepBlocks:
         self._sums = np.zeros((n, slots, len(CLOCKS), _KEYS))
         self._measured = np.zeros((n, slots, len(CLOCKS), _KEYS), dtype=bool)
         self._gpu_ok = np.zeros((n, slots), dtype=bool)
+        # A block in which the rank flagged collectives that do not block its host.
+        self._async = np.zeros((n, slots), dtype=bool)
         self._mask = np.zeros((n, slots, -(-block_steps // 8)), dtype=np.uint8)
         self._closing: list[tuple[int, FloatArray]] = []
         self.approximate = False  # the last reduce() rounded or approximated (see module doc)
@@ -123,7 +133,15 @@ class StepBlocks:
 
     def nbytes(self) -> int:
         """Bytes held by the block records and the rows of the open blocks."""
-        arrays = (self._index, self._steps, self._sums, self._measured, self._gpu_ok, self._mask)
+        arrays = (
+            self._index,
+            self._steps,
+            self._sums,
+            self._measured,
+            self._gpu_ok,
+            self._async,
+            self._mask,
+        )
         pending = sum(p.nbytes for rows in self._pending for p in rows)
         return sum(a.nbytes for a in arrays) + pending
 
@@ -182,6 +200,7 @@ class StepBlocks:
                 self._sums[idx, slot, c] = wm.means * steps
                 self._measured[idx, slot, c] = wm.measured
         self._gpu_ok[idx, slot] = gpu_steps(cube).all(axis=1)
+        self._async[idx, slot] = np.nan_to_num(cube[:, :, _ASYNC_COL]).any(axis=1)
         self._index[idx, slot] = block
         self._steps[idx, slot] = steps
         if steps == self.block_steps:  # every step id of the block (the usual case)
@@ -277,6 +296,7 @@ class StepBlocks:
         meas = self._measured[rows_of][:, slots[used]]  # [present, used, clocks, keys]
         every = np.where(_EVERY, meas.all(axis=1), meas.any(axis=1))
         gpu_blocks = bool(self._gpu_ok[rows_of][:, slots[used]].all())
+        async_collectives = bool(self._async[rows_of][:, slots[used]].any())
         steps = n_tail + int(counts[used].sum())
         use_gpu = gpu_blocks and (n_tail == 0 or bool(gpu_steps(cube).all()))
         c = CLOCKS.index("gpu" if use_gpu else "cpu")
@@ -291,6 +311,7 @@ class StepBlocks:
             )
             block_sums = block_sums + tail.means * n_tail
             block_meas = np.where(_EVERY, block_meas & tail.measured, block_meas | tail.measured)
+            async_collectives = async_collectives or tail.async_collectives
         means = np.zeros((len(ranks), _KEYS))
         measured = np.zeros((len(ranks), _KEYS), dtype=bool)
         sub = block_sums / steps
@@ -304,4 +325,6 @@ class StepBlocks:
         else:
             first = int(ids[0])
         last = int(ids[-1]) if n_tail else first
-        return WindowMeans(tuple(ranks), means, measured, pmask, steps, CLOCKS[c], (first, last))
+        return WindowMeans(
+            tuple(ranks), means, measured, pmask, steps, CLOCKS[c], (first, last), async_collectives
+        )

@@ -11,12 +11,20 @@ from rankwatch.diagnosis.config import StepTimeConfig
 from rankwatch.diagnosis.step_artifact import example_window
 from rankwatch.diagnosis.step_blocks import StepBlocks, every_step_keys
 from rankwatch.diagnosis.step_time import diagnose_arrays, diagnose_window
-from rankwatch.diagnosis.step_window import MEAN_KEYS, column, reduce_window
+from rankwatch.diagnosis.step_window import (
+    BASE_WIDTH,
+    EXTRA_COLUMNS,
+    MEAN_KEYS,
+    SIGNALS,
+    column,
+    reduce_window,
+)
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.timer import StepTimer
 from rankwatch.exporter.windows import GroupLayout, WindowCollector, root_tail_rows, window_arrays
 
 TAIL = 216
+ASYNC_COL = BASE_WIDTH + EXTRA_COLUMNS.index("async_collectives")
 
 
 def feed(
@@ -99,6 +107,22 @@ def windows() -> list[tuple[str, dict[int, np.ndarray | None], int]]:
         rows[:, 0] += 57
         shifted[r] = np.delete(rows, np.s_[300:320], axis=0)
     out.append(("ids from 57 with a shared gap", shifted, 10_000))
+    # The CPU clock with the sync waits timed on every step (a hooked DDP job on the CPU).
+    waits = dict(example_window(4, 1500, slow_rank=3, seed=11).per_rank)
+    for r, rows in waits.items():
+        assert rows is not None
+        for signal in SIGNALS:
+            rows[:, column("gpu", signal)] = np.nan  # no GPU clock
+        base = 0.5 if r == 3 else 6.0  # the culprit waits least
+        rows[:, column("cpu", "forward_wait")] = base
+        rows[:, column("cpu", "backward_wait")] = base + 0.25 * (rows[:, 0] % 3)
+    out.append(("sync waits on the CPU clock", waits, 1000))
+    # Collectives that do not block the host, flagged on one step the blocks hold: kept.
+    flagged = {r: None if a is None else a.copy() for r, a in waits.items()}
+    assert flagged[2] is not None
+    flagged[2][:, ASYNC_COL] = 0.0
+    flagged[2][700, ASYNC_COL] = 1.0  # in the window, older than the tail
+    out.append(("async collectives flagged on an old step", flagged, 1000))
     return out
 
 
@@ -140,6 +164,8 @@ def test_every_step_rule_is_read_from_the_reduction() -> None:
         "optimizer": False,
         "step": True,
         "residual": True,
+        "forward_wait": True,
+        "backward_wait": True,
     }
 
 
