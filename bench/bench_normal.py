@@ -4,13 +4,14 @@ Each window comes from the simulator in the single-HCA phase (so rows, columns, 
 localized incident are found, not only a clean pass), after three baseline windows have
 bootstrapped the global history. The baseline, measured in the same loop, is the bare numpy
 work any such rule needs at least: cost / samples, a log and row and column medians of each
-Completion matrix. Target: under 100 ms per window at EP 1,024.
+Completion matrix. Target: under 50 ms per window at EP 1,024.
 
 Usage: ``python -m bench.bench_normal``.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ from rankwatch.diagnosis.normal import COMPLETION_PROBES, NormalDiagnoser, Norma
 
 EP_SIZES = (16, 64, 256, 1024)
 RANKS_PER_NODE = 8
-TARGET_MS = 100.0
+TARGET_MS = 50.0
 
 
 def _bare_passes(window: Any) -> float:
@@ -64,23 +65,23 @@ def run() -> list[dict[str, Any]]:
         for _ in range(3):
             diagnoser.diagnose(sim.window("baseline"))
         window = sim.window("single_hca_pressure")
-        snapshot = diagnoser.history.values("dispatch_final")
         wall: list[float] = []
         cpu: list[float] = []
         base_wall: list[float] = []
         base_cpu: list[float] = []
         for _ in range(_repeats(ep)):
             # Interleaved, so both see the same machine load.
+            # A fresh copy each time (untimed): local anomalies do not stop the per-class
+            # history from learning, and every repetition must see the same history.
+            fresh = copy.deepcopy(diagnoser)
             t0, c0 = time.perf_counter(), time.process_time()
-            report = diagnoser.diagnose(window)
+            report = fresh.diagnose(window)
             wall.append((time.perf_counter() - t0) * 1e3)
             cpu.append((time.process_time() - c0) * 1e3)
             t0, c0 = time.perf_counter(), time.process_time()
             _bare_passes(window)
             base_wall.append((time.perf_counter() - t0) * 1e3)
             base_cpu.append((time.process_time() - c0) * 1e3)
-        # The anomalous window is never learned: every repetition saw the same history.
-        assert diagnoser.history.values("dispatch_final") == snapshot
         assert [i.cls for i in report.incidents] == ["localized_data_path_slowdown"]
         rows.append(_row(f"normal_diagnose_window_ep{ep}", "ms", wall, base_wall))
         rows.append(_row(f"normal_diagnose_window_ep{ep}_cpu", "ms (CPU)", cpu, base_cpu))

@@ -220,6 +220,16 @@ class NormalConfig:
         default=3, metadata=option("RANKWATCH_NORMAL_HISTORY_BOOTSTRAP", 1)
     )
     history_horizon: int = field(default=16, metadata=option("RANKWATCH_NORMAL_HISTORY_HORIZON", 1))
+    # The creep guard: a class aggregate further than this factor from its history's median
+    # (either way) is never learned, even when it is not slow enough to be a global slowdown.
+    history_band: float = field(
+        default=1.15, metadata=option("RANKWATCH_NORMAL_HISTORY_BAND", 1.0, lo_open=True)
+    )
+    # Load context: a slow scope whose tokens per sample exceed its peers' by this factor also
+    # carried much more traffic (an expert hot spot rather than a hardware fault).
+    hot_load_ratio: float = field(
+        default=1.5, metadata=option("RANKWATCH_NORMAL_HOT_LOAD_RATIO", 1.0, lo_open=True)
+    )
 
     def __post_init__(self) -> None:
         validate_options(self)

@@ -174,8 +174,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gauge",
         "",
         ("probe",),
-        "Topology-aggregated completion cost of the window over the median of recent normal "
-        "windows; >= 1.3 is a global slowdown. Absent until the history is bootstrapped.",
+        "Completion cost of the probe's slowest link class (intra-node, inter-node, gateway) "
+        "over the median of that class's recent normal windows; >= 1.3 is a global slowdown. "
+        "Absent until the history is bootstrapped.",
     ),
     _m(
         "deepep_probe_anomalous",

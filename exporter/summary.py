@@ -285,8 +285,22 @@ def _global_factors(report: NormalReport, probes: Sequence[str]) -> str:
     for probe in probes:
         result = report.probes.get(probe)
         if result is not None and result.global_factor is not None:
-            parts.append(f"{probe} {result.global_factor:.2f}x")
+            cls = getattr(result, "global_class", None)
+            parts.append(f"{probe} {result.global_factor:.2f}x" + (f" ({cls})" if cls else ""))
     return ", ".join(parts) or "n/a"
+
+
+def _hot_load(evidence: Mapping[str, Any]) -> str:
+    """A sentence when the slow place also carried much more traffic (DeepEP load context)."""
+    load = evidence.get("load") if isinstance(evidence, Mapping) else None
+    if not isinstance(load, Mapping) or not load.get("hot"):
+        return ""
+    ratio = load.get("load_ratio")
+    times = f"{ratio:.1f}x" if isinstance(ratio, (int, float)) else "much more than"
+    return (
+        f" It also carried {times} the tokens per sample of its peers: an expert hot spot "
+        "(routing imbalance) rather than a hardware fault."
+    )
 
 
 def normal_verdict(report: NormalReport, window: WindowReport | None = None) -> Verdict:
@@ -346,15 +360,18 @@ def normal_verdict(report: NormalReport, window: WindowReport | None = None) -> 
             "settings; compare with the cluster's network telemetry.",
             ranks=ranks,
         )
+    hot = _hot_load(inc.evidence)
     if inc.cls == "localized_data_path_slowdown":
         return Verdict(
             inc.cls,
             inc.severity,
             f"the data path of ranks {list(ranks)} is slow (localized)",
             f"dispatch and combine both flag the same ranks ({inc.scope}), while the others are "
-            "normal.",
-            f"Check the NIC (HCA) those ranks share{on_hosts}: link errors, its cable and switch "
-            "port, its PCIe placement.",
+            "normal." + hot,
+            "Check the expert routing balance (hot expert) before the hardware."
+            if hot
+            else f"Check the NIC (HCA) those ranks share{on_hosts}: link errors, its cable and "
+            "switch port, its PCIe placement.",
             rank=ranks[0] if len(ranks) == 1 else None,
             ranks=ranks,
         )
@@ -364,7 +381,7 @@ def normal_verdict(report: NormalReport, window: WindowReport | None = None) -> 
         "a completion anomaly without a second probe to confirm it"
         + (f" (ranks {list(ranks)})" if ranks else ""),
         f"{', '.join(inc.probes)} flags scope {inc.scope}, but no other probe agrees, so "
-        "rankwatch does not classify it.",
+        "rankwatch does not classify it." + hot,
         "Watch whether it persists; inspect this window's heatmaps.",
         ranks=ranks,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from rankwatch.diagnosis.normal import Anomaly, NormalDiagnoser, ProbeResult
@@ -67,12 +69,22 @@ def test_notify_anomaly_with_anomalous_downstream_is_kept_raw():
 
 
 def test_notify_anomaly_with_insufficient_downstream_is_kept_raw():
-    # One node: no inter-node traffic, so the RDMA receive probe has no sample.
-    w = make_window(16, 16, notify_ns={CND: late(4)})
+    # Two nodes but no RDMA sample at all: paths exist, evidence is missing.
+    w = make_window(notify_ns={CND: late(4)})
+    cost, _, tokens = w.completion[RD]
+    w = dataclasses.replace(w, completion={**w.completion, RD: (cost, np.zeros_like(cost), tokens)})
     report = NormalDiagnoser().diagnose(w)
     assert report.probes[RD].status == "insufficient"
     assert report.incidents == ()
     assert [(a.probe, a.src) for a in report.raw_anomalies] == [(CND, 4)]
+
+
+def test_rdma_on_one_node_is_not_applicable_and_counts_as_normal():
+    w = make_window(16, 16, notify_ns={CND: late(4)})
+    report = NormalDiagnoser().diagnose(w)
+    assert report.probes[RD].status == "not_applicable"
+    assert "not applicable" in report.probes[RD].detail
+    assert classes(report) == [("pre_stage_arrival_skew", (CND,), (4,))]
 
 
 def test_combine_notify_with_slow_combine_is_kept_raw():
@@ -132,10 +144,37 @@ def test_rdma_evidence_elsewhere_is_not_attached():
     ]
 
 
-def test_block_and_row_intersect_by_rank():
+def test_a_block_never_vouches_for_a_row():
+    # Different granularity: a node block names a node pair, a row one rank.
     w = make_window(factors={DF: block_factor(16, 8, 0, 1, 1.5), CB: row_factor(16, 12, 1.5)})
     report = bootstrapped().diagnose(w)
-    assert classes(report) == [("localized_data_path_slowdown", (DF, CB), (12,))]
+    assert [c for c, _, _ in classes(report)] == ["unclassified", "unclassified"]
+
+
+def test_blocks_of_the_same_node_pair_correlate():
+    # Dispatch owners on node 0 -> experts on node 1; combine comes back node 1 -> node 0.
+    w = make_window(
+        factors={DF: block_factor(16, 8, 0, 1, 1.5), CB: block_factor(16, 8, 1, 0, 1.5)}
+    )
+    report = bootstrapped().diagnose(w)
+    assert classes(report) == [("localized_data_path_slowdown", (DF, CB), tuple(range(16)))]
+    assert report.incidents[0].evidence["node_pairs"] == [[0, 1]]
+
+
+def test_blocks_of_opposite_node_pairs_do_not_correlate():
+    w = make_window(
+        factors={DF: block_factor(16, 8, 0, 1, 1.5), CB: block_factor(16, 8, 0, 1, 1.5)}
+    )
+    report = bootstrapped().diagnose(w)
+    assert [c for c, _, _ in classes(report)] == ["unclassified", "unclassified"]
+
+
+def test_roles_correspond_owner_with_owner():
+    # Dispatch row 3 (owner 3 sends) and combine row 3 (3 returns expert outputs): different
+    # roles, no shared place; dispatch row 3 with combine column 3 is the token owner 3.
+    w = make_window(factors={DF: row_factor(16, 3, 1.6), CB: row_factor(16, 3, 1.6)})
+    report = bootstrapped().diagnose(w)
+    assert [c for c, _, _ in classes(report)] == ["unclassified", "unclassified"]
 
 
 # Row 6: anything else is unclassified.

@@ -50,26 +50,51 @@ def test_anomalous_windows_are_never_learned():
         d.diagnose(scaled(1.0))
     for _ in range(20):  # a lasting slowdown stays a slowdown
         assert d.diagnose(scaled(1.5)).probes[DF].global_status == "slow"
-    # Geometric mean of the two intra (1000) and two inter (3000) block medians.
-    assert d.history.values(DF) == pytest.approx((np.sqrt(1000.0 * 3000.0),) * 3)
+    # One history per link class: the intra-node (1000) and inter-node (3000) block medians.
+    assert d.history.values(DF, "intra_node") == pytest.approx((1000.0,) * 3)
+    assert d.history.values(DF, "inter_node") == pytest.approx((3000.0,) * 3)
 
 
-def test_locally_anomalous_window_is_not_learned():
+def test_a_local_anomaly_does_not_stop_learning():
+    # A slow row does not move the block medians: the class aggregates are still normal.
     d = NormalDiagnoser()
     d.diagnose(make_window(factors={DF: row_factor(16, 2, 2.0)}))
-    assert d.history.values(DF) == ()
-    assert len(d.history.values(CB)) == 1  # the other probes were normal
+    assert d.history.values(DF, "intra_node") == pytest.approx((1000.0,))
+    assert d.history.values(DF, "inter_node") == pytest.approx((3000.0,))
+
+
+def test_only_the_slow_class_stops_learning():
+    inter = (np.arange(16)[:, None] // 8) != (np.arange(16)[None, :] // 8)
+    d = NormalDiagnoser()
+    for _ in range(3):
+        d.diagnose(scaled(1.0))
+    res = d.diagnose(make_window(factors={DF: np.where(inter, 1.5, 1.0)})).probes[DF]
+    assert (res.global_status, res.global_class) == ("slow", "inter_node")
+    assert res.global_factor == pytest.approx(1.5)
+    assert res.class_factors == pytest.approx({"intra_node": 1.0, "inter_node": 1.5})
+    assert len(d.history.values(DF, "intra_node")) == 4
+    assert len(d.history.values(DF, "inter_node")) == 3
+
+
+def test_creep_guard_keeps_out_what_is_outside_the_normal_band():
+    d = NormalDiagnoser()
+    for _ in range(3):
+        d.diagnose(scaled(1.0))
+    assert d.diagnose(scaled(1.2)).probes[DF].global_status == "normal"  # under 1.3x
+    assert len(d.history.values(DF, "intra_node")) == 3  # but outside 1.15x: not learned
+    d.diagnose(scaled(1.1))
+    assert len(d.history.values(DF, "intra_node")) == 4
 
 
 def test_horizon_keeps_the_last_16_and_the_median_follows():
     d = NormalDiagnoser()
     for i in range(20):
         d.diagnose(scaled(1.0 + 0.01 * i))  # a slow drift, each step within 1.3x
-    values = d.history.values(DF)
+    values = d.history.values(DF, "inter_node")
     assert len(values) == 16
-    base = np.sqrt(1000.0 * 3000.0)
+    base = 3000.0
     assert values[0] == pytest.approx(base * 1.04)
-    assert d.history.baseline(DF) == pytest.approx(
+    assert d.history.baseline(DF, "inter_node") == pytest.approx(
         np.median([base * (1.0 + 0.01 * i) for i in range(4, 20)])
     )
 

@@ -69,11 +69,13 @@ def test_modified_zscore_definition():
     assert modified_zscores(x)[4] == pytest.approx(0.6745 * (100.0 - med) / mad)
 
 
-def test_mad_zero_uses_mean_absolute_deviation():
-    x = np.array([0.0, 0.0, 0.0, 0.0, 1.0])
+def test_mad_zero_makes_any_real_deviation_an_infinite_score():
+    x = np.array([0.0, 0.0, 0.0, 0.0, 1.0, -0.5, 1e-9])
     med, sigma = robust_location_scale(x)
-    assert (med, sigma) == (0.0, pytest.approx(1.253314 * 0.2))
-    assert modified_zscores(x)[4] == pytest.approx(1.0 / (1.253314 * 0.2))
+    assert (med, sigma) == (0.0, 0.0)
+    z = modified_zscores(x)
+    assert z[4] == np.inf and z[5] == -np.inf
+    assert z[6] == 0.0  # within float rounding: no deviation
 
 
 def test_all_equal_values_score_zero():
@@ -102,3 +104,13 @@ def test_lane_medians_leave_the_input_alone():
         lane_medians(a, 0)
         lane_medians(a, 1)
         assert np.array_equal(a, before)
+
+
+def test_transposed_copy_matches_numpy_for_any_shape():
+    from rankwatch.diagnosis.normal.robust import transposed_copy
+
+    rng = np.random.default_rng(0)
+    for shape in ((1, 1), (3, 70), (70, 3), (33, 65), (64, 64)):
+        x = rng.normal(size=shape).astype(np.float32)
+        out = transposed_copy(x)
+        assert out.flags.c_contiguous and np.array_equal(out, x.T)

@@ -80,7 +80,8 @@ def check_report(report: Any, window: NormalWindow, config: RankwatchConfig) -> 
         assert result.status in PROBE_STATUSES
         for a in result.anomalies:
             assert a.scope in SCOPES and math.isfinite(a.factor)
-            assert a.score is None or math.isfinite(a.score)
+            # A zero spread makes a real deviation an infinite score, never NaN.
+            assert a.score is None or math.isfinite(a.score) or a.score == math.inf
             assert all(0 <= r < ep for r in a.ranks)
     for incident in report.incidents:
         assert all(0 <= r < ep for r in incident.ranks)
@@ -251,9 +252,11 @@ def junk_arrays(draw: Any, ep: int, ndim: int) -> Any:
     if choice == 1:  # right shape, any dtype
         dtype = draw(st.sampled_from(["f8", "f4", "i8", "u1", "c16", "?", "U3", "O", "M8[s]"]))
         if dtype == "O":
-            return np.array([draw(junk) for _ in range(math.prod(shape))], dtype=object).reshape(
-                shape
-            )
+            # Filled cell by cell: np.array() would nest a junk element that is a sequence.
+            cells = np.empty(math.prod(shape), dtype=object)
+            for i in range(cells.size):
+                cells[i] = draw(junk)
+            return cells.reshape(shape)
         return draw(hnp.arrays(np.dtype(dtype), shape))
     if choice == 2:  # wrong shape
         return np.ones(draw(hnp.array_shapes(min_dims=0, max_dims=3, max_side=5)))

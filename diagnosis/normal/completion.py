@@ -19,10 +19,17 @@ sample). The rule, all in log space so that factors multiply and effects add:
 A slow block never shows up as rows or points (the block reference absorbs it), and a slow row
 or column never shows up as points (its effect is removed first and its cells are suppressed):
 each shared slowdown is reported once, at its widest scope.
+
+4. Robust scores: with a zero spread (MAD = 0), any real deviation is an infinite score, as in
+   the specification; the factor thresholds still apply.
+5. For the global part, one aggregate per link class (``class_aggregates``): dense probes the
+   median of the intra-node and of the inter-node block medians, leaving out flagged blocks;
+   the gateway probe its median edge. Every anomaly carries its load context (``load_ratio``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -35,6 +42,7 @@ from .robust import (
     median_excluding_self,
     modified_zscores,
     robust_location_scale,
+    scores_from,
 )
 
 __all__ = [
@@ -66,11 +74,20 @@ def cost_per_sample(cost: np.ndarray, samples: np.ndarray) -> np.ndarray:
     e.g. 1 / 5e-324) is NaN too: it is no measurement, and an infinite cell would turn the
     window's aggregate into NaN.
     """
-    out = np.full(np.shape(cost), np.nan)
-    with np.errstate(over="ignore"):
-        np.divide(cost, samples, out=out, where=np.asarray(samples) > 0)
-    out[np.isinf(out)] = np.nan
+    # One division (0 / 0 and x / 0 give NaN / inf) and one pass to clear the non-finite.
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        out = np.divide(cost, samples, dtype=np.float64)
+    np.copyto(out, np.nan, where=~np.isfinite(out))
     return out
+
+
+# exp() of a log factor above this overflows float64; such a factor (costs spanning the whole
+# float range) is reported at the largest finite value instead.
+_MAX_LOG_FACTOR = 709.0
+
+
+def _factor(log_factor: float) -> float:
+    return math.exp(min(float(log_factor), _MAX_LOG_FACTOR))
 
 
 def _flag(
@@ -114,6 +131,70 @@ def _block_anomalies(
             )
         )
     return out
+
+
+def _class_aggregates(block_log: np.ndarray, flagged: set[tuple[int, int]]) -> dict[str, float]:
+    """Per link class, the median of its blocks' medians, leaving out the blocks flagged local.
+
+    A class is globally slow only when its paths are slower as a whole: a block that already
+    stands out from its class is a local finding and must not carry the class along (on two
+    nodes one slow inter-node block is half the class). The median keeps one odd block from
+    moving the aggregate on larger topologies as well.
+    """
+    n = block_log.shape[0]
+    usable = np.isfinite(block_log)
+    for a, b in flagged:
+        usable[a, b] = False
+    intra = np.eye(n, dtype=bool)
+    out: dict[str, float] = {}
+    for name, mask in (("intra_node", intra), ("inter_node", ~intra)):
+        values = block_log[mask & usable]
+        if values.size:
+            out[name] = math.exp(float(np.median(values)))
+    return out
+
+
+class _Load:
+    """Load context of flagged scopes: tokens per sample inside over tokens per sample outside.
+
+    Only flagged scopes are summed (plus one total, taken on first use), vectorised over all
+    flagged rows, columns or cells at once: a clean window pays nothing, and a flagged one pays
+    for what it flags, not for every row and column.
+    """
+
+    def __init__(self, tokens: np.ndarray | None, samples: np.ndarray) -> None:
+        self.tokens = tokens
+        self.samples = samples
+        self._total: tuple[float, float] | None = None
+
+    def _ratio(self, part_t: np.ndarray, part_s: np.ndarray) -> list[float | None]:
+        if self._total is None:
+            assert self.tokens is not None
+            self._total = (float(self.tokens.sum()), float(self.samples.sum()))
+        total_t, total_s = self._total
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = (part_t / part_s) / ((total_t - part_t) / (total_s - part_s))
+        return [float(r) if math.isfinite(r) and r >= 0 else None for r in ratio]
+
+    def lanes(self, idx: np.ndarray, axis: int) -> list[float | None]:
+        """Rows (``axis=1``) or columns (``axis=0``) ``idx``."""
+        if self.tokens is None or idx.size == 0:
+            return [None] * idx.size
+        if axis == 1:
+            return self._ratio(self.tokens[idx].sum(axis=1), self.samples[idx].sum(axis=1))
+        return self._ratio(self.tokens[:, idx].sum(axis=0), self.samples[:, idx].sum(axis=0))
+
+    def cells(self, src: np.ndarray, dst: np.ndarray) -> list[float | None]:
+        if self.tokens is None or src.size == 0:
+            return [None] * src.size
+        return self._ratio(self.tokens[src, dst], self.samples[src, dst])
+
+    def block(self, a: int, b: int, rpn: int) -> float | None:
+        if self.tokens is None:
+            return None
+        rows, cols = slice(a * rpn, (a + 1) * rpn), slice(b * rpn, (b + 1) * rpn)
+        part = (self.tokens[rows, cols].sum(), self.samples[rows, cols].sum())
+        return self._ratio(np.array([part[0]]), np.array([part[1]]))[0]
 
 
 def _remove_window_effect(row_med: np.ndarray) -> np.ndarray:
@@ -225,11 +306,14 @@ def diagnose_completion(
     if gateway:
         src, dst = np.nonzero(valid)
         aggregate, row_log, col_log, resid = _gateway_effects(cps[src, dst], src, dst, ep)
+        classes = {"gateway": aggregate}
     else:
         block_log, row_log, col_log, resid_mat = _dense_effects(cps, rpn)
         aggregate = math.exp(float(np.mean(block_log[np.isfinite(block_log)])))
         if block_log.shape[0] > 1:
             anomalies.extend(_block_anomalies(block_log, probe, rpn, config))
+        flagged = {(a.src, a.dst) for a in anomalies if a.src is not None and a.dst is not None}
+        classes = _class_aggregates(block_log, flagged)
 
     row_scope, col_scope, point_scope = (
         ("src_gateway", "dst_gateway", "edge") if gateway else ("row", "column", "point")
@@ -238,28 +322,35 @@ def diagnose_completion(
     col_scores = modified_zscores(col_log)
     rows = _flag(row_log, row_scores, config.axis_slowdown, config)
     cols = _flag(col_log, col_scores, config.axis_slowdown, config)
-    for r in rows:
+    load = _Load(None if tokens is None else np.asarray(tokens, np.float64), samples)
+    anomalies = [
+        dataclasses.replace(a, load_ratio=load.block(int(a.src or 0), int(a.dst or 0), rpn))
+        for a in anomalies
+    ]
+    for r, ratio in zip(rows, load.lanes(rows, 1), strict=True):
         anomalies.append(
             Anomaly(
                 probe,
                 row_scope,
                 int(r),
                 None,
-                math.exp(row_log[r]),
+                _factor(row_log[r]),
                 float(row_scores[r]),
                 (int(r),),
+                ratio,
             )
         )
-    for c in cols:
+    for c, ratio in zip(cols, load.lanes(cols, 0), strict=True):
         anomalies.append(
             Anomaly(
                 probe,
                 col_scope,
                 None,
                 int(c),
-                math.exp(col_log[c]),
+                _factor(col_log[c]),
                 float(col_scores[c]),
                 (int(c),),
+                ratio,
             )
         )
 
@@ -286,7 +377,7 @@ def diagnose_completion(
     if src_idx.size:
         center, sigma = robust_location_scale(all_resid)
         values = values.astype(np.float64)
-        scores = (values - center) / sigma
+        scores = scores_from(values, center, sigma)
         keep = scores >= config.robust_score - LOG_TOLERANCE
         src_idx, dst_idx, values, scores = src_idx[keep], dst_idx[keep], values[keep], scores[keep]
         if src_idx.size > MAX_POINT_ANOMALIES:
@@ -297,10 +388,11 @@ def diagnose_completion(
             top = np.argsort(-values, kind="stable")[:MAX_POINT_ANOMALIES]
             top.sort()
             src_idx, dst_idx, values, scores = src_idx[top], dst_idx[top], values[top], scores[top]
-        for s, d, v, z in zip(src_idx, dst_idx, values, scores, strict=True):
+        ratios = load.cells(src_idx, dst_idx)
+        for s, d, v, z, ratio in zip(src_idx, dst_idx, values, scores, ratios, strict=True):
             ranks = (int(s),) if s == d else (int(s), int(d))
             anomalies.append(
-                Anomaly(probe, point_scope, int(s), int(d), math.exp(v), float(z), ranks)
+                Anomaly(probe, point_scope, int(s), int(d), _factor(v), float(z), ranks, ratio)
             )
 
     return ProbeResult(
@@ -312,4 +404,5 @@ def diagnose_completion(
         tokens_per_sample=tps,
         aggregate=aggregate,
         detail=detail,
+        class_aggregates=classes,
     )

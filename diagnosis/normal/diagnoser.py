@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import NormalConfig
-from .completion import diagnose_completion
+from .completion import GATEWAY_PROBES, diagnose_completion
 from .correlate import correlate
 from .history import GlobalHistory
 from .notify import diagnose_notify
@@ -45,6 +45,14 @@ class NormalDiagnoser:
         return diagnose_notify(window.notify_avg_ns(probe), probe, self.config)
 
     def _completion(self, window: NormalWindow, probe: str) -> ProbeResult:
+        if probe in GATEWAY_PROBES and window.num_nodes == 1:
+            # RDMA needs a second node: no path can exist, which is not missing evidence.
+            return ProbeResult(
+                probe=probe,
+                kind="completion",
+                status="not_applicable",
+                detail="not applicable: the EP group is on one node, no RDMA path exists",
+            )
         if probe not in window.completion:
             return ProbeResult(
                 probe=probe, kind="completion", status="insufficient", detail="probe not in window"
@@ -55,21 +63,37 @@ class NormalDiagnoser:
         )
         if local.aggregate is None:
             return local
-        factor, global_status = self.history.assess(probe, local.aggregate)
+        verdicts = {
+            cls: self.history.assess(probe, agg, cls) for cls, agg in local.class_aggregates.items()
+        }
+        slow = [c for c, (f, st) in verdicts.items() if st == "slow" and f is not None]
+        known = {c: f for c, (f, _) in verdicts.items() if f is not None}
+        if slow:
+            global_class: str | None = max(slow, key=lambda c: known[c])
+            global_status = "slow"
+        elif any(st == "bootstrapping" for _, st in verdicts.values()) or not known:
+            global_class, global_status = None, "bootstrapping"
+        else:
+            global_class, global_status = max(known, key=lambda c: known[c]), "normal"
+        factor = None if global_class is None else known[global_class]
         anomalies = local.anomalies
         if global_status == "slow" and factor is not None:
             anomalies = (Anomaly(probe, "global", None, None, factor), *anomalies)
-        result = dataclasses.replace(
+        # Each class learns on its own: only when it is not slow and stays within the normal
+        # band of its history. Local anomalies (a row, a link, one block) do not stop it, since
+        # the class aggregate is a median that leaves flagged blocks out.
+        for cls, agg in local.class_aggregates.items():
+            if verdicts[cls][1] != "slow" and self.history.accepts(probe, agg, cls):
+                self.history.learn(probe, agg, cls)
+        return dataclasses.replace(
             local,
             anomalies=anomalies,
             status="anomalous" if anomalies else "ok",
             global_factor=factor,
             global_status=global_status,
+            global_class=global_class,
+            class_factors={c: known.get(c) for c in local.class_aggregates},
         )
-        # Only a window the probe found entirely normal teaches the history.
-        if result.status == "ok":
-            self.history.learn(probe, local.aggregate)
-        return result
 
     def diagnose(self, window: NormalWindow) -> NormalReport:
         """Diagnose one window: per-probe results, then incidents from their correlation."""
@@ -81,7 +105,7 @@ class NormalDiagnoser:
             probes[probe] = self._notify(window, probe)
         for probe in COMPLETION_PROBES:
             probes[probe] = self._completion(window, probe)
-        incidents, raw = correlate(probes)
+        incidents, raw = correlate(probes, window.ranks_per_node, self.config.hot_load_ratio)
         return NormalReport(
             window_index=window.window_index,
             ep_size=window.ep_size,

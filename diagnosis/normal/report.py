@@ -33,6 +33,7 @@ import numpy as np
 __all__ = [
     "GLOBAL_STATUSES",
     "INCIDENT_CLASSES",
+    "LINK_CLASSES",
     "PROBE_KINDS",
     "PROBE_STATUSES",
     "SCOPES",
@@ -56,7 +57,12 @@ SCOPES: tuple[str, ...] = (
     "global",
 )
 PROBE_KINDS: tuple[str, ...] = ("notify", "completion")
-PROBE_STATUSES: tuple[str, ...] = ("ok", "anomalous", "insufficient")
+# ``not_applicable``: the probe can have no path in this topology (RDMA receive on one node);
+# it counts as normal evidence for correlation, unlike ``insufficient`` (paths exist, no sample).
+PROBE_STATUSES: tuple[str, ...] = ("ok", "anomalous", "insufficient", "not_applicable")
+# Link classes of the global-slowdown history: dense probes compare intra-node and inter-node
+# paths separately, the RDMA receive probe its gateway edges.
+LINK_CLASSES: tuple[str, ...] = ("intra_node", "inter_node", "gateway")
 GLOBAL_STATUSES: tuple[str, ...] = ("bootstrapping", "normal", "slow")
 INCIDENT_CLASSES: tuple[str, ...] = (
     "pre_stage_arrival_skew",
@@ -103,6 +109,9 @@ class Anomaly:
     ``rank`` scope, the Notify ratio (small means the rank arrived late). ``score`` is the
     robust within-window outlier score where the rule uses one, else None. ``ranks`` lists the
     global ranks involved (for ``block`` every rank of both nodes; empty for ``global``).
+    ``load_ratio`` is the load context of a Completion anomaly: tokens per sample inside its
+    scope over tokens per sample of the rest of the probe's matrix (None when unknown). Well
+    above 1 means the slow place also carried much more traffic (an expert hot spot).
     """
 
     probe: str
@@ -112,6 +121,7 @@ class Anomaly:
     factor: float
     score: float | None = None
     ranks: tuple[int, ...] = ()
+    load_ratio: float | None = None
 
     def __post_init__(self) -> None:
         _check_choice("Anomaly", "scope", self.scope, SCOPES)
@@ -126,6 +136,7 @@ class Anomaly:
             "factor": json_ready(self.factor),
             "score": json_ready(self.score),
             "ranks": [int(r) for r in self.ranks],
+            "load_ratio": json_ready(self.load_ratio),
         }
 
 
@@ -135,11 +146,15 @@ class ProbeResult:
 
     Notify probes fill ``notify_ratio`` and ``mean_duration_ns`` ([EP], NaN where a rank made
     no launch); Completion probes fill ``cost_per_sample`` and ``tokens_per_sample`` ([src, dst],
-    NaN where a cell had no sample), ``aggregate`` (the topology-aggregated cost per sample
-    compared with history), ``global_factor`` (None until the history is bootstrapped) and
+    NaN where a cell had no sample), ``aggregate`` (the whole probe's cost per sample: the
+    geometric mean of its node-block medians, for logs and artifacts; the history compares the
+    per-class aggregates), ``global_factor`` (None until the history is bootstrapped) and
     ``global_status`` (None for Notify probes and for an ``insufficient`` Completion probe).
-    ``detail`` says in words why a probe is ``insufficient`` (or that point anomalies were
-    capped).
+    The global part is kept per link class: ``class_aggregates`` holds this window's aggregate
+    of each class (cycles per sample), ``class_factors`` each class against its own history
+    (None while bootstrapping); ``global_factor`` is the factor of ``global_class``, the class
+    that is slow or, when none is, the slowest one. ``detail`` says in words why a probe is
+    ``insufficient`` or ``not_applicable`` (or that point anomalies were capped).
     """
 
     probe: str
@@ -154,6 +169,9 @@ class ProbeResult:
     aggregate: float | None = None
     tokens_per_sample: np.ndarray | None = None
     detail: str = ""
+    global_class: str | None = None
+    class_aggregates: Mapping[str, float] = field(default_factory=dict)
+    class_factors: Mapping[str, float | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_choice("ProbeResult", "kind", self.kind, PROBE_KINDS)
@@ -176,6 +194,9 @@ class ProbeResult:
             "global_status": self.global_status,
             "aggregate": json_ready(self.aggregate),
             "detail": self.detail,
+            "global_class": self.global_class,
+            "class_aggregates": json_ready(self.class_aggregates),
+            "class_factors": json_ready(self.class_factors),
         }
         if include_arrays:
             for name in _ARRAY_FIELDS:

@@ -23,11 +23,33 @@ Phases (the five of the validation run, see ``PHASES``):
 ``pre_combine_delay``
     ``slow_rank`` reaches the combine Notify kernel late; Completion unchanged.
 ``all_hca_pressure``
-    every RDMA path is loaded: Completion cost rises 1.371x (dispatch final), 1.447x (RDMA
-    receive) and 1.514x (combine).
+    every HCA is loaded, so exactly the paths that cross the network slow down: inter-node
+    Completion cost rises 1.371x (dispatch final), 1.447x (RDMA receive) and 1.514x
+    (combine); NVLink paths inside a node are untouched. On one node nothing changes.
 ``single_hca_pressure``
-    one HCA per node is loaded: the ranks behind it (local indices ``pressured_local_ranks``,
-    ranks 0/1/8/9 at EP16) send (dispatch), relay (RDMA receive) and receive (combine) slower.
+    one HCA per node is loaded: the GPUs sharing it (local indices ``pressured_local_ranks``,
+    ranks 0/1/8/9 at EP16) send (dispatch), relay (RDMA receive) and receive (combine) slower;
+    their NVLink traffic stalls behind the congested sends. On one node nothing changes.
+
+Further faults (``FAULT_PHASES``), for the accuracy matrix:
+
+``node_pair_pressure``
+    the network between ``pressured_nodes`` is congested: dense paths between those two
+    nodes (both directions) slow by ``node_pair_factor``; their gateways' RDMA receive edges
+    slow by the share of their traffic that comes from the other node of the pair.
+``slow_link``
+    one degraded GPU pair ``slow_link``: every dense path between the two ranks, both
+    directions, slows by ``link_factor``.
+``slow_row``
+    rank ``slow_rank``'s dispatch sends slow by ``row_factor`` (only dispatch sees it).
+``hot_expert``
+    rank ``hot_rank`` hosts an expert ``hot_factor`` times as popular as the others: it
+    receives that many more tokens in dispatch and sends that many back in combine, and its
+    cost per sample rises with the load (no hardware is slow).
+
+``window`` takes one phase or a sequence of phases applied together (a persistent local
+fault while all HCAs are loaded). Randomness comes from one ``numpy`` generator seeded at
+construction: the same seed and calls give the same counters.
 """
 
 from __future__ import annotations
@@ -40,7 +62,14 @@ import numpy as np
 from .schema import COMPLETION_PROBES, NOTIFY_PROBES, counter_length
 from .window import CounterSnapshot, NormalWindow, snapshot_counters
 
-__all__ = ["PHASES", "NormalSimulator", "SimulatorProfile", "phase_timeline"]
+__all__ = [
+    "ALL_PHASES",
+    "FAULT_PHASES",
+    "PHASES",
+    "NormalSimulator",
+    "SimulatorProfile",
+    "phase_timeline",
+]
 
 PHASES: tuple[str, ...] = (
     "baseline",
@@ -49,6 +78,10 @@ PHASES: tuple[str, ...] = (
     "all_hca_pressure",
     "single_hca_pressure",
 )
+
+# Faults beyond the validation run's five phases (see the module docstring).
+FAULT_PHASES: tuple[str, ...] = ("node_pair_pressure", "slow_link", "slow_row", "hot_expert")
+ALL_PHASES: tuple[str, ...] = PHASES + FAULT_PHASES
 
 # Completion cost growth of the all-HCA phase, per probe (the validation run's medians).
 ALL_HCA_FACTORS: dict[str, float] = {
@@ -82,6 +115,10 @@ class SimulatorProfile:
     # (their channels stall behind the congested sends).
     hca_rdma_factor: float = 1.9
     hca_nvlink_factor: float = 1.35
+    node_pair_factor: float = 1.6
+    link_factor: float = 2.5
+    row_factor: float = 1.6
+    hot_factor: float = 3.0
 
     def __post_init__(self) -> None:
         # Spreads and the load exponent may be 0 (switch the effect off); the rest must be > 0.
@@ -112,6 +149,9 @@ class NormalSimulator:
         slow_rank: int = 9,
         pressured_local_ranks: Sequence[int] = (0, 1),
         profile: SimulatorProfile | None = None,
+        pressured_nodes: tuple[int, int] | None = None,
+        slow_link: tuple[int, int] | None = None,
+        hot_rank: int | None = None,
     ) -> None:
         for name, value in (("ep_size", ep_size), ("ranks_per_node", ranks_per_node)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -132,6 +172,20 @@ class NormalSimulator:
                 raise ValueError(
                     f"pressured_local_ranks: each must be in [0, {ranks_per_node}), got {r!r}"
                 )
+        n_nodes = ep_size // ranks_per_node
+        self.pressured_nodes = (
+            (0, min(1, n_nodes - 1)) if pressured_nodes is None else pressured_nodes
+        )
+        self.slow_link = (min(1, ep_size - 1), ep_size - 1) if slow_link is None else slow_link
+        self.hot_rank = ep_size // 2 if hot_rank is None else hot_rank
+        for name, pair, bound in (
+            ("pressured_nodes", self.pressured_nodes, n_nodes),
+            ("slow_link", self.slow_link, ep_size),
+        ):
+            if len(pair) != 2 or not all(isinstance(v, int) and 0 <= v < bound for v in pair):
+                raise ValueError(f"{name}: expected two ints in [0, {bound}), got {pair!r}")
+        if not isinstance(self.hot_rank, int) or not 0 <= self.hot_rank < ep_size:
+            raise ValueError(f"hot_rank: must be in [0, {ep_size}), got {hot_rank!r}")
         self.ep_size = ep_size
         self.ranks_per_node = ranks_per_node
         self.slow_rank = slow_rank
@@ -163,7 +217,7 @@ class NormalSimulator:
 
     # --- Notify ---------------------------------------------------------------------------
 
-    def _notify(self, phase: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def _notify(self, phases: tuple[str, ...]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         prof, ep = self.profile, self.ep_size
         iters = prof.iterations_per_window
         # Dispatch alternates non-cached and cached calls; combine runs cached every call.
@@ -172,10 +226,11 @@ class NormalSimulator:
             "cached_notify_dispatch": iters // 2,
             "cached_notify_combine": iters,
         }
-        late_probes = {
+        late_by_phase = {
             "pre_dispatch_delay": ("notify_dispatch", "cached_notify_dispatch"),
             "pre_combine_delay": ("cached_notify_combine",),
-        }.get(phase, ())
+        }
+        late_probes = {p for ph in phases for p in late_by_phase.get(ph, ())}
         out = {}
         for base, probe in zip(prof.notify_base_ns, NOTIFY_PROBES, strict=True):
             n = launches[probe]
@@ -190,53 +245,84 @@ class NormalSimulator:
 
     # --- Completion -----------------------------------------------------------------------
 
-    def _tokens(self, calls: int) -> np.ndarray:
+    def _tokens(self, calls: int, hot: np.ndarray | None = None) -> np.ndarray:
+        """Routed tokens ``[src, dst]``; ``hot`` multiplies a cell's expert selections (a hot
+        expert is picked that many times more often, whatever the group size)."""
         prof, ep = self.profile, self.ep_size
         experts = prof.experts_per_rank * ep
         # Probability that a token picks at least one of a destination's experts.
         p = 1.0 - np.prod(
             [(experts - prof.experts_per_rank - i) / (experts - i) for i in range(prof.top_k)]
         )
-        return self.rng.binomial(prof.tokens_per_rank * calls, p, (ep, ep)).astype(np.float64)
+        tokens = self.rng.binomial(prof.tokens_per_rank * calls, p, (ep, ep)).astype(np.float64)
+        return tokens if hot is None else np.rint(tokens * hot)
 
     def _cost(self, probe: str, per_sample: np.ndarray, samples: np.ndarray) -> np.ndarray:
         noise = np.exp(self.rng.normal(0.0, self.profile.window_noise, per_sample.shape))
         return np.rint(per_sample * self._spread[probe] * noise * samples)
 
     def _phase_factor(self, phase: str, probe: str) -> np.ndarray | float:
+        prof, ep, rpn = self.profile, self.ep_size, self.ranks_per_node
+        multi_node = ep > rpn
         if phase == "all_hca_pressure":
-            return ALL_HCA_FACTORS[probe]
-        if phase != "single_hca_pressure":
-            return 1.0
-        prof = self.profile
-        hit = np.isin(self._local, self.pressured_local_ranks)
-        factor = np.ones((self.ep_size, self.ep_size))
-        leg = np.where(self._inter, prof.hca_rdma_factor, prof.hca_nvlink_factor)
-        if probe == "dispatch_final":  # token owners send through their own HCA
-            factor[hit, :] = leg[hit, :]
-        elif probe == "combine_logical_recv":  # token owners receive through their own HCA
-            factor[:, hit] = leg[:, hit]
-        else:  # gateways behind the loaded HCA relay every edge slower
-            factor[hit, :] = prof.hca_rdma_factor
+            # Every HCA is loaded: only paths that cross the network slow down.
+            if probe == "dispatch_rdma_recv":
+                return ALL_HCA_FACTORS[probe]
+            return np.where(self._inter, ALL_HCA_FACTORS[probe], 1.0)
+        factor = np.ones((ep, ep))
+        if phase == "single_hca_pressure" and multi_node:
+            hit = np.isin(self._local, self.pressured_local_ranks)
+            leg = np.where(self._inter, prof.hca_rdma_factor, prof.hca_nvlink_factor)
+            if probe == "dispatch_final":  # token owners send through their own HCA
+                factor[hit, :] = leg[hit, :]
+            elif probe == "combine_logical_recv":  # token owners receive through their own HCA
+                factor[:, hit] = leg[:, hit]
+            else:  # gateways behind the loaded HCA relay every edge slower
+                factor[hit, :] = prof.hca_rdma_factor
+        elif phase == "node_pair_pressure" and multi_node:
+            a, b = self.pressured_nodes
+            node = np.arange(ep) // rpn
+            pair = (node[:, None] == a) & (node[None, :] == b)
+            pair |= pair.T
+            if probe == "dispatch_rdma_recv":
+                # A gateway edge on node a or b carries traffic from every other node; only
+                # the pair's share of it is slow.
+                share = 1.0 / max(1, ep // rpn - 1)
+                on_pair = np.isin(node, (a, b))
+                factor[on_pair, :] = 1.0 + (prof.node_pair_factor - 1.0) * share
+            else:
+                factor[pair] = prof.node_pair_factor
+        elif phase == "slow_link" and probe != "dispatch_rdma_recv":
+            a, b = self.slow_link
+            factor[a, b] = factor[b, a] = prof.link_factor
+        elif phase == "slow_row" and probe == "dispatch_final":
+            factor[self.slow_rank, :] = prof.row_factor
         return factor
 
     def _completion(
-        self, phase: str, extra: Mapping[str, np.ndarray] | None
+        self, phases: tuple[str, ...], extra: Mapping[str, np.ndarray] | None
     ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         prof, ep, rpn = self.profile, self.ep_size, self.ranks_per_node
         calls = prof.iterations_per_window
         out = {}
-        for probe, cycles in (
-            ("dispatch_final", prof.dispatch_cycles),
-            ("combine_logical_recv", prof.combine_cycles),
+        hot_dispatch = hot_combine = None
+        if "hot_expert" in phases:
+            # The hot expert receives (dispatch column) and returns (combine row) more tokens.
+            hot_dispatch = np.ones((ep, ep))
+            hot_dispatch[:, self.hot_rank] = prof.hot_factor
+            hot_combine = hot_dispatch.T.copy()
+        for probe, cycles, hot in (
+            ("dispatch_final", prof.dispatch_cycles, hot_dispatch),
+            ("combine_logical_recv", prof.combine_cycles, hot_combine),
         ):
-            tokens = self._tokens(calls)
+            tokens = self._tokens(calls, hot)
             samples = np.minimum(tokens, prof.channels * calls).astype(np.float64)
             load = np.where(samples > 0, tokens / np.maximum(samples, 1.0), 0.0)
             mean_load = float(load[samples > 0].mean()) if np.any(samples > 0) else 1.0
             base = np.where(self._inter, cycles[1], cycles[0])
             per_sample = base * (np.maximum(load, 1e-9) / mean_load) ** prof.load_exponent
-            per_sample = per_sample * self._phase_factor(phase, probe)
+            for phase in phases:
+                per_sample = per_sample * self._phase_factor(phase, probe)
             if extra is not None and probe in extra:
                 per_sample = per_sample * extra[probe]
             out[probe] = (self._cost(probe, per_sample, samples), samples, tokens)
@@ -258,7 +344,8 @@ class NormalSimulator:
         load = np.where(samples > 0, tokens / np.maximum(samples, 1.0), 0.0)
         mean_load = float(load[samples > 0].mean()) if np.any(samples > 0) else 1.0
         per_sample = prof.rdma_cycles * (np.maximum(load, 1e-9) / mean_load) ** prof.load_exponent
-        per_sample = per_sample * self._phase_factor(phase, probe)
+        for phase in phases:
+            per_sample = per_sample * self._phase_factor(phase, probe)
         if extra is not None and probe in extra:
             per_sample = per_sample * extra[probe]
         out[probe] = (self._cost(probe, per_sample, samples), samples, tokens)
@@ -268,7 +355,7 @@ class NormalSimulator:
 
     def window(
         self,
-        phase: str = "baseline",
+        phase: str | Sequence[str] = "baseline",
         window_index: int | None = None,
         *,
         extra_cost_factor: Mapping[str, np.ndarray] | None = None,
@@ -278,8 +365,10 @@ class NormalSimulator:
         ``extra_cost_factor`` multiplies a Completion probe's cost per sample by a ``[src, dst]``
         matrix on top of the phase, to inject any other slowdown.
         """
-        if phase not in PHASES:
-            raise ValueError(f"phase: must be one of {list(PHASES)}, got {phase!r}")
+        phases = (phase,) if isinstance(phase, str) else tuple(phase)
+        for name in phases:
+            if name not in ALL_PHASES:
+                raise ValueError(f"phase: must be one of {list(ALL_PHASES)}, got {name!r}")
         if extra_cost_factor is not None:
             for probe, factor in extra_cost_factor.items():
                 if probe not in COMPLETION_PROBES:
@@ -296,14 +385,17 @@ class NormalSimulator:
         return NormalWindow(
             ep_size=self.ep_size,
             ranks_per_node=self.ranks_per_node,
-            notify=self._notify(phase),
-            completion=self._completion(phase, extra_cost_factor),
+            notify=self._notify(phases),
+            completion=self._completion(phases, extra_cost_factor),
             window_index=index,
-            extra={"phase": phase},
+            extra={"phase": "+".join(phases)},
         )
 
     def advance(
-        self, phase: str = "baseline", *, extra_cost_factor: Mapping[str, np.ndarray] | None = None
+        self,
+        phase: str | Sequence[str] = "baseline",
+        *,
+        extra_cost_factor: Mapping[str, np.ndarray] | None = None,
     ) -> CounterSnapshot:
         """Add one window of ``phase`` to the cumulative counters; return the gathered snapshot.
 
