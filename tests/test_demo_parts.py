@@ -128,10 +128,6 @@ def test_demo_options_are_validated(kwargs: dict[str, object], message: str) -> 
     assert message in str(err.value)
 
 
-def test_simulated_deepep_group_spans_two_nodes_when_it_can() -> None:
-    assert [DemoOptions(ranks=n).ranks_per_node for n in range(2, 9)] == [1, 1, 2, 1, 3, 1, 4]
-
-
 # --- verdicts --------------------------------------------------------------------------------
 
 
