@@ -35,6 +35,8 @@ from rankwatch.exporter.summary import (
 )
 from rich.console import Console
 
+from tests.test_deepep_gloo import Collect
+
 # --- timelines -------------------------------------------------------------------------------
 
 
@@ -129,17 +131,6 @@ def test_demo_options_are_validated(kwargs: dict[str, object], message: str) -> 
     assert message in str(err.value)
 
 
-class _Reports:
-    def __init__(self) -> None:
-        self.reports: list[WindowReport] = []
-
-    def publish(self, report: WindowReport) -> None:
-        self.reports.append(report)
-
-    def close(self, timeout_seconds: float) -> None:
-        pass
-
-
 def test_simulated_deepep_group_is_ep16_on_two_nodes_whatever_the_ranks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -150,7 +141,7 @@ def test_simulated_deepep_group_is_ep16_on_two_nodes_whatever_the_ranks(
     monkeypatch.setenv("DEEPEP_DIAGNOSE_EXPORT_NPZ", "1")
     phases = ["baseline"] * 4 + [p for p in DEEPEP_PHASES[1:] for _ in range(2)]
     current = iter(phases)
-    sink = _Reports()
+    sink = Collect()
     # An interval far longer than the test: only the explicit snapshots below are taken.
     options = DemoOptions(ranks=2, interval_seconds=3600.0, out=tmp_path)
     group = SimulatedDeepEP(options, [sink], lambda at: next(current), "run-1")
