@@ -38,9 +38,13 @@ from typing import Any
 __all__ = [
     "DEEPEP_PHASES",
     "SCENARIOS",
+    "SIM_EP_SIZE",
+    "SIM_LATE_RANK",
+    "SIM_RANKS_PER_NODE",
     "STEP_PHASES",
     "DemoOptions",
     "Segment",
+    "SimulatedDeepEP",
     "Timeline",
     "parse_timeline",
     "preflight",
@@ -271,9 +275,9 @@ def _tiny_model(features: int = 64, hidden: int = 256) -> Any:
 class SimulatedDeepEP:
     """The demo's DeepEP group: :data:`SIM_EP_SIZE` simulated ranks on two simulated nodes.
 
-    Real DeepEP needs GPUs, and the seed's five diagnoses need an EP group of 16 over two nodes
-    (an NVLink domain per node, RDMA between them), whatever number of training ranks the demo
-    spawns. So the root keeps the group's cumulative counter block itself: every
+    Real DeepEP needs GPUs, and the validation run's five diagnoses need an EP group of 16 over
+    two nodes (an NVLink domain per node, RDMA between them), whatever number of training ranks
+    the demo spawns. So the root keeps the group's cumulative counter block itself: every
     ``interval_seconds`` a thread adds one simulated window (of the phase that covers most of
     it) to the block and hands a copy, as the gather would, to a real
     :class:`~rankwatch.exporter.deepep_root.DeepEPRoot`, which forms and validates the windows,
@@ -304,8 +308,9 @@ class SimulatedDeepEP:
             SIM_EP_SIZE, SIM_RANKS_PER_NODE, seed=options.seed, slow_rank=SIM_LATE_RANK
         )
         self.counters = np.zeros((SIM_EP_SIZE, counter_length(SIM_EP_SIZE)), dtype=np.int64)
+        rpn = SIM_RANKS_PER_NODE
         members = [
-            RankInfo(rank=r, hostname=f"sim-node{r // SIM_RANKS_PER_NODE}", local_rank=r % 8)
+            RankInfo(rank=r, hostname=f"sim-node{r // rpn}", local_rank=r % rpn)
             for r in range(SIM_EP_SIZE)
         ]
         config = DeepEPConfig.from_env()

@@ -375,8 +375,9 @@ class DemoWorkload(Workload):
     Timeline: 5 s balanced, 90 s with rank 2 slowed in its data loading, 70 s balanced. The
     straggler phase outlasts the 1m for: (the incident opens a couple of windows into it) plus
     the query checks, with about 25 s to spare; the balanced tail outlasts the 1m
-    keep_firing_for. The DeepEP simulator runs its five phases across the same 165 s, so
-    pre-stage arrival skew (from 33 s) happens while the straggler is still there.
+    keep_firing_for. The simulated DeepEP group (EP 16 over two nodes, whatever --ranks is)
+    runs its five phases across the same 165 s, so pre-stage arrival skew (from 33 s) happens
+    while the straggler is still there.
     """
 
     deepep_classes = ("pre_stage_arrival_skew",)

@@ -23,7 +23,8 @@ from tests.test_cli import CLI, run_cli
 pytestmark = [pytest.mark.multiproc, pytest.mark.servers]
 
 STRAGGLER = 2
-EP, LATE = 16, 9  # the demo's simulated DeepEP group and its late rank (the seed's rank 9)
+# The demo's simulated DeepEP group and its late rank (rank 9, as in the validation run).
+EP, LATE = 16, 9
 TIMELINE = "balanced:4,input:8,compute:8,balanced:10"
 
 
@@ -241,7 +242,7 @@ def test_incident_events_are_logged_as_json(demo_run: DemoRun) -> None:
 
 
 # The DeepEP validation run's five-phase table: each phase's diagnosis at EP 16 on two nodes.
-SEED_DIAGNOSES: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {
+VALIDATION_DIAGNOSES: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {
     "baseline": [],
     "pre_dispatch_delay": [
         ("pre_stage_arrival_skew", "cached_notify_dispatch", (LATE,)),
@@ -261,7 +262,7 @@ SEED_DIAGNOSES: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {
 }
 
 
-def test_deepep_phases_show_the_seed_diagnoses_at_ep16(demo_run: DemoRun) -> None:
+def test_deepep_phases_show_the_validation_diagnoses_at_ep16(demo_run: DemoRun) -> None:
     from rankwatch.diagnosis.artifacts import load_window_artifact
     from rankwatch.exporter.demo import DEEPEP_PHASES
 
@@ -288,7 +289,7 @@ def test_deepep_phases_show_the_seed_diagnoses_at_ep16(demo_run: DemoRun) -> Non
                 for i in diagnosis["incidents"]
             )
         )
-    for phase, expected in SEED_DIAGNOSES.items():
+    for phase, expected in VALIDATION_DIAGNOSES.items():
         assert len(seen[phase]) >= 3, (phase, seen[phase])
         assert all(got == expected for got in seen[phase]), (phase, seen[phase])
     # The incidents of the run, as the summary keeps them, name the same classes and ranks.

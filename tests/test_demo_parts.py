@@ -157,7 +157,7 @@ def test_simulated_deepep_group_is_ep16_on_two_nodes_whatever_the_ranks(
         for r in sink.reports
         if r.normal is not None
     ]
-    # The seed's five diagnoses, two windows per phase after four baseline ones.
+    # The validation run's five diagnoses, two windows per phase after four baseline ones.
     late = ("pre_stage_arrival_skew", (9,))
     expected = {
         "baseline": [],
