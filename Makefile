@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test test-floors lint typecheck unit bench accuracy accuracy-deepep clean
+.PHONY: venv backends demo test test-floors lint typecheck unit bench bench-scale accuracy accuracy-deepep clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# The CPU build first: a plain `torch` requirement would otherwise pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# DeepSpeed (its integration test) ships as source only: build it against the torch above,
+	# which an isolated build would replace with a download of another torch.
+	$(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.19.8'
 	touch $(STAMP)
 
 # The dashboards are also checked against the schema of the oldest Grafana docs/grafana.md
@@ -73,6 +76,11 @@ accuracy: venv
 # Regenerates the DeepEP normal-mode accuracy matrix in docs/diagnosis-deepep.md.
 accuracy-deepep: venv
 	$(PY) -m bench.accuracy_deepep --write
+
+# Root memory, CPU per window, sockets per rank and publishing at 8 ... 4,096 ranks (spawns up
+# to 32 Gloo processes for a few seconds).
+bench-scale: venv
+	$(PY) -m bench.run_all --only bench_scale
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -258,20 +258,39 @@ def _reduce_aligned(
     lengths: list[int],
     window: int,
 ) -> WindowMeans:
+    cube, step_ids = _align(table, lengths, present_ranks, window)
+    return _reduce_cube(ranks, present, cube, step_ids)
+
+
+def gpu_steps(cube: FloatArray) -> BoolArray:
+    """``[ranks, steps]``: the step can be read on the GPU clock (the window uses the GPU clock
+    only when every aligned step of every present rank can)."""
+    cpu_has, gpu_has = ~np.isnan(cube[:, :, 1:7]), ~np.isnan(cube[:, :, 7:13])
+    return (
+        gpu_has[:, :, STEP]
+        & gpu_has[:, :, IW]
+        & (gpu_has[:, :, _PHASES] | ~cpu_has[:, :, _PHASES]).all(axis=2)
+    )
+
+
+def _reduce_cube(
+    ranks: list[int],
+    present: BoolArray,
+    cube: FloatArray,
+    step_ids: FloatArray,
+    clock: str | None = None,
+) -> WindowMeans:
+    """Means of an aligned ``[present ranks, steps, ROW_WIDTH]`` cube; ``clock`` None picks
+    it from the rows, else forces it (the block accumulator reduces each clock separately)."""
     n_all = len(ranks)
     means = np.zeros((n_all, len(MEAN_KEYS)))
     measured = np.zeros((n_all, len(MEAN_KEYS)), dtype=bool)
-    cube, step_ids = _align(table, lengths, present_ranks, window)
     steps = cube.shape[1]
     if steps == 0:
         return WindowMeans(tuple(ranks), means, measured, present, 0, "cpu")
     cpu, gpu = cube[:, :, 1:7], cube[:, :, 7:13]
     cpu_has, gpu_has = ~np.isnan(cpu), ~np.isnan(gpu)
-    use_gpu = bool(
-        gpu_has[:, :, STEP].all()
-        and gpu_has[:, :, IW].all()
-        and (gpu_has[:, :, _PHASES] | ~cpu_has[:, :, _PHASES]).all()
-    )
+    use_gpu = bool(gpu_steps(cube).all()) if clock is None else clock == "gpu"
     values, has = (gpu, gpu_has) if use_gpu else (cpu, cpu_has)
     filled = np.where(has, values, 0.0)
     sums = filled.sum(axis=1)

@@ -349,6 +349,12 @@ class PublisherHub:
     ``otlp`` overrides the OTLP settings read from the environment (``None``: read them;
     ``False``: no OTLP). ``rank`` and ``hostname`` identify this process in OTLP resources
     (defaults: ``$RANK`` and the host name). ``clock`` gives unix seconds (tests pin it).
+
+    ``on_incident`` is called with every :class:`~rankwatch.exporter.incidents.IncidentEvent`
+    (each incident's ``open`` and ``close``, once each, the same events the log lines and OTLP
+    carry), on the hub's thread, after they are logged: the place for a training script to
+    react to a verdict (checkpoint, log, stop). It must return quickly (it holds up
+    publishing); an exception it raises is logged and does not stop the hub.
     """
 
     def __init__(
@@ -361,6 +367,7 @@ class PublisherHub:
         metrics: bool | None = None,
         otlp: OtlpSettings | bool | None = None,
         clock: Callable[[], float] = time.time,
+        on_incident: Callable[[IncidentEvent], object] | None = None,
     ) -> None:
         if not isinstance(config, RankwatchConfig):
             raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
@@ -372,6 +379,10 @@ class PublisherHub:
             raise ValueError(f"rank: expected an int >= 0, got {rank!r}")
         if not callable(clock):
             raise TypeError(f"clock: expected a callable returning unix seconds, got {clock!r}")
+        if on_incident is not None and not callable(on_incident):
+            raise TypeError(
+                f"on_incident: expected a function taking an IncidentEvent, got {on_incident!r}"
+            )
         if otlp is True:
             raise ValueError("otlp: expected OtlpSettings, False or None, got True")
         settings: OtlpSettings | None
@@ -403,6 +414,7 @@ class PublisherHub:
         # One tracker per group (hub thread only): a group's windows never count for, or close,
         # another group's incidents, and its events carry its own group.
         self._trackers: dict[str, IncidentTracker] = {}
+        self._on_incident = on_incident
 
         self.metrics_server: MetricsServer | None = None
         self.otlp: OtlpPublisher | None = None
@@ -551,6 +563,11 @@ class PublisherHub:
             self._log_event(event)
             if self.otlp is not None:
                 self.otlp.emit(event)
+            if self._on_incident is not None:
+                try:
+                    self._on_incident(event)
+                except Exception:  # the script's reaction must not stop publishing
+                    log.exception("rankwatch: on_incident failed for %s", event.event_name)
 
     def _log_event(self, event: IncidentEvent) -> None:
         level = logging.WARNING if event.action == "open" else logging.INFO
@@ -558,17 +575,23 @@ class PublisherHub:
         event_log.log(level, line)
 
 
-def default_publishers(config: RankwatchConfig, local_rank: int) -> list[Publisher]:
+def default_publishers(
+    config: RankwatchConfig,
+    local_rank: int,
+    *,
+    on_incident: Callable[[IncidentEvent], object] | None = None,
+) -> list[Publisher]:
     """What a training process publishes through, as configured: one :class:`PublisherHub`
     (``/metrics`` on port base + ``local_rank`` when enabled, OTLP when an endpoint is set,
-    incident log lines), or nothing when rankwatch is disabled."""
+    incident log lines, ``on_incident`` called with each incident event), or nothing when
+    rankwatch is disabled."""
     if not isinstance(config, RankwatchConfig):
         raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
         raise ValueError(f"local_rank: expected an int >= 0, got {local_rank!r}")
     if not config.enabled:
         return []
-    return [PublisherHub(config, local_rank=local_rank)]
+    return [PublisherHub(config, local_rank=local_rank, on_incident=on_incident)]
 
 
 def _env_int(name: str, default: int) -> int:

@@ -11,8 +11,10 @@ Gloo cannot abandon a wait: ``work.wait(timeout)`` that times out closes *every*
 the group, and a posted receive cannot be polled (``is_completed()`` stays False until waited
 on). So the root never waits on a receive that has not arrived. After a sender's send
 completed (the data is in the root's posted buffer or on the wire to it) the sender increments
-its *doorbell*, a counter in the job's c10d store; the root reads all doorbells with one
-``multi_get`` per poll and waits only on receives whose doorbell moved, which return at once.
+its *doorbell*, a counter in the job's c10d store, then the group's doorbell total; the root
+reads the total per poll, all doorbells with one ``multi_get`` when it moved, and waits only
+on receives whose doorbell moved, which return at once. With ``gloo_lazy_connect`` the group
+connects lazily, so a rank opens a connection to the root only, never a full mesh.
 A rank that dies or stalls simply stops ringing: the root's round times out on its own clock
 (``gather_timeout_seconds``), the window names the rank missing, and later rounds do not wait
 for it again until it rings. A dead peer's connection failing never affects the others'.
@@ -35,19 +37,26 @@ shutdown budget is spent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from rankwatch.diagnosis.step_time import ROW_WIDTH, StepTimeReport, diagnose_arrays
+from rankwatch.diagnosis.step_blocks import BLOCK_STEPS, StepBlocks
+from rankwatch.diagnosis.step_time import (
+    ROW_WIDTH,
+    StepTimeReport,
+    diagnose_arrays,
+    diagnose_window,
+)
 from rankwatch.diagnosis.window_report import RankInfo, WindowReport
 
 from .config import RankwatchConfig
@@ -66,6 +75,7 @@ __all__ = [
     "decode_message",
     "encode_message",
     "local_identity",
+    "root_tail_rows",
     "window_arrays",
 ]
 
@@ -88,6 +98,9 @@ IDLE_POLL_SECONDS = 0.1
 _MAX_POLLS_PER_DRAIN = 16
 # Keep a little more than the window per rank when cutting tails, for steps some rank skipped.
 _TAIL_SLACK = 2
+# The root's rows per rank, at least: a live window aligns ranks up to about this many steps
+# apart (a rank further behind leaves the others no common steps to align on).
+ROOT_TAIL_MIN_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -295,15 +308,29 @@ class RowBuffer:
         return rows[-n:].copy()
 
 
+def root_tail_rows(config: RankwatchConfig) -> int:
+    """Rows of each rank the root keeps: the live window's tail and two blocks of steps, and
+    room for ranks that are apart by several hundred steps (ranks that do not synchronise, a
+    rank that stalled and runs behind); older steps live on as block sums, so the root's
+    memory does not grow with the run."""
+    live = config.diagnosis.step_time.live_window_steps
+    return max(live * _TAIL_SLACK + 16, 2 * BLOCK_STEPS + 16, ROOT_TAIL_MIN_ROWS)
+
+
 def window_arrays(
-    buffers: Mapping[int, RowBuffer], present: Sequence[int], window: int
+    buffers: Mapping[int, RowBuffer],
+    present: Sequence[int],
+    window: int,
+    rows: int | None = None,
 ) -> dict[int, NDArray[np.float64] | None]:
     """Per expected rank: the tail the diagnosis aligns (None for absent ranks).
 
     Tails are cut at the lowest last step among present ranks (no rank can be aligned beyond
-    it) and to ``window`` steps plus slack, so a live window costs the same however long the
-    buffers are. The diagnosis itself keeps the last ``window`` step ids every rank has.
+    it) and to ``rows`` rows (default: ``window`` steps plus slack), so a live window costs the
+    same however long the buffers are. The diagnosis itself keeps the last ``window`` step ids
+    every rank has.
     """
+    rows = window * _TAIL_SLACK + 16 if rows is None else rows
     present_set = set(present)
     lasts = [buffers[r].last_step for r in present_set if len(buffers[r])]
     top = min(lasts) if lasts else None
@@ -312,25 +339,63 @@ def window_arrays(
         if rank not in present_set:
             out[rank] = None
             continue
-        out[rank] = buf.tail(window * _TAIL_SLACK + 16, top)
+        out[rank] = buf.tail(rows, top)
     return out
 
 
 # ---- transport -----------------------------------------------------------------------------
 
 
-def create_gloo_group(ranks: Sequence[int], members_only: bool, timeout: timedelta) -> Any:
+def create_gloo_group(
+    ranks: Sequence[int], members_only: bool, timeout: timedelta, lazy: bool | None = None
+) -> Any:
     """The dedicated Gloo group over ``ranks`` (global).
 
     ``members_only=False`` is the ordinary ``new_group``: every process of the job calls it,
     in the same order as its other ``new_group`` calls. ``members_only=True`` lets only the
     members call it (for a group given as a process group handle, which non-members lack).
+
+    ``lazy`` (None: ``RankwatchConfig.gloo_lazy_connect`` from the environment) makes the
+    group connect lazily (Gloo's ``TORCH_GLOO_LAZY_INIT``, set only while it is created): a
+    pair connects on its first message, and only rank-to-root pairs ever carry one, so a rank
+    holds one monitoring connection instead of one per member (a full mesh: thousands of
+    sockets per rank in a 4,096-rank job). ``new_group`` ignores Gloo options, so the
+    variable is the only switch; other groups are created as they would be without it.
     """
     import torch.distributed as dist
 
-    return dist.new_group(
-        list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=members_only
-    )
+    if lazy is None:
+        lazy = _lazy_from_env()
+    with _env(_GLOO_LAZY_INIT, "1") if lazy else contextlib.nullcontext():
+        return dist.new_group(
+            list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=members_only
+        )
+
+
+def _lazy_from_env() -> bool:
+    """``gloo_lazy_connect`` as the environment sets it (validated like the config)."""
+    name = "RANKWATCH_GLOO_LAZY_CONNECT"
+    if name not in os.environ:
+        return False
+    return RankwatchConfig.from_env(env={name: os.environ[name]}).gloo_lazy_connect
+
+
+_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+_ANY_DOORBELL = "db/any"
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the block, then the previous value (or none)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 class Transport:
@@ -348,13 +413,25 @@ class Transport:
         self.send_buffer = message_buffer()
         self._recv: dict[int, tuple[Any, Any]] = {}
         self._consumed: dict[int, int] = {}
+        # The group's doorbell total: every send rings it after its own doorbell, so an idle
+        # poll reads one key instead of one per peer (4,096 at a time in a large group).
+        self._rung = -1
         self.broken: set[int] = set()  # peers whose connection failed
         self.failed = False  # the store or the root is gone: nothing more will move
+        # Peers whose receive is not posted yet: the group connects lazily, and posting a
+        # receive connects to the peer, so the root posts one only once the peer says its end
+        # of the group exists (its hello key); a connection to a peer that has not created the
+        # group yet would be refused.
+        self._hello = {r: f"hello/{r}" for r in layout.ranks}
+        self._unposted: list[int] = []
         if layout.is_root:
             for peer in layout.peers:
-                # Create every doorbell so one multi_get never waits for a key.
+                # Create every key so one multi_get never waits for one.
                 self._consumed[peer] = int(store.add(self._db[peer], 0))
-                self._post(peer)
+                store.add(self._hello[peer], 0)
+                self._unposted.append(peer)
+        else:
+            store.add(self._hello[layout.rank], 1)
 
     def publish_identity(
         self, hostname: str, local_rank: int, gpu: str = "", gpu_uuid: str = ""
@@ -395,11 +472,34 @@ class Transport:
         if work is not None:  # None only for a process outside the group
             work.wait()
         self.store.add(self._db[self.layout.rank], 1)
+        self.store.add(_ANY_DOORBELL, 1)
+
+    def _admit(self) -> None:
+        """Post the first receive of every peer that has created its end of the group."""
+        said = self.store.multi_get([self._hello[p] for p in self._unposted])
+        waiting = []
+        for peer, value in zip(self._unposted, said, strict=True):
+            if int(value) < 1:
+                waiting.append(peer)
+                continue
+            try:
+                self._post(peer)
+            except RuntimeError as exc:
+                log.warning("rankwatch: cannot connect to rank %d: %s", peer, exc)
+                self.broken.add(peer)
+        self._unposted = waiting
 
     def poll(self) -> list[NDArray[np.float64]]:
         """Messages that arrived since the last poll (root only; never blocks on a peer)."""
-        peers = [p for p in self.layout.peers if p not in self.broken]
+        if self._unposted:
+            self._admit()
+        peers = [p for p in self.layout.peers if p not in self.broken and p in self._recv]
         if not peers:
+            return []
+        # Read the total first: every doorbell it counts has already moved (a sender rings
+        # its own before the total), so nothing it counts can be missed below.
+        total = int(self.store.add(_ANY_DOORBELL, 0))
+        if total == self._rung:
             return []
         raw = self.store.multi_get([self._db[p] for p in peers])
         out: list[NDArray[np.float64]] = []
@@ -414,8 +514,9 @@ class Transport:
                     self.broken.add(peer)
                     break
                 self._consumed[peer] += 1
-                out.append(buf.numpy().copy())
+                out.append(buf.numpy())  # a fresh buffer is posted next: no copy needed
                 self._post(peer)
+        self._rung = total
         return out
 
 
@@ -472,9 +573,19 @@ class WindowCollector:
         self._thread = threading.Thread(
             target=self._run, name=f"rankwatch-{layout.rank}", daemon=True
         )
-        # Root state (buffers only on the root: the others just ship).
-        cap = max(config.max_buffered_steps, 2)
+        # Root state (buffers only on the root: the others just ship): the newest rows of each
+        # rank, and block sums of the older ones for the summary window.
+        cap = root_tail_rows(config)
         self._buffers = {r: RowBuffer(cap) for r in layout.ranks} if layout.is_root else {}
+        self._blocks = (
+            StepBlocks(
+                layout.ranks,
+                window_steps=config.diagnosis.step_time.summary_window_steps,
+                tail_rows=cap,
+            )
+            if layout.is_root
+            else None
+        )
         self._artifacts = StepArtifactWriter.from_config(config) if layout.is_root else None
         self._peers = {r: _PeerState() for r in layout.peers}
         ident = identity if identity is not None else local_identity(config.node_name_env)
@@ -634,10 +745,12 @@ class WindowCollector:
 
     def _drain(self) -> None:
         """Move the root's own new rows and every arrived message into the row buffers."""
+        if self._blocks is not None:
+            self._blocks.flush()  # the blocks the last drain closed, batched over ranks
         now = time.monotonic()
         rows, self._cursor, lost = self.timer.read(self._cursor)
         self.lost += lost
-        self._buffers[self.layout.rank].append(rows, now)
+        self._keep(self.layout.rank, rows, now)
         if self.transport is None or self.transport.failed:
             return
         messages: list[NDArray[np.float64]] = []
@@ -662,7 +775,7 @@ class WindowCollector:
             if state is None:
                 log.warning("rankwatch: message from rank %d, not in the group", msg.sender)
                 continue
-            self._buffers[msg.sender].append(msg.rows, now)
+            self._keep(msg.sender, msg.rows, now)
             state.last_heard = now
             state.lost = msg.lost
             if msg.strategy is not None:
@@ -675,6 +788,11 @@ class WindowCollector:
             if state.missing_since is not None and now > state.missing_since:
                 log.info("rankwatch: rank %d is back", msg.sender)
                 state.missing_since = None
+
+    def _keep(self, rank: int, rows: NDArray[np.float64], now: float) -> None:
+        self._buffers[rank].append(rows, now)
+        if self._blocks is not None:
+            self._blocks.add(rank, rows)
 
     def _waiting_for(self, round_seq: int, round_start: float) -> list[int]:
         """Peers expected in this round that have not shipped for it yet.
@@ -772,15 +890,9 @@ class WindowCollector:
         now = time.monotonic()
         missing = self._missing(now, summary=kind == "summary")
         present = [r for r in self.layout.ranks if r not in missing]
-        per_rank = window_arrays(self._buffers, present, window)
         started = time.perf_counter()
         try:
-            step_time: StepTimeReport = diagnose_arrays(
-                per_rank,
-                strategy=self.strategy(),
-                window=window,
-                config=self.config.diagnosis.step_time,
-            )
+            per_rank, step_time = self._diagnose(kind, present, window)
         except Exception:
             log.exception("rankwatch: step-time diagnosis failed for this window")
             return
@@ -812,6 +924,29 @@ class WindowCollector:
                 pub.publish(report)
             except Exception:  # one failing publisher must not starve the others
                 log.exception("rankwatch: publisher %r failed", pub)
+
+    def _diagnose(
+        self, kind: str, present: list[int], window: int
+    ) -> tuple[dict[int, NDArray[np.float64] | None], StepTimeReport]:
+        """The window's rows as kept and its report. Live windows come from the rows; the
+        summary from the rows and the block sums of older steps (bounded memory)."""
+        cfg, strategy = self.config.diagnosis.step_time, self.strategy()
+        if kind != "summary" or self._blocks is None:
+            # Ranks in step (the usual case) share their last ``window`` rows: aligning just
+            # those gives the same window at half the cost; otherwise align the longer tails.
+            per_rank = window_arrays(self._buffers, present, window, rows=window)
+            report = diagnose_arrays(per_rank, strategy=strategy, window=window, config=cfg)
+            if report.steps < window:
+                per_rank = window_arrays(self._buffers, present, window)
+                report = diagnose_arrays(per_rank, strategy=strategy, window=window, config=cfg)
+            return per_rank, report
+        keep = set(present)
+        tails: dict[int, NDArray[np.float64] | None] = {
+            r: (b.tail(len(b)) if r in keep else None) for r, b in self._buffers.items()
+        }
+        complete = [r for r, b in self._buffers.items() if b.count <= b.capacity]
+        means = self._blocks.reduce(tails, window, complete=complete)
+        return tails, diagnose_window(means, strategy=strategy, config=cfg)
 
 
 def dedicated_store(group: Any) -> Any:

@@ -1,0 +1,147 @@
+"""Spawn a small CPU world the way torchrun does, for the framework integration tests.
+
+Each rank is a spawned process with torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``...), so the framework under test initialises
+``torch.distributed`` (Gloo) itself. A scenario is a module-level function
+``scenario(rank, world, out_dir) -> dict``; its result (or the traceback) is written to
+``out_dir/<rank>.json`` and the parent gets them all back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing as mp
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tests.servers import free_port
+
+JOIN_TIMEOUT_S = 240.0
+SLEEP_S = 0.04  # the injected input delay: large against a tiny model's step on two cores
+SLOW_RANK = 1  # the rank whose input is slow
+STEPS = 120  # optimizer steps per run
+BATCH = 8
+
+
+def _entry(rank: int, world: int, port: int, scenario: str, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        # Every rank its own /metrics port would collide between tests: the tests read reports.
+        RANKWATCH_METRICS_ENABLE="0",
+        RANKWATCH_OTLP_ENABLE="0",
+    )
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        module, _, name = scenario.partition(":")
+        result.update(getattr(importlib.import_module(module), name)(rank, world, out))
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    Path(out, f"{rank}.json").write_text(json.dumps(result, default=str))
+
+
+def run_world(scenario: str, world: int, out_dir: Path) -> dict[int, dict[str, Any]]:
+    """Run ``scenario`` ("module:function") on ``world`` ranks; each rank's result by rank."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, scenario, str(out_dir)))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert not hung, f"ranks {hung} hung in {scenario}"
+    out: dict[int, dict[str, Any]] = {}
+    for r, p in enumerate(procs):
+        f = out_dir / f"{r}.json"
+        out[r] = json.loads(f.read_text()) if f.exists() else {}
+        out[r]["exitcode"] = p.exitcode
+        assert "error" not in out[r], f"rank {r}:\n{out[r]['error']}"
+        assert p.exitcode == 0, f"rank {r} exited with {p.exitcode}"
+    return out
+
+
+class Recorder:
+    """A publisher keeping every report as a dict (what the root hands its publishers)."""
+
+    def __init__(self) -> None:
+        self.reports: list[dict[str, Any]] = []
+
+    def publish(self, report: Any) -> None:
+        self.reports.append(report.to_dict())
+
+    def close(self, timeout_seconds: float) -> None:
+        pass
+
+
+def top_findings(reports: list[dict[str, Any]]) -> list[tuple[str, int | None]]:
+    """(kind, culprit rank) of each live window's first step-time finding, in order."""
+    out: list[tuple[str, int | None]] = []
+    for r in reports:
+        st = r.get("step_time")
+        if r.get("window_kind") != "live" or not st or not st.get("findings"):
+            continue
+        top = st["findings"][0]
+        out.append((top["kind"], top.get("culprit_rank")))
+    return out
+
+
+def assert_input_straggler(reports: list[dict[str, Any]], rank: int) -> None:
+    """A live window and the closing summary both name ``rank`` as the input straggler."""
+    findings = top_findings(reports)
+    assert ("INPUT_STRAGGLER", rank) in findings, findings
+    assert reports[-1]["window_kind"] == "summary", [r["window_kind"] for r in reports]
+    summary = reports[-1]["step_time"]["findings"][0]
+    assert (summary["kind"], summary["culprit_rank"]) == ("INPUT_STRAGGLER", rank), summary
+
+
+class SlowCollate:
+    """Stacks (x, y) pairs; sleeps first when ``delay_s`` is set (a slow input pipeline)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, examples: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+        import torch
+
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        xs, ys = zip(*examples, strict=True)
+        return torch.stack(xs), torch.stack(ys)
+
+
+def pairs_loader(rank: int, samples: int) -> Any:
+    """A DataLoader of ``samples`` random (x[32], y[1]) pairs in batches of ``BATCH``, whose
+    ``collate_fn`` sleeps ``SLEEP_S`` on ``SLOW_RANK``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(samples, 32, generator=gen), torch.randn(samples, 1, generator=gen)
+    collate = SlowCollate(SLEEP_S if rank == SLOW_RANK else 0.0)
+    return torch.utils.data.DataLoader(
+        list(zip(xs, ys, strict=True)), batch_size=BATCH, collate_fn=collate
+    )

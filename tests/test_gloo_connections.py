@@ -1,0 +1,104 @@
+"""With ``gloo_lazy_connect``, rankwatch's Gloo group connects a rank to its root only, not
+to every member."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.servers import free_port
+
+pytestmark = pytest.mark.multiproc
+
+WORLD = 6
+
+
+def socket_fds() -> int:
+    """Sockets this process holds (file descriptors that are sockets)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed while listing (the listing's own one)
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    try:
+        import numpy as np
+        import torch.distributed as dist
+        from rankwatch.exporter.windows import (
+            FLAG_END_OF_ROUND,
+            GroupLayout,
+            Transport,
+            create_gloo_group,
+            dedicated_store,
+            encode_message,
+        )
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
+        before = socket_fds()
+        layout = GroupLayout(tuple(range(world)), rank)
+        group = create_gloo_group(layout.ranks, False, timedelta(seconds=60), lazy=True)
+        transport = Transport(layout, group, dedicated_store(group))
+        received = 0
+        if layout.is_root:
+            deadline = time.monotonic() + 60
+            while received < world - 1 and time.monotonic() < deadline:
+                received += len(transport.poll())
+                time.sleep(0.01)
+        else:
+            rows = np.zeros((3, 13))
+            rows[:, 0] = (0, 1, 2)
+            buf = transport.send_buffer
+            encode_message(
+                buf, rows, sender=rank, seq=1, flags=FLAG_END_OF_ROUND, lost=0, strategy=None
+            )
+            transport.send(buf)
+        after = socket_fds()
+        lazy_left = os.environ.get("TORCH_GLOO_LAZY_INIT")
+        dist.barrier()
+        Path(out).write_text(
+            json.dumps({"new": after - before, "received": received, "env_after": lazy_left})
+        )
+        dist.destroy_process_group()
+    except Exception:
+        Path(out).write_text(json.dumps({"error": traceback.format_exc()}))
+
+
+def test_a_rank_opens_one_monitoring_connection_not_a_mesh(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    outs = [str(tmp_path / f"r{r}.json") for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, WORLD, port, outs[r])) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    got: list[dict[str, Any]] = [json.loads(Path(o).read_text()) for o in outs]
+    for r, g in enumerate(got):
+        assert "error" not in g, (r, g.get("error"))
+    assert got[0]["received"] == WORLD - 1
+    # A non-root rank: its group's listening socket and its connection to the root (an eager
+    # group holds one socket per member: WORLD here).
+    assert all(g["new"] <= 2 for g in got[1:]), [g["new"] for g in got]
+    # The root: the listener and one connection per peer.
+    assert got[0]["new"] <= WORLD
+    assert all(g["env_after"] is None for g in got)  # the switch does not leak to other groups

@@ -1,0 +1,107 @@
+"""The Lightning callback on a real run: DDP over two Gloo ranks on the CPU.
+
+A tiny LightningModule trains under ``lightning.Trainer(strategy="ddp")``; rank 1's
+``collate_fn`` sleeps, so rank 1 is the input straggler and the root's windows must say so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.framework_world import (
+    BATCH,
+    SLEEP_S,
+    SLOW_RANK,
+    STEPS,
+    Recorder,
+    assert_input_straggler,
+    pairs_loader,
+    run_world,
+)
+
+pytest.importorskip("lightning")
+pytestmark = pytest.mark.multiproc
+
+
+def make_module() -> Any:
+    """A LightningModule around a small MLP (a few milliseconds a step on one core)."""
+    import lightning.pytorch as lp
+    import torch
+
+    class Regressor(lp.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Regressor()
+
+
+def scenario_lightning(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Fit with DDP and the callback; the root records every window report."""
+    import lightning.pytorch as lp
+    from rankwatch.exporter.config import RankwatchConfig
+    from rankwatch.exporter.integrations.lightning import RankwatchCallback
+    from rankwatch.exporter.rankwatch import RankWatch
+
+    loader = pairs_loader(rank, STEPS * BATCH * world)  # Lightning shards it per rank
+    recorder = Recorder()
+    config = RankwatchConfig.from_env(interval_seconds=1.0, gather_timeout_seconds=20.0)
+    callback = RankwatchCallback(lambda: RankWatch(config=config, publishers=[recorder]))
+    trainer = lp.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        max_steps=STEPS,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    profiler = trainer.profiler
+    trainer.fit(make_module(), train_dataloaders=loader)
+    rw = callback.rankwatch
+    assert rw is not None and rw.timer is not None
+    rows = rw.timer.ring[: rw.timer.written].tolist()
+    return {
+        "reports": recorder.reports,
+        "rows": len(rows),
+        "row_signals": [r[1:6] for r in rows],
+        "closed": not rw.active,
+        "is_root": rw.is_root,
+        "strategy": rw.strategy,
+        "profiler_restored": not {"start", "stop"} & set(vars(profiler)),
+    }
+
+
+def test_lightning_callback_names_the_slow_collate_rank_as_input_straggler(
+    tmp_path: Path,
+) -> None:
+    res = run_world(f"{__name__}:scenario_lightning", 2, tmp_path)
+    root, other = res[0], res[1]
+    assert root["is_root"] and not other["is_root"]
+    assert other["reports"] == []
+    for r in (root, other):
+        assert r["closed"] and r["profiler_restored"]
+        assert r["strategy"] == "ddp"
+        assert r["rows"] == STEPS, r["rows"]
+        # input_wait, forward, backward, optimizer timed in every step; h2d never.
+        for wait, h2d, fwd, bwd, opt in r["row_signals"]:
+            assert h2d != h2d and wait == wait and fwd == fwd and bwd == bwd and opt == opt
+    slow = sorted(row[0] for row in res[SLOW_RANK]["row_signals"])[STEPS // 2]
+    assert slow >= SLEEP_S * 1000 * 0.9, slow
+    assert_input_straggler(root["reports"], SLOW_RANK)

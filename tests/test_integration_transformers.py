@@ -1,0 +1,178 @@
+"""The Hugging Face ``Trainer`` callback on a real run: two Gloo ranks on the CPU.
+
+A tiny BERT built from a config (no download) trains under ``Trainer`` with DDP; rank 1's data
+collator sleeps, so rank 1 is the input straggler: the root's incident callback and its summary
+window must say so.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.framework_world import (
+    SLEEP_S,
+    SLOW_RANK,
+    STEPS,
+    run_world,
+)
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.multiproc
+
+
+def tiny_bert() -> Any:
+    """A two-class BERT small enough that a step takes a few milliseconds on one core."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
+    return BertForSequenceClassification(config)
+
+
+class TokenDataset:
+    """``n`` random token sequences with labels (map-style, as the Trainer expects)."""
+
+    def __init__(self, n: int, length: int = 12) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(1, 64, (n, length), generator=gen)
+        self.labels = torch.randint(0, 2, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class SlowCollator:
+    """Stacks the examples; sleeps first on the slow rank (its input pipeline is slow)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        self.calls += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+def training_args(out_dir: str, steps: int, ddp_backend: str | None = "gloo", **extra: Any) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out_dir,
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        ddp_backend=ddp_backend,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **extra,
+    )
+
+
+def scenario_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Train under ``Trainer`` with the callback as a user writes it: ``init()`` with overrides
+    and an ``on_incident`` function (the root records the incident events)."""
+    import torch.distributed as dist
+    from rankwatch.exporter.integrations.transformers import RankwatchCallback
+    from transformers import Trainer
+
+    # The Trainer's collectives before the forward pass (token-count gather, DDP buffer
+    # broadcast) off: the late rank's wait then lands in backward, where DDP rules look.
+    args = training_args(
+        out, STEPS, average_tokens_across_devices=False, ddp_broadcast_buffers=False
+    )
+    events: list[dict[str, Any]] = []
+
+    def on_incident(event: Any) -> None:
+        inc = event.incident
+        events.append({"action": event.action, "cls": inc.cls, "ranks": list(inc.ranks)})
+        events[-1]["cause"] = inc.cause
+
+    callback = RankwatchCallback(
+        on_incident=on_incident, interval_seconds=1.0, gather_timeout_seconds=20.0
+    )
+    collator = SlowCollator(SLEEP_S if rank == SLOW_RANK else 0.0)
+    trainer = Trainer(
+        model=tiny_bert(),
+        args=args,
+        train_dataset=TokenDataset(STEPS * 4 * world),
+        data_collator=collator,
+        callbacks=[callback],
+    )
+    trainer.train()
+    rw = callback.rankwatch
+    assert rw is not None
+    rows = rw.timer.ring[: rw.timer.written].tolist() if rw.timer is not None else []
+    loader = trainer.callback_handler.train_dataloader
+    dist.barrier()
+    summary = rw.latest_report  # the root's last report: the summary window at close
+    return {
+        "events": events,
+        "summary": summary.to_dict() if summary is not None else None,
+        "rows": len(rows),
+        "input_wait_ms": [r[1] for r in rows],
+        "collator_calls": collator.calls,
+        "loader_module_after": type(loader).__module__,
+        "closed": not rw.active,
+        "is_root": rw.is_root,
+        "strategy": rw.strategy,
+    }
+
+
+def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
+    tmp_path: Path,
+) -> None:
+    res = run_world(f"{__name__}:scenario_trainer", 2, tmp_path)
+    root, other = res[0], res[1]
+    assert root["is_root"] and not other["is_root"]
+    assert other["events"] == [] and other["summary"] is None  # only the root diagnoses
+    assert root["closed"] and other["closed"]  # closed at train end
+    # Every optimizer step is a row, on both ranks, timed from the loader the Trainer holds.
+    for r in (root, other):
+        assert r["rows"] == STEPS, r["rows"]
+        assert r["collator_calls"] >= STEPS
+        assert all(v == v for v in r["input_wait_ms"])  # input_wait timed in every step (no NaN)
+        # The loader gets its own class back at train end.
+        assert r["loader_module_after"] == "accelerate.data_loader", r["loader_module_after"]
+    slow_wait = sorted(res[SLOW_RANK]["input_wait_ms"])[STEPS // 2]
+    assert slow_wait >= SLEEP_S * 1000 * 0.9, slow_wait
+    # Live windows named it (an incident opens after 2 of 3 windows agree), and so does the
+    # summary window published at train end.
+    opened = [e for e in root["events"] if e["action"] == "open"]
+    assert {
+        "action": "open",
+        "cls": "step_time_straggler",
+        "ranks": [SLOW_RANK],
+        "cause": "input_straggler",
+    } in opened, root["events"]
+    assert root["summary"]["window_kind"] == "summary"
+    st = root["summary"]["step_time"]
+    assert st["strategy"] == "ddp"
+    assert (st["findings"][0]["kind"], st["findings"][0]["culprit_rank"]) == (
+        "INPUT_STRAGGLER",
+        SLOW_RANK,
+    )
