@@ -145,8 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="run the demo job: a small Gloo world with scripted stragglers",
-        description="Spawn a small multi-rank job with a scripted timeline of stragglers and "
-        "DeepEP phases; serve /metrics, show a live table, write artifacts and a summary.",
+        description="Spawn a small multi-rank job with a scripted timeline of stragglers, "
+        "beside a DeepEP group simulated at EP 16 over two nodes (whatever --ranks is) going "
+        "through five DeepEP phases; serve /metrics, show a live table, write artifacts and a "
+        "summary.",
         epilog="Timeline phases: balanced, input (the straggler sleeps in its data loading), "
         "compute (its forward pass is slowed). Exit codes: 0 done, 1 a rank failed, 2 bad "
         "arguments or configuration, 130 interrupted (Ctrl-C; the summary is still written).",
@@ -160,7 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
         "of --timeline)",
     )
     demo.add_argument(
-        "--ranks", type=_int_in(2, 8), default=4, metavar="N", help="ranks, 2..8 (default 4)"
+        "--ranks",
+        type=_int_in(2, 8),
+        default=4,
+        metavar="N",
+        help="training ranks, 2..8 (default 4)",
     )
     demo.add_argument(
         "--port",

@@ -18,12 +18,9 @@ the training thread never waits for a diagnosis or a publisher.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
-import json
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
@@ -32,21 +29,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from rankwatch.diagnosis.artifacts import ArtifactStore
 from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
-from rankwatch.diagnosis.low_latency import LowLatencyResult, diagnose_low_latency
-from rankwatch.diagnosis.normal import NormalDiagnoser
-from rankwatch.diagnosis.normal.schema import counter_length
-from rankwatch.diagnosis.normal_log import LINE_PREFIX, invalid_window_line, normal_log_lines
 from rankwatch.diagnosis.window_report import RankInfo, WindowReport
 
 from .config import DeepEPConfig, RankwatchConfig
-from .deepep_counters import LOW_LATENCY_PHASES, DeepEPCounters, allocate_counters
+from .deepep_counters import DeepEPCounters, allocate_counters
+from .deepep_root import HISTORY_WINDOWS, DeepEPRoot
 from .deepep_snapshot import (
-    CounterWindows,
     DeepEPWindow,
     OrderedSnapshotter,
     PendingSnapshot,
@@ -59,12 +50,6 @@ __all__ = ["HISTORY_WINDOWS", "Diagnose", "infer_ranks_per_node"]
 
 log = logging.getLogger(__name__)
 
-# Windows the root keeps for inspection and artifacts; bounded like every other history.
-HISTORY_WINDOWS = 16
-# Gathered snapshots waiting for the root's worker. A dropped snapshot loses nothing: the
-# counters are cumulative, so the next window simply spans both intervals.
-_QUEUE_DEPTH = 16
-_STOP = object()
 
 # Settings every member must agree on, in the order they are reported when they differ.
 _SETTING_NAMES: tuple[str, ...] = (
@@ -228,17 +213,10 @@ class Diagnose:
         self._wake = threading.Event()
         self._collector: threading.Thread | None = None
         self._worker: threading.Thread | None = None
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._cpu_group: dist.ProcessGroup | None = None
         self._cpu_row_order: list[int] | None = None
-        self._windows: CounterWindows | None = None
-        self._normal_diagnoser: NormalDiagnoser | None = None
-        self._latest: WindowReport | None = None
-        self._log_handler: logging.Handler | None = None
-        self._artifacts: ArtifactStore | None = None
-        self.recent_windows: deque[DeepEPWindow] = deque(maxlen=HISTORY_WINDOWS)
-        self.rejected_windows: Counter[str] = Counter()
-        self.dropped_snapshots = 0
+        # The group's root forms windows, diagnoses and publishes (built by start()).
+        self._root: DeepEPRoot | None = None
         self.collector_error: str | None = None
         if self.enable_async:
             self._make_cpu_group()
@@ -420,8 +398,22 @@ class Diagnose:
     @property
     def latest_report(self) -> WindowReport | None:
         """The last report the root published (always None on other ranks)."""
-        with self._lock:
-            return self._latest
+        return None if self._root is None else self._root.latest_report
+
+    @property
+    def recent_windows(self) -> deque[DeepEPWindow]:
+        """The root's last :data:`HISTORY_WINDOWS` windows (empty on other ranks)."""
+        return self._root.recent_windows if self._root is not None else deque()
+
+    @property
+    def rejected_windows(self) -> Counter[str]:
+        """Rejected windows by ``part:reason`` (root only)."""
+        return self._root.rejected_windows if self._root is not None else Counter()
+
+    @property
+    def dropped_snapshots(self) -> int:
+        """Snapshots the root dropped because its worker was behind."""
+        return 0 if self._root is None else self._root.dropped_snapshots
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -438,24 +430,23 @@ class Diagnose:
             self._state = "started"
         started = time.time()
         if self.is_root:
-            self._windows = CounterWindows(
-                self.ep_size,
-                self.ranks_per_node,
+            self._root = DeepEPRoot(
+                members=self.ranks,
+                ranks_per_node=self.ranks_per_node,
+                config=self.config,
+                normal_config=self.normal_config,
+                low_latency_config=self.low_latency_config,
                 normal=self.enable_normal_diagnose,
                 low_latency=self.enable_ll_diagnose,
-                warmup_seconds=self.config.warmup_seconds,
-                started_at_s=started,
                 instance_id=self.instance_id,
+                group_name=self.group_name,
+                publishers=self.publishers,
+                log_to_file=self._log_to_file,
+                log_rank=self.global_rank,
+                run=self._run,
+                copy_stream=self._snapshotter.copy_stream,
             )
-            if self.enable_normal_diagnose:
-                self._normal_diagnoser = NormalDiagnoser(self.normal_config)
-            self._attach_log_file()
-            if self.config.export_npz:
-                self._artifacts = ArtifactStore(self.config.log_path, self.config.npz_retention)
-            self._worker = threading.Thread(
-                target=self._work, name="rankwatch-deepep-root", daemon=True
-            )
-            self._worker.start()
+            self._root.start(started)
         if self.enable_async:
             self._collector = threading.Thread(
                 target=self._collect_async,
@@ -504,20 +495,14 @@ class Diagnose:
                     "reached its next collective); leaving it as a daemon",
                     wait,
                 )
-        if self._worker is not None and was_started:
-            with contextlib.suppress(queue.Full):
-                self._queue.put(_STOP, timeout=wait)
-            self._worker.join(wait)
+        if self._root is not None and was_started:
+            self._root.stop(wait)
         if self._cpu_group is not None and collector_done and dist.is_initialized():
             try:
                 dist.destroy_process_group(self._cpu_group)
                 self._cpu_group = None
             except (RuntimeError, ValueError) as exc:
                 log.warning("destroying the DeepEP Gloo group failed: %s", exc)
-        if self._log_handler is not None:
-            log.removeHandler(self._log_handler)
-            self._log_handler.close()
-            self._log_handler = None
 
     def stop_async_diagnose(self) -> None:
         """DeepXTrace's name for :meth:`stop` in asynchronous mode."""
@@ -636,162 +621,8 @@ class Diagnose:
     # ------------------------------------------------------------------ root side
 
     def _enqueue(self, parts: tuple[str, ...], pending: PendingSnapshot) -> None:
-        try:
-            self._queue.put_nowait((parts, pending))
-        except queue.Full:
-            self.dropped_snapshots += 1
-            log.warning("DeepEP root is behind: dropped one snapshot (windows will merge)")
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            parts, pending = item
-            try:
-                self._process(parts, pending)
-            except Exception as exc:  # one bad window must not end diagnosis
-                log.exception("DeepEP window processing failed: %s", exc)
-
-    def _process(self, parts: tuple[str, ...], pending: PendingSnapshot) -> None:
-        assert self._windows is not None
-        rows = pending.to_numpy(self._snapshotter.copy_stream)
-        ep = self.ep_size
-        n_normal = counter_length(ep)
-        offset = 0
-        normal = low_latency = None
-        if "normal" in parts:
-            normal = rows[:, offset : offset + n_normal]
-            offset += n_normal
-        if "low_latency" in parts:
-            n_ll = len(LOW_LATENCY_PHASES) * ep
-            low_latency = rows[:, offset : offset + n_ll].reshape(ep, len(LOW_LATENCY_PHASES), ep)
-        window = self._windows.feed(pending.taken_at_s, normal=normal, low_latency=low_latency)
-        if window is None:
-            return
-        self.recent_windows.append(window)
-        self._publish(self._diagnose(window))
-
-    def _diagnose(self, window: DeepEPWindow) -> WindowReport:
-        seconds: dict[str, float] = {}
-        normal_report = None
-        reason = window.normal_invalid_reason
-        if reason is not None:
-            self.rejected_windows[f"normal:{reason}"] += 1
-            self._log_rejection(
-                "normal", window.window_index, reason, window.normal_invalid_detail or reason
-            )
-        if window.normal is not None and self._normal_diagnoser is not None:
-            t0 = time.perf_counter()
-            try:
-                normal_report = self._normal_diagnoser.diagnose(window.normal)
-            except Exception as exc:
-                reason = "diagnosis_error"
-                self.rejected_windows[f"normal:{reason}"] += 1
-                log.exception(
-                    "normal-mode diagnosis of window %d failed: %s", window.window_index, exc
-                )
-            seconds["normal"] = time.perf_counter() - t0
-        ll_results: dict[str, LowLatencyResult] | None = None
-        ll_reason = None
-        if window.low_latency_invalid_reason is not None:
-            ll_reason = window.low_latency_invalid_reason
-            self.rejected_windows[f"low_latency:{ll_reason}"] += 1
-            self._log_rejection(
-                "low_latency",
-                window.window_index,
-                ll_reason,
-                window.low_latency_invalid_detail or ll_reason,
-            )
-        if window.low_latency is not None:
-            t0 = time.perf_counter()
-            ll_results = {
-                phase: diagnose_low_latency(mat.astype(np.float64), phase, self.low_latency_config)
-                for phase, mat in window.low_latency.items()
-            }
-            seconds["low_latency"] = time.perf_counter() - t0
-        report = WindowReport(
-            group=self.group_name,
-            window_index=window.window_index,
-            created_at_s=time.time(),
-            ranks=self.ranks,
-            run=self._run,
-            normal=normal_report,
-            normal_invalid_reason=reason,
-            low_latency=ll_results,
-            low_latency_invalid_reason=ll_reason,
-            diagnosis_seconds=seconds,
-        )
-        self._log_report(window, report)
-        self._save_artifact(window, report)
-        return report
-
-    def _publish(self, report: WindowReport) -> None:
-        with self._lock:
-            self._latest = report
-        for pub in self.publishers:
-            try:
-                pub.publish(report)
-            except Exception as exc:  # a broken publisher must not starve the others
-                log.exception("publisher %r failed on window %d: %s", pub, report.window_index, exc)
-
-    # ------------------------------------------------------------------ log lines
-
-    def _prefix(self, window_index: int) -> str:
-        return (
-            f"{LINE_PREFIX} InstanceID: {self.instance_id} EPSize: {self.ep_size} "
-            f"WindowIndex: {window_index}"
-        )
-
-    def _log_rejection(self, part: str, window_index: int, reason: str, detail: str) -> None:
-        # An idle window is routine; a reset or a bad counter is worth a warning.
-        level = logging.DEBUG if reason == "empty_window" else logging.WARNING
-        if part == "normal":
-            line = invalid_window_line(self.instance_id, self.ep_size, window_index, reason, detail)
-        else:
-            payload = json.dumps({"reason": reason, "message": detail}, separators=(",", ":"))
-            line = f"{self._prefix(window_index)} LowLatency invalid: {payload}"
-        log.log(level, line)
-
-    def _log_report(self, window: DeepEPWindow, report: WindowReport) -> None:
-        if report.normal is not None:
-            for line in normal_log_lines(
-                report.normal,
-                window.normal,
-                details=self.config.log_details,
-                instance_id=self.instance_id,
-            ):
-                log.info(line)
-        for phase, result in (report.low_latency or {}).items():
-            payload = json.dumps(result.to_dict(), separators=(",", ":"))
-            log.info(f"{self._prefix(window.window_index)} LowLatency {phase}: {payload}")
-
-    def _save_artifact(self, window: DeepEPWindow, report: WindowReport) -> None:
-        if self._artifacts is None or window.normal is None:
-            return
-        try:
-            self._artifacts.save(window.normal, report.normal)
-        except (OSError, ValueError) as exc:  # a full disk must not end diagnosis
-            log.warning("DeepEP artifact of window %d not written: %s", window.window_index, exc)
-
-    def _attach_log_file(self) -> None:
-        # DeepXTrace writes its log lines to a file under DEEPEP_DIAGNOSE_LOG_PATH; do the same
-        # when the variable is set, and otherwise leave the lines to the application's logging.
-        if not self._log_to_file:
-            return
-        path = os.path.join(self.config.log_path, f"deepep_diagnose_rank{self.global_rank}.log")
-        try:
-            os.makedirs(self.config.log_path, exist_ok=True)
-            handler = logging.FileHandler(path, encoding="utf-8")
-        except OSError as exc:  # an unwritable log folder must not stop training
-            log.warning("DeepEP log file %s cannot be opened: %s", path, exc)
-            return
-        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
-        handler.setLevel(logging.INFO)
-        log.addHandler(handler)
-        if log.level == logging.NOTSET or log.level > logging.INFO:
-            log.setLevel(logging.INFO)
-        self._log_handler = handler
+        assert self._root is not None  # only the root gathers rows
+        self._root.submit(parts, pending)
 
 
 def _check_consistent(members: Sequence[_Member]) -> None:

@@ -1,12 +1,15 @@
 """The demo job behind ``rankwatch demo``: a small DDP world with scripted stragglers.
 
 The parent process spawns ``ranks`` workers (Gloo on CPU). Every worker trains a tiny model
-under :class:`~rankwatch.exporter.rankwatch.RankWatch` and writes DeepEP normal-mode counters
-from the simulator into the DeepEP collector's counter bundles, so both diagnosis engines see
-real windows through the real pipeline. The root (rank 0) publishes to ``/metrics``, OTLP (when
-an endpoint is set), log lines and NPZ artifacts, and forwards every report through a channel
-to the parent, which draws the live table, keeps the run's incidents, draws the heatmaps and
-writes the step-time window files and the final summary.
+under :class:`~rankwatch.exporter.rankwatch.RankWatch`. The DeepEP group is simulated: whatever
+the number of training ranks, the root keeps the cumulative counters of 16 simulated EP ranks
+on two simulated nodes (:class:`SimulatedDeepEP`) and feeds them to the real root pipeline of
+the DeepEP collector (windows, validation, normal-mode diagnosis, log lines, NPZ artifacts), so
+the five DeepEP phases show the diagnoses of the DeepEP validation run. The root (rank 0)
+publishes both engines' windows to ``/metrics``, OTLP (when an endpoint is set), log lines and
+NPZ artifacts, and forwards every report through a channel to the parent, which draws the live
+table, keeps the run's incidents, draws the heatmaps and writes the step-time window files and
+the final summary.
 
 The timeline is owned by the root: at the start of every step it broadcasts which phase the
 world is in and whether to stop, so all ranks agree on both without a shared clock.
@@ -35,9 +38,13 @@ from typing import Any
 __all__ = [
     "DEEPEP_PHASES",
     "SCENARIOS",
+    "SIM_EP_SIZE",
+    "SIM_LATE_RANK",
+    "SIM_RANKS_PER_NODE",
     "STEP_PHASES",
     "DemoOptions",
     "Segment",
+    "SimulatedDeepEP",
     "Timeline",
     "parse_timeline",
     "preflight",
@@ -59,6 +66,11 @@ DEEPEP_PHASES: tuple[str, ...] = (
     "all_hca_pressure",
     "single_hca_pressure",
 )
+# The simulated DeepEP group, whatever the number of training ranks: EP 16 over two nodes of
+# eight, the layout of the DeepEP validation run, whose rank 9 is the late one.
+SIM_EP_SIZE = 16
+SIM_RANKS_PER_NODE = 8
+SIM_LATE_RANK = 9
 # Named timelines as shares of the duration.
 SCENARIOS: dict[str, tuple[tuple[str, float], ...]] = {
     "full": (("balanced", 0.2), ("input", 0.3), ("compute", 0.3), ("balanced", 0.2)),
@@ -195,12 +207,6 @@ class DemoOptions:
         if not (math.isfinite(self.step_pause_ms) and self.step_pause_ms >= 0):
             raise ValueError(f"DemoOptions.step_pause_ms: must be >= 0, got {self.step_pause_ms!r}")
 
-    @property
-    def ranks_per_node(self) -> int:
-        """Layout of the simulated DeepEP group: two nodes when the world is even (the RDMA
-        probes only see inter-node paths), else one rank per node."""
-        return self.ranks // 2 if self.ranks % 2 == 0 else 1
-
 
 def _rank_config(options: DemoOptions, run_id: str) -> Any:
     """The RankwatchConfig every rank runs with: the environment, then the demo's settings."""
@@ -266,43 +272,99 @@ def _tiny_model(features: int = 64, hidden: int = 256) -> Any:
     return TinyModel()
 
 
-class _CounterFeeder:
-    """Writes this rank's DeepEP normal-mode counters through the collector's bundles.
+class SimulatedDeepEP:
+    """The demo's DeepEP group: :data:`SIM_EP_SIZE` simulated ranks on two simulated nodes.
 
-    Every rank runs the same seeded simulator with the same phase sequence (the root
-    broadcasts it), so the rows the ranks write describe one consistent EP group; each rank
-    adds only its own row, as DeepEP's kernels would.
+    Real DeepEP needs GPUs, and the validation run's five diagnoses need an EP group of 16 over
+    two nodes (an NVLink domain per node, RDMA between them), whatever number of training ranks
+    the demo spawns. So the root keeps the group's cumulative counter block itself: every
+    ``interval_seconds`` a thread adds one simulated window (of the phase that covers most of
+    it) to the block and hands a copy, as the gather would, to a real
+    :class:`~rankwatch.exporter.deepep_root.DeepEPRoot`, which forms and validates the windows,
+    diagnoses them, writes the log lines and NPZ artifacts and publishes through the hub.
     """
 
-    def __init__(self, diagnose: Any, rank: int, options: DemoOptions) -> None:
-        import torch
-        from rankwatch.diagnosis.normal.schema import COMBINE_BUNDLE, DISPATCH_BUNDLE, counter_slots
+    def __init__(
+        self,
+        options: DemoOptions,
+        publishers: list[Any],
+        phase_at: Callable[[float], str],
+        run_id: str,
+    ) -> None:
+        import uuid
+
+        import numpy as np
+        from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
+        from rankwatch.diagnosis.normal.schema import counter_length
         from rankwatch.diagnosis.normal.simulator import NormalSimulator
+        from rankwatch.diagnosis.window_report import RankInfo
 
-        self._torch = torch
-        self.rank = rank
+        from .config import DeepEPConfig
+        from .deepep_root import DeepEPRoot
+
+        self.interval_s = options.interval_seconds
+        self.phase_at = phase_at  # wall-clock time -> DeepEP phase
         self.sim = NormalSimulator(
-            options.ranks,
-            options.ranks_per_node,
-            seed=options.seed,
-            slow_rank=options.straggler_rank,
-            pressured_local_ranks=(0,),
+            SIM_EP_SIZE, SIM_RANKS_PER_NODE, seed=options.seed, slow_rank=SIM_LATE_RANK
         )
-        slots = counter_slots(options.ranks)
-        dispatch = diagnose.get_normal_dispatch_stats_tensor()
-        combine = diagnose.get_normal_combine_stats_tensor()
-        self.targets = [
-            (view, slots[key].offset, slots[key].stop)
-            for views, keys in ((dispatch, DISPATCH_BUNDLE), (combine, COMBINE_BUNDLE))
-            for view, key in zip(views, keys, strict=True)
+        self.counters = np.zeros((SIM_EP_SIZE, counter_length(SIM_EP_SIZE)), dtype=np.int64)
+        rpn = SIM_RANKS_PER_NODE
+        members = [
+            RankInfo(rank=r, hostname=f"sim-node{r // rpn}", local_rank=r % rpn)
+            for r in range(SIM_EP_SIZE)
         ]
+        config = DeepEPConfig.from_env()
+        self.root = DeepEPRoot(
+            members=members,
+            ranks_per_node=SIM_RANKS_PER_NODE,
+            config=config,
+            normal_config=NormalConfig.from_env(),
+            low_latency_config=LowLatencyConfig.from_env(),
+            normal=True,
+            low_latency=False,
+            instance_id=uuid.uuid4().hex,
+            group_name="ep",
+            publishers=publishers,
+            log_to_file=True,
+            log_rank=0,
+            run=run_id,
+        )
+        self._last_s = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rankwatch-demo-deepep", daemon=True)
 
-    def add(self, phase: str) -> None:
+    def start(self) -> None:
+        now = time.time()
+        self.root.start(now)
+        self._last_s = now
+        self._thread.start()
+
+    def snapshot(self) -> None:
+        """Add the window since the last snapshot and submit the cumulative block."""
+        import torch
         from rankwatch.diagnosis.normal.window import snapshot_counters
 
-        row = self._torch.from_numpy(snapshot_counters(self.sim.window(phase))[self.rank])
-        for view, start, stop in self.targets:
-            view.add_(row[start:stop])
+        from .deepep_snapshot import PendingSnapshot
+
+        now = time.time()
+        phase = self.phase_at((self._last_s + now) / 2)
+        self.counters += snapshot_counters(self.sim.window(phase))
+        self._last_s = now
+        rows = torch.from_numpy(self.counters.copy())
+        self.root.submit(("normal",), PendingSnapshot(rows=rows, taken_at_s=now))
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.0, self._last_s + self.interval_s - time.time())):
+            self.snapshot()
+
+    def stop(self, timeout_seconds: float) -> None:
+        """Take one last snapshot (nothing since the last interval is lost), then let the root
+        finish what it was given."""
+        self._stop.set()
+        self._thread.join(timeout_seconds)
+        if time.time() - self._last_s >= self.interval_s / 2:
+            self.snapshot()
+        self.root.stop(timeout_seconds)
 
 
 class ChannelPublisher:
@@ -380,7 +442,6 @@ def _run_rank(
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from .deepep import Diagnose
     from .live_table import Progress
     from .publishing import PublisherHub
     from .rankwatch import RankWatch
@@ -394,7 +455,6 @@ def _run_rank(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(options.ranks),
         DEEPEP_DIAGNOSE_ENABLE="1",
-        DEEPEP_DIAGNOSE_ASYNC="1",
         DEEPEP_DIAGNOSE_INTERVAL=str(options.interval_seconds),
         DEEPEP_DIAGNOSE_EXPORT_NPZ="1",
         DEEPEP_DIAGNOSE_LOG_PATH=str(options.out / "deepep"),
@@ -415,18 +475,6 @@ def _run_rank(
     batches = _Batches(rank, options.seed)
     rw = RankWatch(None, None, config, publishers)
     loader = iter(rw.watch(model, optimizer, batches))
-    world = dist.group.WORLD
-    assert world is not None  # initialised above
-    deepep = Diagnose.create_from_env(
-        group=world,
-        enable_normal_diagnose=True,
-        publishers=publishers,
-        ranks_per_node=options.ranks_per_node,
-    )
-    assert deepep is not None  # enabled just above
-    feeder = _CounterFeeder(deepep, rank, options)
-    deepep.start()
-
     timeline = options.timeline
     total = timeline.total_seconds
     delay_s = options.straggler_ms / 1000.0
@@ -437,8 +485,17 @@ def _run_rank(
     # The root's record of which timeline segment each step id ran in.
     segment_of_step: list[tuple[int, int]] = []
     t0 = time.monotonic()
+    deepep: SimulatedDeepEP | None = None
     if rank == 0:
-        channel.put(("started", time.time()))
+        started_at = time.time()
+        channel.put(("started", started_at))
+        deepep = SimulatedDeepEP(
+            options,
+            publishers,
+            lambda at: DEEPEP_PHASES[deepep_phase_at(at - started_at, total)],
+            run_id,
+        )
+        deepep.start()
     last_progress = -1.0
     while True:
         if rank == 0:
@@ -468,7 +525,6 @@ def _run_rank(
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        feeder.add(DEEPEP_PHASES[int(control[2])])
         rw.collect()  # ships rows every sync_step calls in sync mode; a no-op when async
         steps += 1
         if rw.timer is not None:
@@ -482,9 +538,10 @@ def _run_rank(
         channel.put(("rows", rank, rw.timer.read(0)[0]))
     if rank == 0:
         channel.put(("segments", segment_of_step))
-    # Stop DeepEP first (its last gather is collective), then the step collector, which
+    # Stop DeepEP first (its last window goes through the hub), then the step collector, which
     # publishes the final long-window summary on the root and closes the publishers.
-    deepep.stop(timeout_seconds=config.shutdown_timeout_seconds + options.interval_seconds)
+    if deepep is not None:
+        deepep.stop(config.shutdown_timeout_seconds + options.interval_seconds)
     rw.close(config.shutdown_timeout_seconds)
     dist.destroy_process_group()
     if rank == 0:
@@ -593,7 +650,9 @@ def run_demo(options: DemoOptions) -> int:
     state = _RunState()
     header = (
         f"rankwatch demo: {options.ranks} ranks, timeline {options.timeline.spec()}, "
-        f"straggler rank {options.straggler_rank}, output {options.out}"
+        f"straggler rank {options.straggler_rank}, output {options.out}; DeepEP group "
+        f"simulated at EP {SIM_EP_SIZE} over {SIM_EP_SIZE // SIM_RANKS_PER_NODE} nodes "
+        f"(late rank {SIM_LATE_RANK})"
     )
     procs = []
     with interrupts.ignored():
@@ -627,6 +686,14 @@ def run_demo(options: DemoOptions) -> int:
         "ranks": options.ranks,
         "timeline": options.timeline.spec(),
         "straggler_rank": options.straggler_rank,
+        # The DeepEP group is simulated, independent of the training ranks.
+        "deepep_group": {
+            "simulated": True,
+            "ep_size": SIM_EP_SIZE,
+            "ranks_per_node": SIM_RANKS_PER_NODE,
+            "late_rank": SIM_LATE_RANK,
+            "phases": list(DEEPEP_PHASES),
+        },
         "steps": _steps(state),
         "duration_s": round(_elapsed(state), 1),
         "started_at_s": state.started_at_s,

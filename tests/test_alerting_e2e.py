@@ -49,6 +49,7 @@ import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
+from rankwatch.exporter.demo import SIM_EP_SIZE
 
 from tests.servers import (
     REPO,
@@ -321,6 +322,7 @@ class Workload:
     group: str = GROUP  # the step-time group
     deepep_group: str = GROUP  # the DeepEP EP group (the demo runs it as its own group)
     n: int = N
+    ep_size: int = N  # ranks of the DeepEP group (the demo simulates its own)
     culprit: int = CULPRIT
     hosts: dict[int, str] = HOSTS
     deepep_classes: tuple[str, ...] = ()
@@ -373,11 +375,13 @@ class DemoWorkload(Workload):
     Timeline: 5 s balanced, 90 s with rank 2 slowed in its data loading, 70 s balanced. The
     straggler phase outlasts the 1m for: (the incident opens a couple of windows into it) plus
     the query checks, with about 25 s to spare; the balanced tail outlasts the 1m
-    keep_firing_for. The DeepEP simulator runs its five phases across the same 165 s, so
-    pre-stage arrival skew (from 33 s) happens while the straggler is still there.
+    keep_firing_for. The simulated DeepEP group (EP 16 over two nodes, whatever --ranks is)
+    runs its five phases across the same 165 s, so pre-stage arrival skew (from 33 s) happens
+    while the straggler is still there.
     """
 
     deepep_classes = ("pre_stage_arrival_skew",)
+    ep_size = SIM_EP_SIZE  # simulated at EP 16 over two nodes, whatever --ranks is
 
     def __init__(self, out: Path) -> None:
         super().__init__()
@@ -655,12 +659,13 @@ def check_panel(stack: Stack, dashboard: str, panel: dict[str, Any]) -> None:
         (cells,) = results
         pairs = {(c["metric"]["src"], c["metric"]["dst"]) for c in cells}
         assert len(pairs) == len(cells), f"{title}: duplicate cells"
-        padded = sorted(f"{r:05d}" for r in range(w.n))
+        ep = w.ep_size
+        padded = sorted(f"{r:05d}" for r in range(ep))
         if "dispatch_rdma_recv" in title:
             # Gateway-oriented and sparse: only edges that carried traffic have cells.
             assert pairs <= {(s, d) for s in padded for d in padded}
         else:
-            assert len(cells) == w.n * w.n, f"{title}: {len(cells)} cells, want {w.n * w.n}"
+            assert len(cells) == ep * ep, f"{title}: {len(cells)} cells, want {ep * ep}"
             assert {s for s, _ in pairs} == set(padded) == {d for _, d in pairs}
         # Sorting by "key" (what the sortBy transformation does) gives row-major numeric order.
         keys = sorted(c["metric"]["key"] for c in cells)
@@ -673,7 +678,7 @@ def check_panel(stack: Stack, dashboard: str, panel: dict[str, Any]) -> None:
             assert sorted(x["metric"]["hostname"] for x in r) == sorted(set(w.hosts.values()))
     if title in ("Notify ratio per rank and probe", "Notify duration per rank"):
         (series,) = results
-        assert len(series) == w.n * len(NOTIFY_PROBES)
+        assert len(series) == w.ep_size * len(NOTIFY_PROBES)
     if title == "Per-rank phase times":
         (series,) = results
         assert len(series) == 2 * w.n  # visible and step per rank

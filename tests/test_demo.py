@@ -1,7 +1,8 @@
 """``rankwatch demo`` end to end: real ranks (Gloo), a real Prometheus, the files it leaves.
 
 One demo run (3 ranks, rank 2 slowed first in its data loading, then in its forward pass, then
-healthy again) is shared by the tests of this module; ``test_demo_interrupt.py`` checks Ctrl-C.
+healthy again; the DeepEP group simulated at EP 16 over two nodes, whatever the number of
+training ranks) is shared by the tests of this module; ``test_demo_interrupt.py`` checks Ctrl-C.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from tests.test_cli import CLI, run_cli
 pytestmark = [pytest.mark.multiproc, pytest.mark.servers]
 
 STRAGGLER = 2
+# The demo's simulated DeepEP group and its late rank (rank 9, as in the validation run).
+EP, LATE = 16, 9
 TIMELINE = "balanced:4,input:8,compute:8,balanced:10"
 
 
@@ -134,15 +137,15 @@ def test_prometheus_names_the_injected_straggler(demo_run: DemoRun) -> None:
 def test_prometheus_sees_the_deepep_windows_too(demo_run: DemoRun) -> None:
     # One hub, both collectors: the DeepEP series sit beside the step-time ones, and the
     # pre-stage arrival skew incidents name the rank the DeepEP simulator delays.
-    assert demo_run.deepep_series >= 3 * 3  # three Notify probes x three ranks
-    assert demo_run.late_ranks == {str(STRAGGLER)}
+    assert demo_run.deepep_series == 3 * EP  # three Notify probes x the simulated EP ranks
+    assert demo_run.late_ranks == {str(LATE)}
 
 
 def test_otlp_push_carries_both_engines(demo_run: DemoRun) -> None:
     # The same run pushed OTLP to a real VictoriaMetrics: the step-time diagnosis names the
     # same culprit, and the DeepEP windows arrive too.
     assert demo_run.otlp_culprits == {str(STRAGGLER)}
-    assert demo_run.otlp_deepep_series >= 3 * 3  # three Notify probes x three ranks
+    assert demo_run.otlp_deepep_series == 3 * EP  # three Notify probes x the EP ranks
 
 
 def test_live_lines_follow_the_timeline(demo_run: DemoRun) -> None:
@@ -177,7 +180,7 @@ def test_summary_names_the_straggler(demo_run: DemoRun) -> None:
     assert "compute_straggler" in incident["causes"]
     assert incident["closed_at_s"] is not None
     deepep = [i for i in summary["incidents"] if i["class"] == "pre_stage_arrival_skew"]
-    assert deepep and all(i["ranks"] == [STRAGGLER] for i in deepep)
+    assert deepep and all(i["ranks"] == [LATE] for i in deepep)
     text = (demo_run.out / "summary.txt").read_text()
     assert f"rank {STRAGGLER}" in text
     assert "What to do:" in text
@@ -210,7 +213,7 @@ def test_deepep_artifacts_replay_and_heatmaps(demo_run: DemoRun) -> None:
     assert len(npz) >= 20  # about one per second of the 30 s timeline
     result = run_cli("replay", str(demo_run.out))
     assert result.returncode == 0, result.stderr
-    assert f"pre_stage_arrival_skew[{STRAGGLER}]" in result.stdout
+    assert f"pre_stage_arrival_skew[{LATE}]" in result.stdout
     assert "global_data_path_slowdown" in result.stdout
     assert "0 differ from the saved diagnosis; 0 unreadable" in result.stdout
     phases = sorted(p.name for p in (demo_run.out / "heatmaps").iterdir())
@@ -236,3 +239,63 @@ def test_incident_events_are_logged_as_json(demo_run: DemoRun) -> None:
         e["incident.class"] == "step_time_straggler" and e["incident.culprit_ranks"] == [STRAGGLER]
         for e in opened
     )
+
+
+# The DeepEP validation run's five-phase table: each phase's diagnosis at EP 16 on two nodes.
+VALIDATION_DIAGNOSES: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {
+    "baseline": [],
+    "pre_dispatch_delay": [
+        ("pre_stage_arrival_skew", "cached_notify_dispatch", (LATE,)),
+        ("pre_stage_arrival_skew", "notify_dispatch", (LATE,)),
+    ],
+    "pre_combine_delay": [("pre_stage_arrival_skew", "cached_notify_combine", (LATE,))],
+    "all_hca_pressure": [
+        ("global_data_path_slowdown", "combine_logical_recv,dispatch_final,dispatch_rdma_recv", ())
+    ],
+    "single_hca_pressure": [
+        (
+            "localized_data_path_slowdown",
+            "combine_logical_recv,dispatch_final,dispatch_rdma_recv",
+            (0, 1, 8, 9),
+        )
+    ],
+}
+
+
+def test_deepep_phases_show_the_validation_diagnoses_at_ep16(demo_run: DemoRun) -> None:
+    from rankwatch.diagnosis.artifacts import load_window_artifact
+    from rankwatch.exporter.demo import DEEPEP_PHASES
+
+    run = _summary(demo_run)["run"]
+    assert run["deepep_group"]["simulated"] is True
+    assert (run["deepep_group"]["ep_size"], run["deepep_group"]["ranks_per_node"]) == (EP, 8)
+    assert f"DeepEP group simulated at EP {EP} over 2 nodes" in demo_run.output
+    # The five phases share the timeline equally.
+    share = sum(float(p.split(":")[1]) for p in TIMELINE.split(",")) / len(DEEPEP_PHASES)
+    seen: dict[str, list[list[tuple[str, str, tuple[int, ...]]]]] = {p: [] for p in DEEPEP_PHASES}
+    for path in sorted((demo_run.out / "deepep").glob("*.npz")):
+        window, diagnosis, meta = load_window_artifact(path)
+        assert (window.ep_size, window.ranks_per_node) == (EP, 8), path.name
+        assert diagnosis is not None, path.name
+        start = meta.start_time_s - run["started_at_s"]
+        end = meta.end_time_s - run["started_at_s"]
+        index = int(start // share)
+        # Windows wholly inside one phase (the one spanning the end is partly after it).
+        if index >= len(DEEPEP_PHASES) or end > (index + 1) * share + 1e-3:
+            continue
+        seen[DEEPEP_PHASES[index]].append(
+            sorted(
+                (i["class"], ",".join(sorted(i["probes"])), tuple(i["ranks"]))
+                for i in diagnosis["incidents"]
+            )
+        )
+    for phase, expected in VALIDATION_DIAGNOSES.items():
+        assert len(seen[phase]) >= 3, (phase, seen[phase])
+        assert all(got == expected for got in seen[phase]), (phase, seen[phase])
+    # The incidents of the run, as the summary keeps them, name the same classes and ranks.
+    opened = {(i["class"], tuple(i["ranks"])) for i in _summary(demo_run)["incidents"]}
+    assert {
+        ("pre_stage_arrival_skew", (LATE,)),
+        ("global_data_path_slowdown", ()),
+        ("localized_data_path_slowdown", (0, 1, 8, 9)),
+    } <= opened

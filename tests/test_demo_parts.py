@@ -17,6 +17,7 @@ from rankwatch.exporter.demo import (
     DEEPEP_PHASES,
     DemoOptions,
     Segment,
+    SimulatedDeepEP,
     Timeline,
     deepep_phase_at,
     parse_timeline,
@@ -33,6 +34,8 @@ from rankwatch.exporter.summary import (
     write_summary,
 )
 from rich.console import Console
+
+from tests.test_deepep_gloo import Collect
 
 # --- timelines -------------------------------------------------------------------------------
 
@@ -128,8 +131,44 @@ def test_demo_options_are_validated(kwargs: dict[str, object], message: str) -> 
     assert message in str(err.value)
 
 
-def test_simulated_deepep_group_spans_two_nodes_when_it_can() -> None:
-    assert [DemoOptions(ranks=n).ranks_per_node for n in range(2, 9)] == [1, 1, 2, 1, 3, 1, 4]
+def test_simulated_deepep_group_is_ep16_on_two_nodes_whatever_the_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two training ranks; the DeepEP group still has 16 ranks on two nodes, and its windows go
+    # through the real root pipeline (cumulative blocks -> windows -> diagnosis -> publishers,
+    # NPZ artifacts and log lines).
+    monkeypatch.setenv("DEEPEP_DIAGNOSE_LOG_PATH", str(tmp_path / "deepep"))
+    monkeypatch.setenv("DEEPEP_DIAGNOSE_EXPORT_NPZ", "1")
+    phases = ["baseline"] * 4 + [p for p in DEEPEP_PHASES[1:] for _ in range(2)]
+    current = iter(phases)
+    sink = Collect()
+    # An interval far longer than the test: only the explicit snapshots below are taken.
+    options = DemoOptions(ranks=2, interval_seconds=3600.0, out=tmp_path)
+    group = SimulatedDeepEP(options, [sink], lambda at: next(current), "run-1")
+    group.start()
+    for _ in phases:
+        group.snapshot()
+    group.stop(10.0)
+    assert len(sink.reports) == len(phases)
+    assert {len(r.ranks) for r in sink.reports} == {16}
+    assert {r.ranks[9].hostname for r in sink.reports} == {"sim-node1"}
+    got = [
+        sorted((i.cls, i.ranks) for i in r.normal.incidents)
+        for r in sink.reports
+        if r.normal is not None
+    ]
+    # The validation run's five diagnoses, two windows per phase after four baseline ones.
+    late = ("pre_stage_arrival_skew", (9,))
+    expected = {
+        "baseline": [],
+        "pre_dispatch_delay": [late, late],
+        "pre_combine_delay": [late],
+        "all_hca_pressure": [("global_data_path_slowdown", ())],
+        "single_hca_pressure": [("localized_data_path_slowdown", (0, 1, 8, 9))],
+    }
+    assert got == [expected[p] for p in phases]
+    assert len(list((tmp_path / "deepep").glob("*.npz"))) == len(phases)
+    assert "EPSize: 16" in (tmp_path / "deepep" / "deepep_diagnose_rank0.log").read_text()
 
 
 # --- verdicts --------------------------------------------------------------------------------
