@@ -297,16 +297,17 @@ class _BackwardTracker:
     post-accumulate-grad hook of a parameter) to that end, the wait for the last gradient
     reduction and DDP's end-of-backward work.
 
-    ``nested``: a wrapper (DDP, FSDP) queues its own final callbacks during the pass, so the
-    end is a callback queued from a callback; a plain model needs one callback only.
+    The end is a callback queued from a callback: a wrapper (DDP, FSDP) queues its own final
+    callbacks during the pass, and a model that looks plain may be the inner module of a
+    wrapper the framework holds (a Trainer watches its unwrapped model), so one callback
+    would close backward before DDP's end-of-backward wait.
     """
 
-    def __init__(self, timer: StepTimer, nested: bool = True) -> None:
+    def __init__(self, timer: StepTimer) -> None:
         self._timer = timer
         self._active = False
         self._engine = torch.autograd.Variable._execution_engine
         self._clock = timer._clock
-        self._first_callback = self._requeue if nested else self._finish
         self.last_grad_ns = -1
 
     def on_output_grad(self, *grads: Any) -> None:
@@ -317,7 +318,7 @@ class _BackwardTracker:
         self._active = True
         self.last_grad_ns = -1
         self._timer.begin(BACKWARD)
-        self._engine.queue_callback(self._first_callback)
+        self._engine.queue_callback(self._requeue)
 
     def on_param_grad(self, param: torch.Tensor) -> None:
         # One clock read per parameter per backward: the last one wins.
@@ -398,7 +399,7 @@ def install(
     """
     handles: list[RemovableHandle] = []
     if model is not None:
-        tracker = _BackwardTracker(timer, nested=detect_strategy(model) is not None)
+        tracker = _BackwardTracker(timer)
         inner = _ddp_inner(model)
         sync = inner is not None
 
@@ -504,6 +505,7 @@ def _optimizer_hooks(
             return
         timer.end(OPTIMIZER)
         timer.optimizer_steps += 1
+        timer.optimizer_end_ns = timer._clock()
         # With a watched loader the next fetch closes the step (post-step work included).
         if closes_step and not timer.loader_steps and timer.auto_step:
             timer.end_step()
