@@ -381,9 +381,9 @@ class RankWatch:
             handle.remove()
         self._handles.clear()
         if self.timer is not None:
-            # An open step (loop left by break/exception) never finished: no row for it.
-            if self.timer.in_step:
-                self.timer.abort_step()
+            # A step left open when the loop ended is written if its optimizer ran (a
+            # trainer stopping at its step count fetches no next batch), else discarded.
+            self.timer.finish_open_step()
             self.timer.drain_gpu(min(1.0, 0.2 * timeout_seconds))
         if self._collector is not None:
             self._collector.stop(max(0.0, deadline - time.monotonic()))

@@ -161,6 +161,7 @@ class StepTimer:
         # next fetch (so work after the optimizer is in the step); else the optimizer does.
         self.loader_steps = False
         self.optimizer_steps = 0  # outermost optimizer steps seen by the hooks
+        self.optimizer_end_ns = -1  # when the hooks last saw an outermost optimizer step end
         self._phases = {name: _Phase(self, i) for i, name in enumerate(PHASES)}
         self._step_ctx = _Step(self)
 
@@ -294,9 +295,9 @@ class StepTimer:
             return
         self.start_step(step_id)
 
-    def end_step(self) -> None:
-        """Close the open step and write its row."""
-        now = self._clock()
+    def end_step(self, end_ns: int | None = None) -> None:
+        """Close the open step and write its row (ending now, or at ``end_ns``)."""
+        now = self._clock() if end_ns is None else end_ns
         start = self._step_start
         if start < 0:
             return
@@ -322,6 +323,23 @@ class StepTimer:
         else:
             gpu.finish_step(slot)
             self.finished += gpu.poll(self._write_gpu, 2)
+
+    def finish_open_step(self) -> None:
+        """At shutdown: write a hook-opened step that ran its optimizer (a whole training step
+        no next fetch closed: the loop ended at its step count, or left by ``break``), ending
+        where its optimizer step ended; discard any other open step.
+
+        On the GPU clock it is discarded too: its end marker cannot be placed in the past.
+        """
+        if self._step_start < 0:
+            return
+        opt = self._row[_OPT_COL]
+        done = self._auto and opt == opt and self.optimizer_end_ns >= self._step_start
+        if done and self._gpu is None:
+            self._start = [-1] * _N
+            self.end_step(self.optimizer_end_ns)
+        else:
+            self.abort_step()
 
     def abort_step(self) -> None:
         """Discard the open step (no row): an exception inside it, or a loader that ran out."""

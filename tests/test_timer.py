@@ -386,6 +386,38 @@ def test_watched_loader_that_runs_out_leaves_no_row() -> None:
     rw.close(1.0)
 
 
+def test_a_loop_that_stops_at_its_step_count_keeps_its_last_step() -> None:
+    """A trainer fetches exactly its steps' batches: no next fetch closes the last step, so
+    close() writes it (ending at its optimizer step); a batch that never reached the
+    optimizer is no step."""
+    model = SlowModel()
+    opt = SlowSGD(model.parameters(), lr=0.01)
+    rw = RankWatch(config=single_config())
+    it = iter(rw.watch(model, opt, SlowLoader(10)))
+    for _ in range(3):
+        batch = next(it)
+        torch.nn.functional.mse_loss(model(batch.x), batch.y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert rw.timer is not None
+    timer = rw.timer
+    time.sleep(0.6)  # work after the last optimizer step is not in the step written at close
+    rw.close(2.0)
+    rows = rows_of(timer)
+    assert rows[:, 0].tolist() == [0, 1, 2]
+    assert not np.isnan(rows[2, CPU["optimizer"]])
+    assert rows[2, CPU["step"]] < (H2D_S + FWD_S + BWD_S + OPT_S) * 1e3 + SLACK_MS < 600.0
+
+    rw = RankWatch(config=single_config())
+    it = iter(rw.watch(model, opt, SlowLoader(10)))
+    batch = next(it)
+    model(batch.x)  # left before the optimizer: discarded
+    assert rw.timer is not None
+    timer = rw.timer
+    rw.close(2.0)
+    assert rows_of(timer).shape[0] == 0
+
+
 def test_explicit_step_adopts_the_step_the_loader_opened() -> None:
     rw = RankWatch(config=single_config())
     loader = rw.watch(dataloader=SlowLoader(3))
