@@ -35,6 +35,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     try:
         import numpy as np
         import torch.distributed as dist
+        from rankwatch.diagnosis.step_window import ROW_WIDTH
         from rankwatch.exporter.windows import (
             FLAG_END_OF_ROUND,
             GroupLayout,
@@ -62,7 +63,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 received += len(transport.poll())
                 time.sleep(0.01)
         else:
-            rows = np.zeros((3, 13))
+            rows = np.zeros((3, ROW_WIDTH))
             rows[:, 0] = (0, 1, 2)
             buf = transport.send_buffer
             encode_message(
