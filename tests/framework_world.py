@@ -18,6 +18,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.servers import free_port
 
 JOIN_TIMEOUT_S = 240.0
@@ -25,6 +27,18 @@ SLEEP_S = 0.04  # the injected input delay: large against a tiny model's step on
 SLOW_RANK = 1  # the rank whose input is slow
 STEPS = 120  # optimizer steps per run
 BATCH = 8
+
+
+def require_framework(name: str) -> None:
+    """Import ``name`` or skip; in CI (``CI=true``) a missing framework fails: the dev extra
+    installs every framework these tests run on."""
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:
+        msg = f"{name} is not installed: `pip install -e '.[dev]'` brings it ({exc})"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg, allow_module_level=True)
 
 
 def _entry(rank: int, world: int, port: int, scenario: str, out: str) -> None:

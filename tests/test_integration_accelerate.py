@@ -19,10 +19,11 @@ from tests.framework_world import (
     Recorder,
     assert_input_straggler,
     pairs_loader,
+    require_framework,
     run_world,
 )
 
-pytest.importorskip("accelerate")
+require_framework("accelerate")
 pytestmark = pytest.mark.multiproc
 
 

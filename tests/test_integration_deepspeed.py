@@ -21,10 +21,11 @@ from tests.framework_world import (
     Recorder,
     assert_input_straggler,
     pairs_loader,
+    require_framework,
     run_world,
 )
 
-pytest.importorskip("deepspeed")
+require_framework("deepspeed")
 pytestmark = pytest.mark.multiproc
 
 

@@ -19,10 +19,11 @@ from tests.framework_world import (
     Recorder,
     assert_input_straggler,
     pairs_loader,
+    require_framework,
     run_world,
 )
 
-pytest.importorskip("lightning")
+require_framework("lightning")
 pytestmark = pytest.mark.multiproc
 
 

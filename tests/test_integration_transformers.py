@@ -17,10 +17,11 @@ from tests.framework_world import (
     SLEEP_S,
     SLOW_RANK,
     STEPS,
+    require_framework,
     run_world,
 )
 
-pytest.importorskip("transformers")
+require_framework("transformers")
 pytestmark = pytest.mark.multiproc
 
 
