@@ -200,7 +200,9 @@ class RankWatch:
         if layout is None or not layout.is_member:
             # Outside the group: the new_group call below is still collective for lists.
             if layout is not None and not members_only and len(layout.ranks) > 1:
-                create_gloo_group(layout.ranks, members_only, group_timeout(config))
+                create_gloo_group(
+                    layout.ranks, members_only, group_timeout(config), config.gloo_lazy_connect
+                )
             return
         self._layout = layout
         self.timer = StepTimer(config.max_buffered_steps)
@@ -208,7 +210,9 @@ class RankWatch:
         transport: Transport | None = None
         identity = local_identity(config.node_name_env)
         if len(layout.ranks) > 1:
-            pg = create_gloo_group(layout.ranks, members_only, group_timeout(config))
+            pg = create_gloo_group(
+                layout.ranks, members_only, group_timeout(config), config.gloo_lazy_connect
+            )
             transport = Transport(layout, pg, dedicated_store(pg))
             transport.publish_identity(*identity)
         self._collector = WindowCollector(
