@@ -198,3 +198,21 @@ def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
         "INPUT_STRAGGLER",
         SLOW_RANK,
     )
+
+
+def test_attach_adds_the_callback_once_and_refuses_what_is_not_a_trainer(tmp_path: Path) -> None:
+    from rankwatch.exporter.integrations.transformers import RankwatchCallback
+    from transformers import Trainer
+
+    callback = RankwatchCallback()
+    with pytest.raises(TypeError, match=r"field trainer: expected a transformers\.Trainer"):
+        callback.attach(tiny_bert())
+    trainer = Trainer(
+        model=tiny_bert(),
+        args=training_args(str(tmp_path), 1, ddp_backend=None),
+        train_dataset=TokenDataset(4),
+        data_collator=SlowCollator(0.0),
+    )
+    assert callback.attach(trainer) is callback
+    assert callback.attach(trainer) is callback
+    assert [c for c in trainer.callback_handler.callbacks if c is callback] == [callback]

@@ -12,18 +12,23 @@ callback starts rankwatch with :func:`rankwatch.exporter.init` (keyword argument
 overrides, e.g. ``metrics_port=9500``; or pass ``rankwatch=`` a function returning your own
 ``RankWatch``) and watches what the Trainer trains with:
 
-* the model it hands to callbacks (the model under DDP; the FSDP wrapper under FSDP, so the
-  strategy is detected): forward and backward hooks;
+* the model: the Trainer's DDP wrapper under DDP (so the waits at DDP's synchronisation
+  points are timed); the FSDP wrapper under FSDP (so the strategy is detected); else the
+  model it hands to callbacks. Forward and backward hooks. Callbacks get no Trainer: it is
+  found on the call stack when training begins, or given with :meth:`RankwatchCallback.attach`;
 * the optimizer inside Accelerate's ``AcceleratedOptimizer``: step hooks; its step closes the
   training step (Accelerate calls it once per optimizer step, after the accumulated
   micro-batches);
 * the training dataloader (Accelerate's ``DataLoaderShard``): the Trainer iterates the object
   it holds, so that object is made to time each ``next()`` as ``input_wait`` (see
   :func:`~rankwatch.exporter.integrations.watch_loader_in_place`). Accelerate moves the batch
-  to the device inside that ``next()``: the copy counts as input wait and ``h2d`` is absent.
+  to the device inside that ``next()``: the copy counts as input wait and ``h2d`` is absent;
+* the Trainer's token-count all-gather (``average_tokens_across_devices``, before the forward
+  pass): run inside :meth:`~rankwatch.exporter.rankwatch.RankWatch.sync_wait`, so the ranks'
+  wait there joins ``forward_wait``.
 
-When training ends the loader gets its class back and rankwatch is closed (the root publishes
-the summary window).
+When training ends the loader gets its class back, the Trainer its token count, and rankwatch
+is closed (the root publishes the summary window).
 """
 
 from __future__ import annotations
