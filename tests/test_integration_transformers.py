@@ -216,3 +216,24 @@ def test_attach_adds_the_callback_once_and_refuses_what_is_not_a_trainer(tmp_pat
     assert callback.attach(trainer) is callback
     assert callback.attach(trainer) is callback
     assert [c for c in trainer.callback_handler.callbacks if c is callback] == [callback]
+
+
+def test_early_collectives_warning_names_only_the_waits_that_are_not_timed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    from rankwatch.exporter.integrations.transformers import _warn_early_collectives
+
+    args = SimpleNamespace(
+        world_size=2, average_tokens_across_devices=True, ddp_broadcast_buffers=None
+    )
+    model = tiny_bert()  # has buffers (position ids)
+    with caplog.at_level("WARNING", logger="rankwatch.integrations.transformers"):
+        _warn_early_collectives(args, model, ddp_seen=True, gather_timed=True)
+        assert caplog.records == []  # the callback reached the Trainer: both waits timed
+        _warn_early_collectives(args, model, ddp_seen=False, gather_timed=False)
+    (record,) = caplog.records
+    assert "average_tokens_across_devices" in record.getMessage()
+    assert "ddp_broadcast_buffers" in record.getMessage()
+    assert "attach(trainer)" in record.getMessage()
