@@ -274,6 +274,21 @@ class RankWatch:
         except (KeyError, TypeError):
             return self.timer.phase(name)  # raises the error naming the field
 
+    def sync_wait(self) -> Any:
+        """Context manager around a wait at a synchronisation point outside the watched model.
+
+        The hooks time DDP's own synchronisation points; a collective the training loop runs
+        outside the model (a token-count all-gather before the forward pass, an all-reduced
+        metric) lines the ranks up too, and the ranks that arrive early wait there. Wrapped
+        in ``with rw.sync_wait():`` that wait joins ``forward_wait`` (and ``forward``; inside
+        a timed backward: ``backward_wait``), so the rank that waited least is still named.
+        Run it on every rank at the same point of every step: the waits are compared only
+        when every rank timed them. Blocks do not nest (``RuntimeError``).
+        """
+        if self.timer is None:
+            return _INERT
+        return self.timer._sync_wait
+
     def collect(self) -> None:
         """Mark one training step for collection; in sync mode every ``sync_step``-th call
         ships rows (and, on the root, builds a window) on the background thread."""

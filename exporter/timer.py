@@ -96,6 +96,43 @@ class _Phase:
         self._end(self._i)
 
 
+class _SyncWait:
+    """Context manager crediting a wait at a synchronisation point outside the hooks' reach
+    (one instance per timer, reused; see :meth:`StepTimer.sync_wait`)."""
+
+    __slots__ = ("_start", "_timer")
+
+    def __init__(self, timer: StepTimer) -> None:
+        self._timer = timer
+        self._start = -1
+
+    def __enter__(self) -> _SyncWait:
+        if self._start >= 0:
+            raise RuntimeError("sync_wait: already inside a sync_wait block (they do not nest)")
+        self._start = self._timer._clock()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        timer = self._timer
+        ns = timer._clock() - self._start
+        self._start = -1
+        # Inside a timed forward or backward the phase already holds the time: only its wait
+        # grows. Anywhere else the wait is a synchronisation before the forward pass (as DDP's
+        # buffer broadcast is): it counts as forward and as forward_wait, so it leaves the
+        # residual and compute (forward minus its wait) stays what it was.
+        if timer.phase_open(BACKWARD):
+            timer.add(BACKWARD_WAIT, ns)
+            return
+        if not timer.phase_open(FORWARD):
+            timer.add(FORWARD, ns)
+        timer.add(FORWARD_WAIT, ns)
+
+
 class _Step:
     """Context manager of one step (reused); an exception inside the step discards its row."""
 
@@ -164,6 +201,7 @@ class StepTimer:
         self.optimizer_end_ns = -1  # when the hooks last saw an outermost optimizer step end
         self._phases = {name: _Phase(self, i) for i, name in enumerate(PHASES)}
         self._step_ctx = _Step(self)
+        self._sync_wait = _SyncWait(self)
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -212,6 +250,14 @@ class StepTimer:
                 f"phase: field name: value {name!r} is not one of {', '.join(PHASES)} "
                 "(the step time is measured by step())"
             ) from None
+
+    def sync_wait(self) -> _SyncWait:
+        """Context manager around a wait at a synchronisation point the hooks do not see (a
+        collective the training loop runs outside the model: a token-count all-gather, an
+        all-reduced metric). Its time is credited to ``forward_wait`` (and to ``forward``
+        when no forward is being timed: a synchronisation before the forward pass), or to
+        ``backward_wait`` inside a timed backward. Blocks do not nest (``RuntimeError``)."""
+        return self._sync_wait
 
     def step(self, step_id: int | None = None) -> _Step:
         """Context manager of one step; ``step_id`` defaults to the previous id + 1."""

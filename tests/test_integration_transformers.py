@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rankwatch.diagnosis.step_window import column
 
 from tests.framework_world import (
     SLEEP_S,
@@ -94,18 +95,28 @@ def training_args(out_dir: str, steps: int, ddp_backend: str | None = "gloo", **
     )
 
 
-def scenario_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
+def scenario_trainer_defaults(rank: int, world: int, out: str) -> dict[str, Any]:
+    """The Trainer's default arguments: it all-gathers the token count after fetching the
+    batches and DDP broadcasts the model's buffers, both before the forward pass, so the
+    ranks wait for the late one there (timed as sync waits by the callback)."""
+    return train_with_callback(rank, world, out)
+
+
+def scenario_trainer_no_early_sync(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Both synchronisations before the forward pass off: the wait is in backward."""
+    return train_with_callback(
+        rank, world, out, average_tokens_across_devices=False, ddp_broadcast_buffers=False
+    )
+
+
+def train_with_callback(rank: int, world: int, out: str, **extra: Any) -> dict[str, Any]:
     """Train under ``Trainer`` with the callback as a user writes it: ``init()`` with overrides
     and an ``on_incident`` function (the root records the incident events)."""
     import torch.distributed as dist
     from rankwatch.exporter.integrations.transformers import RankwatchCallback
     from transformers import Trainer
 
-    # The Trainer's collectives before the forward pass (token-count gather, DDP buffer
-    # broadcast) off: the late rank's wait then lands in backward, where DDP rules look.
-    args = training_args(
-        out, STEPS, average_tokens_across_devices=False, ddp_broadcast_buffers=False
-    )
+    args = training_args(out, STEPS, **extra)
     events: list[dict[str, Any]] = []
 
     def on_incident(event: Any) -> None:
@@ -128,6 +139,7 @@ def scenario_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
     rw = callback.rankwatch
     assert rw is not None
     rows = rw.timer.ring[: rw.timer.written].tolist() if rw.timer is not None else []
+    fww = [r[column("cpu", "forward_wait")] for r in rows]
     loader = trainer.callback_handler.train_dataloader
     dist.barrier()
     summary = rw.latest_report  # the root's last report: the summary window at close
@@ -136,6 +148,8 @@ def scenario_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
         "summary": summary.to_dict() if summary is not None else None,
         "rows": len(rows),
         "input_wait_ms": [r[1] for r in rows],
+        "forward_wait_ms": fww,
+        "gather_restored": "_get_num_items_in_batch" not in vars(trainer),
         "collator_calls": collator.calls,
         "loader_module_after": type(loader).__module__,
         "closed": not rw.active,
@@ -144,10 +158,13 @@ def scenario_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize(
+    "scenario", ["scenario_trainer_defaults", "scenario_trainer_no_early_sync"]
+)
 def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
-    tmp_path: Path,
+    tmp_path: Path, scenario: str
 ) -> None:
-    res = run_world(f"{__name__}:scenario_trainer", 2, tmp_path)
+    res = run_world(f"{__name__}:{scenario}", 2, tmp_path)
     root, other = res[0], res[1]
     assert root["is_root"] and not other["is_root"]
     assert other["events"] == [] and other["summary"] is None  # only the root diagnoses
@@ -157,6 +174,9 @@ def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
         assert r["rows"] == STEPS, r["rows"]
         assert r["collator_calls"] >= STEPS
         assert all(v == v for v in r["input_wait_ms"])  # input_wait timed in every step (no NaN)
+        # The DDP wrapper is watched: its sync waits are timed in every step.
+        assert all(v == v for v in r["forward_wait_ms"]), r["forward_wait_ms"]
+        assert r["gather_restored"]  # the Trainer gets its own token count back
         # The loader gets its own class back at train end.
         assert r["loader_module_after"] == "accelerate.data_loader", r["loader_module_after"]
     slow_wait = sorted(res[SLOW_RANK]["input_wait_ms"])[STEPS // 2]
@@ -173,7 +193,47 @@ def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
     assert root["summary"]["window_kind"] == "summary"
     st = root["summary"]["step_time"]
     assert st["strategy"] == "ddp"
+    assert st["visible_definition"] == "sync_wait", st["visible_definition"]
     assert (st["findings"][0]["kind"], st["findings"][0]["culprit_rank"]) == (
         "INPUT_STRAGGLER",
         SLOW_RANK,
     )
+
+
+def test_attach_adds_the_callback_once_and_refuses_what_is_not_a_trainer(tmp_path: Path) -> None:
+    from rankwatch.exporter.integrations.transformers import RankwatchCallback
+    from transformers import Trainer
+
+    callback = RankwatchCallback()
+    with pytest.raises(TypeError, match=r"field trainer: expected a transformers\.Trainer"):
+        callback.attach(tiny_bert())
+    trainer = Trainer(
+        model=tiny_bert(),
+        args=training_args(str(tmp_path), 1, ddp_backend=None),
+        train_dataset=TokenDataset(4),
+        data_collator=SlowCollator(0.0),
+    )
+    assert callback.attach(trainer) is callback
+    assert callback.attach(trainer) is callback
+    assert [c for c in trainer.callback_handler.callbacks if c is callback] == [callback]
+
+
+def test_early_collectives_warning_names_only_the_waits_that_are_not_timed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    from rankwatch.exporter.integrations.transformers import _warn_early_collectives
+
+    args = SimpleNamespace(
+        world_size=2, average_tokens_across_devices=True, ddp_broadcast_buffers=None
+    )
+    model = tiny_bert()  # has buffers (position ids)
+    with caplog.at_level("WARNING", logger="rankwatch.integrations.transformers"):
+        _warn_early_collectives(args, model, ddp_seen=True, gather_timed=True)
+        assert caplog.records == []  # the callback reached the Trainer: both waits timed
+        _warn_early_collectives(args, model, ddp_seen=False, gather_timed=False)
+    (record,) = caplog.records
+    assert "average_tokens_across_devices" in record.getMessage()
+    assert "ddp_broadcast_buffers" in record.getMessage()
+    assert "attach(trainer)" in record.getMessage()
