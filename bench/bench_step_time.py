@@ -5,7 +5,9 @@ several runs, with the spread (max - min). The baseline, measured side by side, 
 reduction alone: the NaN-aware mean over the window's steps of an already stacked
 ``[ranks, steps, 13]`` array, i.e. the least work any diagnosis of that window must do. The
 "row dicts" figures include reading every ``{"step_id", "cpu": {...}, "gpu": {...}}`` dict in
-Python, which dominates them; the "read rows only" row isolates that cost.
+Python, which dominates them; the "read rows only" row isolates that cost, and the "bare read"
+row is the least any pure-Python reader does (one key lookup per value, one float conversion
+per value, no checks): the floor of that path on the machine at hand.
 
 Usage: ``python -m bench.bench_step_time`` (or through ``python -m bench.run_all``).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -52,6 +55,17 @@ def _rows(arrays: dict[int, Any]) -> dict[int, list[dict[str, Any]]]:
             for row in arr.tolist()
         ]
     return out
+
+
+def _bare_read(items: list[tuple[int, list[dict[str, Any]]]]) -> np.ndarray:
+    """Every value of every row fetched and converted once, nothing checked (the floor)."""
+    sig = itemgetter(*SIGNALS)
+    flat: list[Any] = []
+    ext = flat.extend
+    for _, rows in items:
+        for row in rows:
+            ext((row["step_id"], *sig(row["cpu"]), *sig(row["gpu"])))
+    return np.fromiter(flat, dtype=np.float64, count=len(flat))
 
 
 def _row(
@@ -94,6 +108,9 @@ def run(
             items = list(rows.items())
             m, s = _measure(lambda i=items: _rows_table(i), repeat)
             out.append(_row(f"step_time read rows only, {label}", m, s, base, target=None))
+            m, s = _measure(lambda i=items: _bare_read(i), repeat)
+            name = f"step_time bare read of the row dicts (no checks, floor), {label}"
+            out.append(_row(name, m, s, base, target=None))
     # The final-summary window: 10,000 steps.
     arrays = dict(example_window(8, summary_steps, slow_rank=3).per_rank)
     cube = np.stack(list(arrays.values()))
