@@ -175,7 +175,8 @@ def test_two_jobs_on_one_node_get_disjoint_ports_and_prometheus_scrapes_them(
         codes = {j: p.wait(timeout=30) for j, p in procs.items()}
         assert codes == {jobs[0]: 143, jobs[1]: 0}, {j: p.stderr.read() for j, p in procs.items()}
         assert not any(f.exists() for f in files.values())
-        assert list(claim_dir.iterdir()) == []
+        # Every claim is gone; the node-wide lock file stays (removing it could race a claimer).
+        assert [p.name for p in claim_dir.iterdir()] == [".lock"]
     finally:
         for j, p in procs.items():
             stops[j].touch()
@@ -255,3 +256,27 @@ def test_sbatch_example_runs_the_wrapper_once_per_node() -> None:
     assert "srun --ntasks-per-node=1" in text
     assert 'python3 "$RANKWATCH_SLURM" --ranks-per-node "$GPUS_PER_NODE" --' in text
     assert "RANKWATCH_FILE_SD_DIR" in text and "RANKWATCH_RUN_ID" in text
+
+
+def _claim_in_process(args: tuple[int, str, str]) -> int:
+    job_id, claim_dir, go = args
+    mod = _module()
+    while not Path(go).exists():  # start together, to race for the same preferred block
+        pass
+    block = mod.claim_block(job_id, RANKS, PORT_MIN, PORT_MAX, Path(claim_dir), "127.0.0.1")
+    return int(block.first)
+
+
+def test_jobs_claiming_at_the_same_moment_never_share_a_block(tmp_path: Path) -> None:
+    """Eight jobs with the same preferred block claim at once: each gets its own block (the
+    claim is written whole before any other claimer looks at it)."""
+    import multiprocessing as mp
+
+    blocks = (PORT_MAX - PORT_MIN + 1) // RANKS
+    go = tmp_path / "go"
+    jobs = [(5 + k * blocks, str(tmp_path / "claims"), str(go)) for k in range(8)]
+    with mp.get_context("fork").Pool(len(jobs)) as pool:
+        pending = pool.map_async(_claim_in_process, jobs)
+        go.touch()
+        firsts = pending.get(timeout=60)
+    assert len(set(firsts)) == len(firsts), firsts

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -91,6 +92,9 @@ def _stale(claim: Path) -> bool:
 
 def _bindable(port: int, addr: str) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As the metrics server binds (SO_REUSEADDR): a port whose last scrapes left
+        # connections in TIME_WAIT is free for it, one with a live listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
         except OSError:
@@ -111,28 +115,35 @@ def claim_block(
     claim_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         claim_dir.chmod(0o1777)  # every user's jobs claim here (sticky: only owners delete)
-    blocks = (port_max - port_min + 1) // size
-    for i in range(blocks):
-        first = port_min + ((job_id + i) % blocks) * size
-        claim = claim_dir / f"{first}-{size}"
-        if _overlaps_other_claim(claim_dir, first, size, claim):
-            continue
-        try:
-            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            if not _stale(claim):
+    # One claimer at a time on this node: between creating a claim and writing its owner the
+    # file is empty, and a concurrent claimer would read that as a stale claim and take the
+    # block too. The lock is released by the kernel if the holder dies.
+    # Opened read-only: any user's job can lock it (the first creator owns the file).
+    lock_fd = os.open(claim_dir / ".lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    with os.fdopen(lock_fd) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        blocks = (port_max - port_min + 1) // size
+        for i in range(blocks):
+            first = port_min + ((job_id + i) % blocks) * size
+            claim = claim_dir / f"{first}-{size}"
+            if _overlaps_other_claim(claim_dir, first, size, claim):
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                claim.unlink()
             try:
                 fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                continue  # another job took it over first
-        with os.fdopen(fd, "w") as f:
-            f.write(_owner())
-        if all(_bindable(p, addr) for p in range(first, first + size)):
-            return Block(first, size, claim)
-        claim.unlink()  # something else listens there: try the next block
+                if not _stale(claim):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    claim.unlink()
+                try:
+                    fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                except FileExistsError:
+                    continue  # another job took it over first
+            with os.fdopen(fd, "w") as f:
+                f.write(_owner())
+            if all(_bindable(p, addr) for p in range(first, first + size)):
+                return Block(first, size, claim)
+            claim.unlink()  # something else listens there: try the next block
     raise RuntimeError(f"no free block of {size} ports in {port_min}..{port_max} on this node")
 
 
