@@ -201,6 +201,7 @@ def test_benchmark_module_rows() -> None:
         "step_time diagnose_arrays, 4 ranks x 10 steps, from [n, 13] arrays",
         "step_time diagnose_means, 4 ranks",
         "step_time read rows only, 4 ranks x 10 steps",
+        "step_time bare read of the row dicts (no checks, floor), 4 ranks x 10 steps",
         "step_time diagnose_arrays, 8 ranks x 50 steps (summary)",
     ]
     for r in rows:
