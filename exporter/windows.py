@@ -417,6 +417,9 @@ class Transport:
         # poll reads one key instead of one per peer (4,096 at a time in a large group).
         self._rung = -1
         self.broken: set[int] = set()  # peers whose connection failed
+        # Peers that hung up after their last message arrived (the next receive could not be
+        # posted): a rank that shipped its final rows and exited, or one that crashed.
+        self.closed: set[int] = set()
         self.failed = False  # the store or the root is gone: nothing more will move
         # Peers whose receive is not posted yet: the group connects lazily, and posting a
         # receive connects to the peer, so the root posts one only once the peer says its end
@@ -493,7 +496,11 @@ class Transport:
         """Messages that arrived since the last poll (root only; never blocks on a peer)."""
         if self._unposted:
             self._admit()
-        peers = [p for p in self.layout.peers if p not in self.broken and p in self._recv]
+        peers = [
+            p
+            for p in self.layout.peers
+            if p not in self.broken and p not in self.closed and p in self._recv
+        ]
         if not peers:
             return []
         # Read the total first: every doorbell it counts has already moved (a sender rings
@@ -515,7 +522,13 @@ class Transport:
                     break
                 self._consumed[peer] += 1
                 out.append(buf.numpy())  # a fresh buffer is posted next: no copy needed
-                self._post(peer)
+                try:
+                    self._post(peer)
+                except RuntimeError:
+                    # The peer closed its end after this message: keep what arrived (its
+                    # final rows, when it is done) instead of failing the whole poll.
+                    self.closed.add(peer)
+                    break
         self._rung = total
         return out
 
@@ -814,7 +827,11 @@ class WindowCollector:
         return out
 
     def _broken(self) -> set[int]:
-        return self.transport.broken if self.transport is not None else set()
+        """Peers that can ship no more and have not shipped their final rows."""
+        if self.transport is None:
+            return set()
+        hung_up = {p for p in self.transport.closed if not self._peers[p].final}
+        return self.transport.broken | hung_up
 
     def _mark_missing(self, peer: int, now: float) -> None:
         st = self._peers[peer]

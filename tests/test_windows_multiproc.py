@@ -132,7 +132,7 @@ def _entry(rank: int, world: int, port: int, scenario: str, out: str) -> None:
     # As on Kubernetes (downward API spec.nodeName): each rank on a node of its own.
     os.environ["NODE_NAME"] = f"Node-{rank}"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    result: dict[str, Any] = {"rank": rank}
+    result: dict[str, Any] = {"rank": rank, "out": out}
     try:
         import torch
 
@@ -340,7 +340,28 @@ def scenario_world4(rank: int, world: int, result: dict[str, Any]) -> None:
     )
 
 
+def scenario_ship_and_exit(rank: int, world: int, result: dict[str, Any]) -> None:
+    """Ranks 1 and 2 close (their final rows shipped) and leave the process at once, before
+    the root reads them; the root trains on, then closes."""
+    from rankwatch.exporter.rankwatch import RankWatch
+
+    rec = Recorder()
+    rw = RankWatch(config=_config(interval_seconds=0.25), publishers=[rec])
+    for _ in range(30 if rank else 60):
+        with rw.step(), rw.phase("forward"):
+            time.sleep(0.02 if rank == 2 else 0.01)
+    if rank:
+        rw.close(5.0)
+        # Gone before the root has polled: its next receive from this rank cannot be posted.
+        Path(result["out"], f"{rank}.json").write_text(json.dumps(result))
+        os._exit(0)
+    time.sleep(1.5)
+    rw.close(5.0)
+    result["reports"] = rec.reports
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
+    "ship_and_exit": scenario_ship_and_exit,
     "kinds": scenario_kinds,
     "equivalence": scenario_equivalence,
     "world4": scenario_world4,
@@ -443,6 +464,18 @@ def test_watch_gives_the_explicit_rows_and_detects_ddp_and_fsdp(tmp_path: Path) 
     assert bulk["window_kind"] == "summary" and bulk["missing_ranks"] == []
     assert bulk["step_time"]["step_range"] == [0, BULK_STEPS - 1]
     assert bulk["step_time"]["steps"] == BULK_STEPS
+
+
+def test_rows_shipped_just_before_a_rank_exits_are_kept(tmp_path: Path) -> None:
+    res = run_world("ship_and_exit", 3, tmp_path)
+    for r in range(3):
+        _ok(res[r])
+    (summary,) = [r for r in res[0]["reports"] if r["window_kind"] == "summary"]
+    # Both ranks that left shipped everything first: none is missing, their steps are counted.
+    assert summary["missing_ranks"] == [], summary["missing_ranks"]
+    st = summary["step_time"]
+    assert [i["rank"] for i in summary["ranks"]] == [0, 1, 2]
+    assert st["steps"] >= 30, st["steps"]
 
 
 def test_subgroup_global_ranks_and_dead_and_stalled_ranks(tmp_path: Path) -> None:
