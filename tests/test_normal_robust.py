@@ -13,6 +13,7 @@ from rankwatch.diagnosis.normal.robust import (
     grouped_medians,
     lane_medians,
     median_excluding_self,
+    median_of_scratch,
     modified_zscores,
     nan_median,
     robust_location_scale,
@@ -114,3 +115,31 @@ def test_transposed_copy_matches_numpy_for_any_shape():
         x = rng.normal(size=shape).astype(np.float32)
         out = transposed_copy(x)
         assert out.flags.c_contiguous and np.array_equal(out, x.T)
+
+
+@settings(max_examples=100, deadline=None)
+@given(arrays(np.float64, st.integers(1, 40), elements=st.floats(-1e6, 1e6, allow_nan=False)))
+def test_median_of_scratch_equals_numpy_median(x):
+    # Exactly equal, ties and odd/even sizes included: the point residual scores depend on it.
+    assert median_of_scratch(x.copy()) == float(np.median(x))
+
+
+def test_robust_location_scale_equals_the_numpy_definition():
+    rng = np.random.default_rng(3)
+    x = rng.lognormal(0.0, 0.02, 100_001).astype(np.float32)
+    x[::97] = np.nan
+    finite = x[np.isfinite(x)].astype(np.float64)
+    med = float(np.median(finite))
+    assert robust_location_scale(x) == (med, float(np.median(np.abs(finite - med))) / 0.6745)
+    assert np.isnan(median_of_scratch(np.empty(0)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(arrays(np.float64, st.integers(2, 30), elements=st.integers(0, 3).map(float)))
+def test_median_excluding_self_with_many_ties(x):
+    # Ties everywhere: every removed value's neighbours are equal to it somewhere.
+    got = median_excluding_self(x)
+    for i in range(x.size):
+        others = np.sort(np.delete(x, i))
+        m = others.size
+        assert got[i] == 0.5 * others[(m - 1) // 2] + 0.5 * others[m // 2]

@@ -14,6 +14,7 @@ __all__ = [
     "grouped_medians",
     "lane_medians",
     "median_excluding_self",
+    "median_of_scratch",
     "modified_zscores",
     "nan_median",
     "robust_location_scale",
@@ -33,21 +34,36 @@ ZERO_SPREAD_TOLERANCE = 1e-6
 _SPARSE_SHARE = 0.25
 
 
+def median_of_scratch(values: np.ndarray) -> float:
+    """Median of a 1-D array of finite values that the caller no longer needs (reordered).
+
+    Equal to ``np.median``, about 3x faster on a million values: one partition around the
+    upper middle (``np.median`` partitions around both middles and the end, to find NaNs,
+    which costs several times more); the lower middle is then the largest value before it.
+    """
+    n = values.size
+    if n == 0:
+        return float("nan")
+    h = n // 2
+    values.partition(h)
+    upper = float(values[h])
+    if n % 2:
+        return upper
+    return (float(values[:h].max()) + upper) / 2.0
+
+
 def nan_median(values: np.ndarray) -> float:
     """Median of the finite values; NaN when there are none."""
     flat = np.asarray(values).ravel()
-    finite = flat[np.isfinite(flat)]
-    if finite.size == 0:
-        return float("nan")
-    return float(np.median(finite))
+    return median_of_scratch(flat[np.isfinite(flat)])
 
 
-def _sorted_lane_medians(mat: np.ndarray, in_place: bool = False) -> np.ndarray:
+def _sorted_lane_medians(mat: np.ndarray, counts: np.ndarray, in_place: bool = False) -> np.ndarray:
     """Medians along axis 1 of a 2-D array whose invalid entries are NaN (sorted last).
 
-    ``in_place`` sorts ``mat`` itself (for a scratch copy the caller owns).
+    ``counts`` holds each lane's number of valid entries; ``in_place`` sorts ``mat`` itself
+    (for a scratch copy the caller owns).
     """
-    counts = np.count_nonzero(~np.isnan(mat), axis=1)
     if in_place:
         mat.sort(axis=1)
         ordered = mat
@@ -93,14 +109,14 @@ def lane_medians(mat: np.ndarray, axis: int) -> np.ndarray:
     if axis not in (0, 1):
         raise ValueError(f"axis: must be 0 or 1, got {axis!r}")
     valid = ~np.isnan(arr)
-    n_valid = int(np.count_nonzero(valid))
-    if arr.size and n_valid < _SPARSE_SHARE * arr.size:
+    counts = np.count_nonzero(valid, axis=axis)  # valid entries per lane
+    if arr.size and int(counts.sum()) < _SPARSE_SHARE * arr.size:
         idx = np.nonzero(valid)
         return grouped_medians(arr[idx], idx[1 - axis], arr.shape[1 - axis])
     if axis == 1:
-        return _sorted_lane_medians(arr)
+        return _sorted_lane_medians(arr, counts)
     # An explicit copy (never a view of the caller's data), so it can be sorted where it lies.
-    return _sorted_lane_medians(transposed_copy(arr), in_place=True)
+    return _sorted_lane_medians(transposed_copy(arr), counts, in_place=True)
 
 
 # Rows per strip of :func:`transposed_copy`: a strip of 32 rows is written as 32-value runs,
@@ -119,8 +135,9 @@ def transposed_copy(arr: np.ndarray) -> np.ndarray:
 def median_excluding_self(values: np.ndarray) -> np.ndarray:
     """For each finite entry, the median of the *other* finite entries (NaN if none remain).
 
-    Computed from one sort: removing the element at sorted position k shifts every later
-    element down by one, so the order statistics of the remaining n-1 values are known.
+    Removing a value leaves the order statistics of the other n - 1 known from four of the
+    whole: the i-th remaining one is the i-th of all when the removed value lies above it,
+    else the (i + 1)-th (a tie gives the same either way). One partition, no sort.
     """
     x = np.asarray(values, dtype=np.float64).ravel()
     out = np.full(x.shape, np.nan)
@@ -129,17 +146,15 @@ def median_excluding_self(values: np.ndarray) -> np.ndarray:
     n = idx.size
     if n < 2:
         return out
-    order = np.argsort(x[idx], kind="stable")
-    v = x[idx][order]
-    k = np.empty(n, dtype=np.int64)
-    k[order] = np.arange(n)  # sorted position of each finite entry
+    vals = x[idx]
     m = n - 1  # how many values remain
     lo_i = (m - 1) // 2
     hi_i = m // 2
+    v = np.partition(vals, sorted({lo_i, lo_i + 1, hi_i, hi_i + 1}))
 
     def remaining(i: int) -> np.ndarray:
-        # i-th order statistic of the remaining values, per removed position k.
-        return np.where(i < k, v[i], v[min(i + 1, n - 1)])
+        # i-th order statistic of the remaining values, per removed value.
+        return np.where(vals > v[i], v[i], v[i + 1])
 
     # Halves first: the sum of two durations near float64's top would overflow to inf.
     out[idx] = 0.5 * remaining(lo_i) + 0.5 * remaining(hi_i)
@@ -154,11 +169,12 @@ def robust_location_scale(values: np.ndarray) -> tuple[float, float]:
     outlier (see :func:`scores_from`). No finite value gives ``(nan, nan)``.
     """
     flat = np.asarray(values, dtype=np.float64).ravel()
-    finite = flat[np.isfinite(flat)]
+    finite = flat[np.isfinite(flat)]  # a copy: free to reorder
     if finite.size == 0:
         return float("nan"), float("nan")
-    med = float(np.median(finite))
-    mad = float(np.median(np.abs(finite - med)))
+    med = median_of_scratch(finite)
+    np.subtract(finite, med, out=finite)
+    mad = median_of_scratch(np.abs(finite, out=finite))
     return med, mad / MAD_SCALE
 
 
