@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 from rankwatch.diagnosis.step_artifact import example_window
-from rankwatch.diagnosis.step_time import diagnose_arrays
+from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays
 from rankwatch.diagnosis.window_report import WindowReport
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publishing import PublisherHub
@@ -66,7 +66,7 @@ from rankwatch.exporter.windows import (
 )
 
 ROWS_PER_WINDOW = 100
-ROW_BYTES = 13 * 8
+ROW_BYTES = ROW_WIDTH * 8
 
 
 def _median(fn: Any, repeat: int) -> tuple[float, float]:
@@ -85,7 +85,7 @@ class _FeedTimer(StepTimer):
 
     def read(self, cursor: int) -> tuple[np.ndarray, int, int]:
         if not self.queue:
-            return np.empty((0, 13)), cursor, 0
+            return np.empty((0, ROW_WIDTH)), cursor, 0
         rows = self.queue.pop(0)
         return rows, cursor + len(rows), 0
 
@@ -101,6 +101,7 @@ class _StoreTransport:
         self.keys = [f"db/{r}" for r in self.peers]
         self.failed = False
         self.broken: set[int] = set()
+        self.closed: set[int] = set()
         self.queue: list[np.ndarray] = []
         self.consumed = dict.fromkeys(self.peers, 0)
         self.total = -1
@@ -158,7 +159,7 @@ class _Root:
         for r in range(self.ranks):
             rows = self.template[r]
             assert rows is not None
-            rows = np.resize(rows, (steps, 13))
+            rows = np.resize(rows, (steps, ROW_WIDTH))
             rows[:, 0] = ids
             if r == 0:
                 self.timer.queue.append(rows)
@@ -281,7 +282,7 @@ def summary_cost(ranks: int = 1024, steps: int = 10_000) -> list[dict[str, Any]]
             rows[:, 0] += k
             root.collector._keep(r, rows, 0.0)
             if k == 0:
-                per_rank[r] = np.resize(rows, (steps, 13))
+                per_rank[r] = np.resize(rows, (steps, ROW_WIDTH))
         root.collector._blocks.flush()  # type: ignore[union-attr]
     for r in range(ranks):
         arr = per_rank[r]
@@ -323,7 +324,7 @@ def root_memory(
     for steps in steps_list:
         # Full-row path: every rank holds the same bytes; measured on one rank.
         buf = RowBuffer(cap)
-        chunk = np.zeros((min(steps, 500), 13))
+        chunk = np.zeros((min(steps, 500), ROW_WIDTH))
         for k in range(0, steps, 500):
             part = chunk[: min(500, steps - k)].copy()
             part[:, 0] = np.arange(k, k + len(part))
@@ -396,7 +397,7 @@ if mode in ("eager", "lazy"):
             got += len(transport.poll())
             time.sleep(0.01)
     else:
-        rows = np.zeros((3, 13)); rows[:, 0] = (0, 1, 2)
+        rows = np.zeros((3, w.ROW_WIDTH)); rows[:, 0] = (0, 1, 2)
         w.encode_message(transport.send_buffer, rows, sender=rank, seq=1,
                          flags=w.FLAG_END_OF_ROUND, lost=0, strategy=None)
         transport.send(transport.send_buffer)

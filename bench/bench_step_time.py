@@ -101,7 +101,9 @@ def run(
         m, s = _measure(lambda r=rows: diagnose_steps(r, window=steps), repeat)
         out.append(_row(f"step_time diagnose_steps, {label}, from row dicts", m, s, base))
         m, s = _measure(lambda a=arrays: diagnose_arrays(a, window=steps), repeat)
-        out.append(_row(f"step_time diagnose_arrays, {label}, from [n, 13] arrays", m, s, base))
+        out.append(
+            _row(f"step_time diagnose_arrays, {label}, from [n, ROW_WIDTH] arrays", m, s, base)
+        )
         m, s = _measure(lambda x=means: diagnose_means(x, steps=steps, clock="gpu"), repeat)
         out.append(_row(f"step_time diagnose_means, {ranks:,} ranks", m, s, base))
         if ranks == max(sizes):

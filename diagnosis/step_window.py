@@ -111,6 +111,8 @@ def rank_items(per_rank: Mapping[Any, Any]) -> list[tuple[int, Any]]:
 
 def validate_rank_id(rank: object) -> int:
     """A global rank id as ``int``; ``ValueError`` naming the value for anything else."""
+    if type(rank) is int and rank >= 0:  # the usual case, without the ABC checks below
+        return rank
     if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, (int, np.integer)):
         raise ValueError(
             f"rank {rank!r}: field rank_id: value {rank!r} is not an int "
@@ -135,9 +137,26 @@ def _rank_at(index: int, lengths: Sequence[int], ranks: Sequence[int | None]) ->
     raise IndexError(index)
 
 
+def _table_is_clean(table: FloatArray) -> bool:
+    """The usual answer of :func:`_check_table`, from two NaN-skipping reductions over the
+    whole table (one pass each, no temporaries the size of the table) and the id column."""
+    with np.errstate(invalid="ignore"):
+        lowest = np.fmin.reduce(table, axis=None)  # NaN only when every value is NaN
+        highest = np.fmax.reduce(table, axis=None)
+    ids = table[:, 0]
+    return (
+        not bool(lowest < 0)
+        and not bool(np.isinf(highest))
+        and not bool(np.isnan(ids).any())
+        and bool((ids == np.floor(ids)).all())
+    )
+
+
 def _check_table(table: FloatArray, lengths: Sequence[int], ranks: Sequence[int | None]) -> None:
     """Step ids non-negative integers; times NaN (absent) or finite and >= 0."""
     ids = table[:, 0]
+    if table.size and _table_is_clean(table):
+        return
     bad_id = ~np.isfinite(ids) | (ids < 0) | (ids != np.floor(ids))
     times = table[:, 1:]
     bad_time = np.isinf(times) | (times < 0)
@@ -265,7 +284,11 @@ def _reduce_aligned(
 def gpu_steps(cube: FloatArray) -> BoolArray:
     """``[ranks, steps]``: the step can be read on the GPU clock (the window uses the GPU clock
     only when every aligned step of every present rank can)."""
-    cpu_has, gpu_has = ~np.isnan(cube[:, :, 1:7]), ~np.isnan(cube[:, :, 7:13])
+    return _gpu_steps(cube, ~np.isnan(cube[:, :, 7:13]))
+
+
+def _gpu_steps(cube: FloatArray, gpu_has: BoolArray) -> BoolArray:
+    cpu_has = ~np.isnan(cube[:, :, 1:7])
     return (
         gpu_has[:, :, STEP]
         & gpu_has[:, :, IW]
@@ -288,10 +311,17 @@ def _reduce_cube(
     steps = cube.shape[1]
     if steps == 0:
         return WindowMeans(tuple(ranks), means, measured, present, 0, "cpu")
-    cpu, gpu = cube[:, :, 1:7], cube[:, :, 7:13]
-    cpu_has, gpu_has = ~np.isnan(cpu), ~np.isnan(gpu)
-    use_gpu = bool(gpu_steps(cube).all()) if clock is None else clock == "gpu"
-    values, has = (gpu, gpu_has) if use_gpu else (cpu, cpu_has)
+    gpu_has = None
+    if clock is None:
+        # A step without its GPU time (every step of a CPU job) settles it in one column.
+        use_gpu = not bool(np.isnan(cube[:, :, 7 + STEP]).any())
+        if use_gpu:
+            gpu_has = ~np.isnan(cube[:, :, 7:13])
+            use_gpu = bool(_gpu_steps(cube, gpu_has).all())
+    else:
+        use_gpu = clock == "gpu"
+    values = cube[:, :, 7:13] if use_gpu else cube[:, :, 1:7]
+    has = gpu_has if use_gpu and gpu_has is not None else ~np.isnan(values)
     filled = np.where(has, values, 0.0)
     sums = filled.sum(axis=1)
     sig_measured = np.where(_EVERY_STEP, has.all(axis=1), has.any(axis=1))

@@ -196,7 +196,9 @@ def encode_message(
     if n > CHUNK_ROWS:
         raise ValueError(f"encode_message: field rows: {n} rows exceed CHUNK_ROWS={CHUNK_ROWS}")
     if rows.ndim != 2 or rows.shape[1] != ROW_WIDTH:
-        raise ValueError(f"encode_message: field rows: shape {rows.shape}, expected [n, 13]")
+        raise ValueError(
+            f"encode_message: field rows: shape {rows.shape}, expected [n, {ROW_WIDTH}]"
+        )
     out[0] = 0.0
     out[0, :8] = (
         MAGIC,

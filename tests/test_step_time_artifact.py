@@ -198,7 +198,7 @@ def test_benchmark_module_rows() -> None:
     rows = run(sizes=(4,), steps=10, summary_steps=50)
     assert [r["name"] for r in rows] == [
         "step_time diagnose_steps, 4 ranks x 10 steps, from row dicts",
-        "step_time diagnose_arrays, 4 ranks x 10 steps, from [n, 13] arrays",
+        "step_time diagnose_arrays, 4 ranks x 10 steps, from [n, ROW_WIDTH] arrays",
         "step_time diagnose_means, 4 ranks",
         "step_time read rows only, 4 ranks x 10 steps",
         "step_time bare read of the row dicts (no checks, floor), 4 ranks x 10 steps",
@@ -214,3 +214,20 @@ def test_a_file_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
     bad.write_bytes(b'{"format": "caf\xe9"}')
     with pytest.raises(ValueError, match=r"latin1\.json: not UTF-8"):
         load_window(bad)
+
+
+def test_scale_benchmark_runs_on_a_small_group() -> None:
+    # The scale benchmark drives the real root with today's rows; a change of the row layout
+    # or of the transport must not leave it broken until the next long run.
+    from bench.bench_scale import root_cpu, root_memory, summary_cost
+
+    rows = root_cpu(sizes=(8,), windows=1)
+    rows += summary_cost(ranks=8, steps=600)
+    rows += root_memory(sizes=(8,), steps_list=(100,))
+    assert [r["name"] for r in rows] == [
+        "root CPU per 5 s window, 8 ranks (% of one core)",
+        "live window diagnosed, 8 ranks x 100 steps (CPU time)",
+        "summary window, 8 ranks x 600 steps, from block sums",
+        "root memory, 8 ranks x 100 steps",
+    ]
+    assert all(r["median"] > 0 for r in rows)

@@ -451,3 +451,30 @@ def test_a_rank_id_given_twice_is_an_error() -> None:
 
     with pytest.raises(ValueError, match=r"rank 2: field rank_id: value 2 is given more than once"):
         diagnose_steps(Pairs({2: []}))
+
+
+@pytest.mark.parametrize(
+    ("col", "value", "what"),
+    [
+        (0, math.nan, "is not a non-negative integer"),
+        (0, -1.0, "is not a non-negative integer"),
+        (0, 1.5, "is not a non-negative integer"),
+        (0, math.inf, "is not a non-negative integer"),
+        (4, -0.5, "is negative"),
+        (4, math.inf, "is not finite"),
+        (9, -math.inf, "is not finite"),
+        (14, -2.0, "is negative"),
+    ],
+)
+def test_bad_value_in_rank_arrays_names_rank_row_field(col: int, value: float, what: str) -> None:
+    # Arrays go through the quick whole-table check first; a bad cell anywhere still gets
+    # the careful check's message, naming the rank, the row and the field.
+    good = np.full((5, ROW_WIDTH), np.nan)
+    good[:, 0] = np.arange(5)
+    good[:, 1:7] = 1.0
+    bad = good.copy()
+    bad[3, col] = value
+    reduce_window({0: good, 2: good}, window=5)  # all-NaN columns are no error
+    with pytest.raises(ValueError, match=what) as info:
+        reduce_window({0: good, 2: bad}, window=5)
+    assert str(info.value).startswith("rank 2: row 3")
