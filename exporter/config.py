@@ -53,8 +53,8 @@ class RankwatchConfig:
         default=20_000, metadata=option("RANKWATCH_MAX_BUFFERED_STEPS", 2)
     )
     # Read from the environment when rankwatch's Gloo group is created (see
-    # ``windows.create_gloo_group``).
-    gloo_lazy_connect: bool = field(default=False, metadata=option("RANKWATCH_GLOO_LAZY_CONNECT"))
+    # ``windows.create_gloo_group``): on, a rank connects to its root only, not to every member.
+    gloo_lazy_connect: bool = field(default=True, metadata=option("RANKWATCH_GLOO_LAZY_CONNECT"))
     strategy: str = field(
         default="", metadata=option("RANKWATCH_STRATEGY", choices=("", "ddp", "fsdp"))
     )

@@ -13,8 +13,9 @@ on). So the root never waits on a receive that has not arrived. After a sender's
 completed (the data is in the root's posted buffer or on the wire to it) the sender increments
 its *doorbell*, a counter in the job's c10d store, then the group's doorbell total; the root
 reads the total per poll, all doorbells with one ``multi_get`` when it moved, and waits only
-on receives whose doorbell moved, which return at once. With ``gloo_lazy_connect`` the group
-connects lazily, so a rank opens a connection to the root only, never a full mesh.
+on receives whose doorbell moved, which return at once. With ``gloo_lazy_connect`` (the
+default) the group connects lazily, so a rank opens a connection to the root only, never a
+full mesh.
 A rank that dies or stalls simply stops ringing: the root's round times out on its own clock
 (``gather_timeout_seconds``), the window names the rank missing, and later rounds do not wait
 for it again until it rings. A dead peer's connection failing never affects the others'.
@@ -377,9 +378,8 @@ def create_gloo_group(
 def _lazy_from_env() -> bool:
     """``gloo_lazy_connect`` as the environment sets it (validated like the config)."""
     name = "RANKWATCH_GLOO_LAZY_CONNECT"
-    if name not in os.environ:
-        return False
-    return RankwatchConfig.from_env(env={name: os.environ[name]}).gloo_lazy_connect
+    env = {name: os.environ[name]} if name in os.environ else {}
+    return RankwatchConfig.from_env(env=env).gloo_lazy_connect
 
 
 _GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"

@@ -81,11 +81,12 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         Path(out).write_text(json.dumps({"error": traceback.format_exc()}))
 
 
-def test_a_rank_opens_one_monitoring_connection_not_a_mesh(tmp_path: Path) -> None:
+def _run_world(target: Any, tmp_path: Path) -> list[dict[str, Any]]:
+    """Spawn WORLD ranks running ``target(rank, world, port, out)``; what each wrote."""
     ctx = mp.get_context("spawn")
     port = free_port()
     outs = [str(tmp_path / f"r{r}.json") for r in range(WORLD)]
-    procs = [ctx.Process(target=_rank, args=(r, WORLD, port, outs[r])) for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, WORLD, port, outs[r])) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:
@@ -96,6 +97,11 @@ def test_a_rank_opens_one_monitoring_connection_not_a_mesh(tmp_path: Path) -> No
     got: list[dict[str, Any]] = [json.loads(Path(o).read_text()) for o in outs]
     for r, g in enumerate(got):
         assert "error" not in g, (r, g.get("error"))
+    return got
+
+
+def test_a_rank_opens_one_monitoring_connection_not_a_mesh(tmp_path: Path) -> None:
+    got = _run_world(_rank, tmp_path)
     assert got[0]["received"] == WORLD - 1
     # A non-root rank: its group's listening socket and its connection to the root (an eager
     # group holds one socket per member: WORLD here).
@@ -103,3 +109,47 @@ def test_a_rank_opens_one_monitoring_connection_not_a_mesh(tmp_path: Path) -> No
     # The root: the listener and one connection per peer.
     assert got[0]["new"] <= WORLD
     assert all(g["env_after"] is None for g in got)  # the switch does not leak to other groups
+
+
+def _rankwatch_rank(rank: int, world: int, port: int, out: str) -> None:
+    try:
+        import torch.distributed as dist
+        from rankwatch.exporter.config import RankwatchConfig
+        from rankwatch.exporter.rankwatch import RankWatch
+
+        os.environ.pop("RANKWATCH_GLOO_LAZY_CONNECT", None)  # the default, whatever CI sets
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        before = socket_fds()
+        cfg = RankwatchConfig.from_env(
+            env={}, interval_seconds=0.2, metrics_enabled=False, otlp_enabled=False
+        )
+        rw = RankWatch(config=cfg, publishers=[])
+        for _ in range(40):
+            with rw.step(), rw.phase("forward"):
+                time.sleep(0.01)
+            rw.collect()
+        during = socket_fds() - before
+        rw.close(10.0)
+        latest = rw.latest_report
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "new": during,
+                    "missing": None if latest is None else latest.missing_ranks,
+                    "ranks": None if latest is None else [i.rank for i in latest.ranks],
+                }
+            )
+        )
+        dist.destroy_process_group()
+    except Exception:
+        Path(out).write_text(json.dumps({"error": traceback.format_exc()}))
+
+
+def test_rankwatch_connects_lazily_by_default(tmp_path: Path) -> None:
+    got = _run_world(_rankwatch_rank, tmp_path)
+    # Every rank's rows reached the root, each over its one connection to it.
+    assert got[0]["ranks"] == list(range(WORLD)) and got[0]["missing"] == []
+    assert all(g["new"] <= 2 for g in got[1:]), [g["new"] for g in got]
+    assert got[0]["new"] <= WORLD
