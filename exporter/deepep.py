@@ -45,6 +45,7 @@ from .deepep_snapshot import (
 )
 from .identity import DEFAULT_NODE_NAME_ENV, node_hostname
 from .publisher import Publisher
+from .windows import create_gloo_group
 
 __all__ = ["HISTORY_WINDOWS", "Diagnose", "infer_ranks_per_node"]
 
@@ -363,12 +364,11 @@ class Diagnose:
     def _make_cpu_group(self) -> None:
         # Asynchronous gathers run on our own thread: they need a Gloo group of their own, with
         # exactly the EP members (non-contiguous too). Local synchronization lets only the
-        # members create it, so ranks of other EP groups do not have to take part.
+        # members create it, so ranks of other EP groups do not have to take part; it connects
+        # lazily (as the step-time group does), only the pairs the gathers use.
         ep_ranks = [r.rank for r in self.ranks]
         timeout = datetime.timedelta(seconds=self.gather_timeout_seconds)
-        cpu_group = dist.new_group(
-            ranks=ep_ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
-        )
+        cpu_group = create_gloo_group(ep_ranks, True, timeout)
         assert isinstance(cpu_group, dist.ProcessGroup)
         order = dist.get_process_group_ranks(cpu_group)
         self._cpu_group = cpu_group
