@@ -213,7 +213,7 @@ class RankWatch:
             pg = create_gloo_group(
                 layout.ranks, members_only, group_timeout(config), config.gloo_lazy_connect
             )
-            transport = Transport(layout, pg, dedicated_store(pg))
+            transport = Transport(layout, pg, dedicated_store(pg), lazy=config.gloo_lazy_connect)
             transport.publish_identity(*identity)
         self._collector = WindowCollector(
             layout,

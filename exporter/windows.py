@@ -15,7 +15,8 @@ its *doorbell*, a counter in the job's c10d store, then the group's doorbell tot
 reads the total per poll, all doorbells with one ``multi_get`` when it moved, and waits only
 on receives whose doorbell moved, which return at once. With ``gloo_lazy_connect`` (the
 default) the group connects lazily, so a rank opens a connection to the root only, never a
-full mesh.
+full mesh; the root's first receives, which make those connections, are posted by connector
+threads (Gloo waits inside them for a peer that never connects).
 A rank that dies or stalls simply stops ringing: the root's round times out on its own clock
 (``gather_timeout_seconds``), the window names the rank missing, and later rounds do not wait
 for it again until it rings. A dead peer's connection failing never affects the others'.
@@ -42,6 +43,7 @@ import contextlib
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -383,6 +385,9 @@ def _lazy_from_env() -> bool:
 
 
 _GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+# Threads posting first receives on a lazily connected group: each rank that died before
+# its connection was made holds one for the group's timeout; the others keep connecting.
+_CONNECTOR_THREADS = 8
 _ANY_DOORBELL = "db/any"
 
 
@@ -407,7 +412,7 @@ class Transport:
     messages that have arrived; never waits on one that has not).
     """
 
-    def __init__(self, layout: GroupLayout, group: Any, store: Any) -> None:
+    def __init__(self, layout: GroupLayout, group: Any, store: Any, *, lazy: bool = False) -> None:
         self.layout = layout
         self.group = group
         self.store = store
@@ -429,6 +434,17 @@ class Transport:
         # group yet would be refused.
         self._hello = {r: f"hello/{r}" for r in layout.ranks}
         self._unposted: list[int] = []
+        # A lazily connected pair is connected by the root's first receive, and Gloo waits for
+        # the connection inside that call, up to the group's timeout: for a rank that died
+        # before connecting, that long. First receives are then posted by a few connector
+        # threads, so a dead rank holds one of them, never the window thread.
+        self._connect_queue: queue.SimpleQueue[int] | None = None
+        if lazy and layout.is_root and layout.peers:
+            self._connect_queue = queue.SimpleQueue()
+            for k in range(min(_CONNECTOR_THREADS, len(layout.peers))):
+                threading.Thread(
+                    target=self._connector, name=f"rankwatch-connect-{k}", daemon=True
+                ).start()
         if layout.is_root:
             for peer in layout.peers:
                 # Create every key so one multi_get never waits for one.
@@ -486,13 +502,24 @@ class Transport:
         for peer, value in zip(self._unposted, said, strict=True):
             if int(value) < 1:
                 waiting.append(peer)
-                continue
-            try:
-                self._post(peer)
-            except RuntimeError as exc:
-                log.warning("rankwatch: cannot connect to rank %d: %s", peer, exc)
-                self.broken.add(peer)
+            elif self._connect_queue is not None:
+                self._connect_queue.put(peer)
+            else:
+                self._post_first(peer)
         self._unposted = waiting
+
+    def _post_first(self, peer: int) -> None:
+        try:
+            self._post(peer)
+        except RuntimeError as exc:
+            log.warning("rankwatch: cannot connect to rank %d: %s", peer, exc)
+            self.broken.add(peer)
+
+    def _connector(self) -> None:
+        """Connector thread: posts first receives (``poll`` reads a peer once it is posted)."""
+        assert self._connect_queue is not None
+        while True:
+            self._post_first(self._connect_queue.get())
 
     def poll(self) -> list[NDArray[np.float64]]:
         """Messages that arrived since the last poll (root only; never blocks on a peer)."""

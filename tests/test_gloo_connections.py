@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         before = socket_fds()
         layout = GroupLayout(tuple(range(world)), rank)
         group = create_gloo_group(layout.ranks, False, timedelta(seconds=60), lazy=True)
-        transport = Transport(layout, group, dedicated_store(group))
+        transport = Transport(layout, group, dedicated_store(group), lazy=True)
         received = 0
         if layout.is_root:
             deadline = time.monotonic() + 60
@@ -117,11 +117,11 @@ def _rankwatch_rank(rank: int, world: int, port: int, out: str) -> None:
         from rankwatch.exporter.config import RankwatchConfig
         from rankwatch.exporter.rankwatch import RankWatch
 
-        os.environ.pop("RANKWATCH_GLOO_LAZY_CONNECT", None)  # the default, whatever CI sets
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
         before = socket_fds()
+        os.environ.pop("RANKWATCH_GLOO_LAZY_CONNECT", None)  # the default, whatever CI sets
         cfg = RankwatchConfig.from_env(
             env={}, interval_seconds=0.2, metrics_enabled=False, otlp_enabled=False
         )
@@ -153,3 +153,64 @@ def test_rankwatch_connects_lazily_by_default(tmp_path: Path) -> None:
     assert got[0]["ranks"] == list(range(WORLD)) and got[0]["missing"] == []
     assert all(g["new"] <= 2 for g in got[1:]), [g["new"] for g in got]
     assert got[0]["new"] <= WORLD
+
+
+DEAD = (2, 3, 4)  # ranks that create their end of the group, then die before connecting
+
+
+def _dead_before_connecting_rank(rank: int, world: int, port: int, out: str) -> None:
+    try:
+        import numpy as np
+        import torch.distributed as dist
+        from rankwatch.diagnosis.step_window import ROW_WIDTH
+        from rankwatch.exporter.windows import (
+            FLAG_END_OF_ROUND,
+            GroupLayout,
+            Transport,
+            create_gloo_group,
+            dedicated_store,
+            encode_message,
+        )
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        layout = GroupLayout(tuple(range(world)), rank)
+        group = create_gloo_group(layout.ranks, False, timedelta(seconds=30), lazy=True)
+        transport = Transport(layout, group, dedicated_store(group), lazy=True)
+        result: dict[str, Any] = {}
+        if rank in DEAD:
+            Path(out).write_text(json.dumps(result))
+            os._exit(0)  # its hello is in the store; its connection will never be made
+        if layout.is_root:
+            time.sleep(1.5)  # the dead ranks are gone before the root's first receive
+            received, slowest_poll_s, deadline = 0, 0.0, time.monotonic() + 20
+            while received < world - 1 - len(DEAD) and time.monotonic() < deadline:
+                t0 = time.monotonic()
+                received += len(transport.poll())
+                slowest_poll_s = max(slowest_poll_s, time.monotonic() - t0)
+                time.sleep(0.01)
+            result.update(received=received, slowest_poll_s=slowest_poll_s)
+        else:
+            time.sleep(2.0)
+            rows = np.zeros((3, ROW_WIDTH))
+            rows[:, 0] = (0, 1, 2)
+            buf = transport.send_buffer
+            encode_message(
+                buf, rows, sender=rank, seq=1, flags=FLAG_END_OF_ROUND, lost=0, strategy=None
+            )
+            transport.send(buf)
+        Path(out).write_text(json.dumps(result))
+        os._exit(0)  # no teardown: the group has dead members
+    except Exception:
+        Path(out).write_text(json.dumps({"error": traceback.format_exc()}))
+
+
+def test_a_rank_dead_before_connecting_does_not_hold_the_root(tmp_path: Path) -> None:
+    # Gloo connects a lazy pair inside the root's first receive from it and waits there for a
+    # peer that never connects; the root posts first receives on connector threads, so its
+    # polls stay quick and the live ranks' messages arrive.
+    got = _run_world(_dead_before_connecting_rank, tmp_path)
+    root = got[0]
+    assert root["received"] == WORLD - 1 - len(DEAD), root
+    assert root["slowest_poll_s"] < 1.0, root
