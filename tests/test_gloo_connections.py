@@ -31,31 +31,54 @@ def socket_fds() -> int:
     return count
 
 
+def _lazy_transport(
+    rank: int, world: int, port: int, timeout_s: float, on_joined: Any = None
+) -> tuple[Any, Any]:
+    """Join the job (then call ``on_joined``), then rankwatch's lazily connected group:
+    ``(layout, transport)``."""
+    import torch.distributed as dist
+    from rankwatch.exporter.windows import (
+        GroupLayout,
+        Transport,
+        create_gloo_group,
+        dedicated_store,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
+    )
+    if on_joined is not None:
+        on_joined()
+    layout = GroupLayout(tuple(range(world)), rank)
+    group = create_gloo_group(layout.ranks, False, timeout, lazy=True)
+    return layout, Transport(layout, group, dedicated_store(group), lazy=True)
+
+
+def _send_one(transport: Any, rank: int) -> None:
+    """Ship one message of three rows to the root."""
+    import numpy as np
+    from rankwatch.diagnosis.step_window import ROW_WIDTH
+    from rankwatch.exporter.windows import FLAG_END_OF_ROUND, encode_message
+
+    rows = np.zeros((3, ROW_WIDTH))
+    rows[:, 0] = (0, 1, 2)
+    buf = transport.send_buffer
+    encode_message(buf, rows, sender=rank, seq=1, flags=FLAG_END_OF_ROUND, lost=0, strategy=None)
+    transport.send(buf)
+
+
 def _rank(rank: int, world: int, port: int, out: str) -> None:
     try:
-        import numpy as np
         import torch.distributed as dist
-        from rankwatch.diagnosis.step_window import ROW_WIDTH
-        from rankwatch.exporter.windows import (
-            FLAG_END_OF_ROUND,
-            GroupLayout,
-            Transport,
-            create_gloo_group,
-            dedicated_store,
-            encode_message,
-        )
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=60),
-        )
-        before = socket_fds()
-        layout = GroupLayout(tuple(range(world)), rank)
-        group = create_gloo_group(layout.ranks, False, timedelta(seconds=60), lazy=True)
-        transport = Transport(layout, group, dedicated_store(group), lazy=True)
+        before = -1
+
+        def count_before() -> None:
+            nonlocal before
+            before = socket_fds()
+
+        layout, transport = _lazy_transport(rank, world, port, 60.0, count_before)
         received = 0
         if layout.is_root:
             deadline = time.monotonic() + 60
@@ -63,13 +86,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 received += len(transport.poll())
                 time.sleep(0.01)
         else:
-            rows = np.zeros((3, ROW_WIDTH))
-            rows[:, 0] = (0, 1, 2)
-            buf = transport.send_buffer
-            encode_message(
-                buf, rows, sender=rank, seq=1, flags=FLAG_END_OF_ROUND, lost=0, strategy=None
-            )
-            transport.send(buf)
+            _send_one(transport, rank)
         after = socket_fds()
         lazy_left = os.environ.get("TORCH_GLOO_LAZY_INIT")
         dist.barrier()
@@ -160,24 +177,7 @@ DEAD = (2, 3, 4)  # ranks that create their end of the group, then die before co
 
 def _dead_before_connecting_rank(rank: int, world: int, port: int, out: str) -> None:
     try:
-        import numpy as np
-        import torch.distributed as dist
-        from rankwatch.diagnosis.step_window import ROW_WIDTH
-        from rankwatch.exporter.windows import (
-            FLAG_END_OF_ROUND,
-            GroupLayout,
-            Transport,
-            create_gloo_group,
-            dedicated_store,
-            encode_message,
-        )
-
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
-        layout = GroupLayout(tuple(range(world)), rank)
-        group = create_gloo_group(layout.ranks, False, timedelta(seconds=30), lazy=True)
-        transport = Transport(layout, group, dedicated_store(group), lazy=True)
+        layout, transport = _lazy_transport(rank, world, port, 30.0)
         result: dict[str, Any] = {}
         if rank in DEAD:
             Path(out).write_text(json.dumps(result))
@@ -193,13 +193,7 @@ def _dead_before_connecting_rank(rank: int, world: int, port: int, out: str) -> 
             result.update(received=received, slowest_poll_s=slowest_poll_s)
         else:
             time.sleep(2.0)
-            rows = np.zeros((3, ROW_WIDTH))
-            rows[:, 0] = (0, 1, 2)
-            buf = transport.send_buffer
-            encode_message(
-                buf, rows, sender=rank, seq=1, flags=FLAG_END_OF_ROUND, lost=0, strategy=None
-            )
-            transport.send(buf)
+            _send_one(transport, rank)
         Path(out).write_text(json.dumps(result))
         os._exit(0)  # no teardown: the group has dead members
     except Exception:
