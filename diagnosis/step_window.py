@@ -154,9 +154,9 @@ def _table_is_clean(table: FloatArray) -> bool:
 
 def _check_table(table: FloatArray, lengths: Sequence[int], ranks: Sequence[int | None]) -> None:
     """Step ids non-negative integers; times NaN (absent) or finite and >= 0."""
-    ids = table[:, 0]
     if table.size and _table_is_clean(table):
         return
+    ids = table[:, 0]
     bad_id = ~np.isfinite(ids) | (ids < 0) | (ids != np.floor(ids))
     times = table[:, 1:]
     bad_time = np.isinf(times) | (times < 0)

@@ -364,8 +364,8 @@ class Diagnose:
     def _make_cpu_group(self) -> None:
         # Asynchronous gathers run on our own thread: they need a Gloo group of their own, with
         # exactly the EP members (non-contiguous too). Local synchronization lets only the
-        # members create it, so ranks of other EP groups do not have to take part; it connects
-        # lazily (as the step-time group does), only the pairs the gathers use.
+        # members create it, so ranks of other EP groups do not have to take part. It is made
+        # like the step-time group (lazily connected when ``RANKWATCH_GLOO_LAZY_CONNECT`` is on).
         ep_ranks = [r.rank for r in self.ranks]
         timeout = datetime.timedelta(seconds=self.gather_timeout_seconds)
         cpu_group = create_gloo_group(ep_ranks, True, timeout)

@@ -15,8 +15,8 @@ its *doorbell*, a counter in the job's c10d store, then the group's doorbell tot
 reads the total per poll, all doorbells with one ``multi_get`` when it moved, and waits only
 on receives whose doorbell moved, which return at once. With ``gloo_lazy_connect`` the group
 connects lazily, so a rank opens a connection to the root only, never a full mesh; the
-root's first receives, which make those connections, are posted by connector
-threads (Gloo waits inside them for a peer that never connects).
+root's first receives, which make those connections, are posted by connector threads (Gloo
+waits inside them for a peer that never connects).
 A rank that dies or stalls simply stops ringing: the root's round times out on its own clock
 (``gather_timeout_seconds``), the window names the rank missing, and later rounds do not wait
 for it again until it rings. A dead peer's connection failing never affects the others'.
