@@ -33,7 +33,7 @@ STEP_BUDGET_US = 10_000.0  # the 10 ms step the per-step target refers to
 
 def _rankwatch() -> Any:
     from rankwatch.exporter.config import RankwatchConfig
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     # One process, no publishers: the background thread idles; what is timed is the hot path.
     cfg = RankwatchConfig.from_env(env={}, interval_seconds=3600.0, max_buffered_steps=STEPS * 2)

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import numpy as np
-from rankwatch.diagnosis.normal import COMPLETION_PROBES, NormalDiagnoser, NormalSimulator
+from rankwatch.diagnosis.deepep.normal import COMPLETION_PROBES, NormalDiagnoser, NormalSimulator
 
 EP_SIZES = (16, 64, 256, 1024)
 RANKS_PER_NODE = 8

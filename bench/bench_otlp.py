@@ -26,11 +26,11 @@ from opentelemetry.metrics import Observation
 from opentelemetry.sdk.metrics import MeterProvider, ObservableGauge
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from rankwatch.exporter.catalogue import by_name
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.otlp import OtlpPublisher, OtlpSettings
-from rankwatch.exporter.publishing import PublisherHub
-from rankwatch.exporter.samples import Sample
+from rankwatch.exporter.publish.catalogue import by_name
+from rankwatch.exporter.publish.hub import PublisherHub
+from rankwatch.exporter.publish.otlp import OtlpPublisher, OtlpSettings
+from rankwatch.exporter.publish.samples import Sample
 
 from bench.bench_scrape import report
 

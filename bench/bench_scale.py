@@ -48,13 +48,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rankwatch.diagnosis.step_artifact import example_window
-from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays
-from rankwatch.diagnosis.window_report import WindowReport
+from rankwatch.diagnosis.report import WindowReport
+from rankwatch.diagnosis.step_time.artifact import example_window
+from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, diagnose_arrays
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.publishing import PublisherHub
-from rankwatch.exporter.timer import StepTimer
-from rankwatch.exporter.windows import (
+from rankwatch.exporter.publish.hub import PublisherHub
+from rankwatch.exporter.step_time.collector import (
     FLAG_END_OF_ROUND,
     IDLE_POLL_SECONDS,
     GroupLayout,
@@ -64,6 +63,7 @@ from rankwatch.exporter.windows import (
     message_buffer,
     window_arrays,
 )
+from rankwatch.exporter.step_time.timer import StepTimer
 
 ROWS_PER_WINDOW = 100
 ROW_BYTES = ROW_WIDTH * 8
@@ -384,7 +384,7 @@ before = sockets()
 result = {}
 if mode in ("eager", "lazy"):
     import numpy as np
-    from rankwatch.exporter import windows as w
+    from rankwatch.exporter.step_time import collector as w
     if mode == "eager":
         group = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(seconds=300))
     else:
@@ -403,7 +403,7 @@ if mode in ("eager", "lazy"):
         transport.send(transport.send_buffer)
 else:  # "run": the real exporter for a few seconds
     from rankwatch.exporter.config import RankwatchConfig
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
     cfg = RankwatchConfig.from_env(env={}, interval_seconds=1.0, metrics_enabled=False,
                                    otlp_enabled=False, gather_timeout_seconds=30.0)
     rw = RankWatch(config=cfg, publishers=[])
@@ -534,7 +534,7 @@ def real_run(world: int = 32, seconds: float = 8.0) -> list[dict[str, Any]]:
 def publish_cost(ranks: int = 4096) -> list[dict[str, Any]]:
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from prometheus_client import start_http_server
-    from rankwatch.exporter.otlp import OtlpPublisher, OtlpSettings
+    from rankwatch.exporter.publish.otlp import OtlpPublisher, OtlpSettings
 
     from bench.bench_otlp import _baseline, _Sink
     from bench.bench_scrape import _scrape, plain_registry

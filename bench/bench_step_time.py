@@ -21,9 +21,9 @@ from operator import itemgetter
 from typing import Any
 
 import numpy as np
-from rankwatch.diagnosis.step_artifact import example_window
-from rankwatch.diagnosis.step_rows import _rows_table
-from rankwatch.diagnosis.step_time import (
+from rankwatch.diagnosis.step_time.artifact import example_window
+from rankwatch.diagnosis.step_time.row_dicts import _rows_table
+from rankwatch.diagnosis.step_time.rules import (
     SIGNALS,
     diagnose_arrays,
     diagnose_means,

@@ -67,7 +67,7 @@ def _worker(rank: int, port: int, queue: Any) -> None:
     import torch
     import torch.distributed as dist
     from rankwatch.exporter.config import RankwatchConfig
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -1,4 +1,13 @@
-"""rankwatch exporter: collectors inside training ranks, windows, publishers, CLI."""
+"""rankwatch exporter: the collectors inside training ranks, the publishers, the command line.
+
+Layers: :mod:`.step_time` (the ``RankWatch`` object and what feeds it), :mod:`.deepep` (the
+DeepEP collector), :mod:`.publish` (reports to ``/metrics``, OTLP and log lines),
+:mod:`.cli` (the ``rankwatch`` command and the demo), :mod:`.integrations` (framework
+callbacks). What they share sits here: :mod:`.config`, :mod:`.identity`, :mod:`.gloo`.
+
+The names a training script needs are importable from here; they load on first use, so
+``import rankwatch.exporter`` stays free of torch and OpenTelemetry.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +15,44 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .incidents import IncidentEvent
-    from .rankwatch import RankWatch
+    from rankwatch.exporter.config import RankwatchConfig
+    from rankwatch.exporter.deepep.diagnose import Diagnose
+    from rankwatch.exporter.publish.hub import default_publishers
+    from rankwatch.exporter.publish.incidents import IncidentEvent
+    from rankwatch.exporter.publish.protocol import Publisher
+    from rankwatch.exporter.publish.summary import RunRecorder
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
-__all__ = ["init"]
+__all__ = [
+    "Diagnose",
+    "IncidentEvent",
+    "Publisher",
+    "RankWatch",
+    "RankwatchConfig",
+    "RunRecorder",
+    "default_publishers",
+    "init",
+]
+
+# Public name -> the module that defines it (imported on first access).
+_LAZY = {
+    "Diagnose": "rankwatch.exporter.deepep.diagnose",
+    "IncidentEvent": "rankwatch.exporter.publish.incidents",
+    "Publisher": "rankwatch.exporter.publish.protocol",
+    "RankWatch": "rankwatch.exporter.step_time.rank_watch",
+    "RankwatchConfig": "rankwatch.exporter.config",
+    "RunRecorder": "rankwatch.exporter.publish.summary",
+    "default_publishers": "rankwatch.exporter.publish.hub",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rankwatch.exporter' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 
 def init(
@@ -28,14 +71,14 @@ def init(
 
     ``on_incident(event)`` is called on the group's root (the only rank that diagnoses) with
     every incident opened or closed, on the publishing thread; see
-    :class:`~rankwatch.exporter.publishing.PublisherHub`.
+    :class:`~rankwatch.exporter.publish.hub.PublisherHub`.
     """
     # Imported here: torch and the OTel SDK load only when rankwatch is actually started.
     import os
 
-    from .config import RankwatchConfig
-    from .publishing import default_publishers
-    from .rankwatch import RankWatch
+    from rankwatch.exporter.config import RankwatchConfig
+    from rankwatch.exporter.publish.hub import default_publishers
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     config = RankwatchConfig.from_env(**overrides)
     raw = os.environ.get("LOCAL_RANK", "0").strip() or "0"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rankwatch.diagnosis.artifacts import (
+from rankwatch.diagnosis.deepep.artifact import (
     ARTIFACT_PREFIX,
     MAX_EP_SIZE,
     SCHEMA_VERSION,
@@ -23,9 +23,9 @@ from rankwatch.diagnosis.artifacts import (
     load_window_artifact,
     save_window_artifact,
 )
-from rankwatch.diagnosis.normal import NormalWindow
-from rankwatch.diagnosis.normal.report import Anomaly, Incident, NormalReport, ProbeResult
-from rankwatch.diagnosis.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES, PROBES
+from rankwatch.diagnosis.deepep.normal import NormalWindow
+from rankwatch.diagnosis.deepep.normal.report import Anomaly, Incident, NormalReport, ProbeResult
+from rankwatch.diagnosis.deepep.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES, PROBES
 
 
 def _window(

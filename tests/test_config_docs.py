@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
-from rankwatch.exporter.cli import build_parser, format_value
+from rankwatch.exporter.cli.main import build_parser, format_value
+from rankwatch.exporter.cli.demo import SCENARIOS
 from rankwatch.exporter.config import all_env_variables
-from rankwatch.exporter.demo import SCENARIOS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

@@ -30,7 +30,7 @@ from grafana_foundation_sdk.cog import runtime as grafana_runtime
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as grafana_dashboard
 from grafana_foundation_sdk.models import units as grafana_units
-from rankwatch.exporter.catalogue import CATALOGUE
+from rankwatch.exporter.publish.catalogue import CATALOGUE
 
 from tests.servers import REPO
 

@@ -9,16 +9,16 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from rankwatch.diagnosis.normal import NormalSimulator, snapshot_counters
-from rankwatch.diagnosis.normal.schema import (
+from rankwatch.diagnosis.deepep.normal import NormalSimulator, snapshot_counters
+from rankwatch.diagnosis.deepep.normal.schema import (
     COMBINE_BUNDLE,
     DISPATCH_BUNDLE,
     counter_length,
     counter_slots,
 )
-from rankwatch.exporter.deepep import infer_ranks_per_node
-from rankwatch.exporter.deepep_counters import allocate_counters, bundle_views
-from rankwatch.exporter.deepep_snapshot import CounterWindows, OrderedSnapshotter
+from rankwatch.exporter.deepep.counters import allocate_counters, bundle_views
+from rankwatch.exporter.deepep.diagnose import infer_ranks_per_node
+from rankwatch.exporter.deepep.snapshot import CounterWindows, OrderedSnapshotter
 
 EP = 4
 
@@ -269,7 +269,7 @@ def test_counter_windows_rejects_bad_snapshots() -> None:
 def test_factory_needs_an_initialized_process_group() -> None:
     # A fresh interpreter: other tests of this session may have initialized torch.distributed.
     code = (
-        "from rankwatch.exporter.deepep import Diagnose\n"
+        "from rankwatch.exporter.deepep.diagnose import Diagnose\n"
         "try:\n"
         "    Diagnose.create_from_env(group=None)\n"
         "except ValueError as exc:\n"

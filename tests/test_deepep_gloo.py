@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from rankwatch.diagnosis.artifacts import load_window_artifact
-from rankwatch.diagnosis.normal import NormalSimulator, NormalWindow, snapshot_counters
-from rankwatch.diagnosis.normal.schema import COMBINE_BUNDLE, DISPATCH_BUNDLE, counter_slots
-from rankwatch.diagnosis.normal_log import parse_log_line
-from rankwatch.diagnosis.window_report import WindowReport
+from rankwatch.diagnosis.deepep.artifact import load_window_artifact
+from rankwatch.diagnosis.deepep.log_lines import parse_log_line
+from rankwatch.diagnosis.deepep.normal import NormalSimulator, NormalWindow, snapshot_counters
+from rankwatch.diagnosis.deepep.normal.schema import COMBINE_BUNDLE, DISPATCH_BUNDLE, counter_slots
+from rankwatch.diagnosis.report import WindowReport
 
 from tests.servers import free_port
 
@@ -161,7 +161,7 @@ def assert_same_window(got: NormalWindow, want: NormalWindow) -> None:
 
 
 def _create(group: Any, env: dict[str, str], **kw: Any) -> Any:
-    from rankwatch.exporter.deepep import Diagnose
+    from rankwatch.exporter.deepep.diagnose import Diagnose
 
     return Diagnose.create_from_env(group=group, env=env, **kw)
 

@@ -263,8 +263,8 @@ VALIDATION_DIAGNOSES: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {
 
 
 def test_deepep_phases_show_the_validation_diagnoses_at_ep16(demo_run: DemoRun) -> None:
-    from rankwatch.diagnosis.artifacts import load_window_artifact
-    from rankwatch.exporter.demo import DEEPEP_PHASES
+    from rankwatch.diagnosis.deepep.artifact import load_window_artifact
+    from rankwatch.exporter.cli.demo import DEEPEP_PHASES
 
     run = _summary(demo_run)["run"]
     assert run["deepep_group"]["simulated"] is True

@@ -8,12 +8,11 @@ import math
 from pathlib import Path
 
 import pytest
-from rankwatch.diagnosis.normal import NormalDiagnoser
-from rankwatch.diagnosis.normal.simulator import NormalSimulator
-from rankwatch.diagnosis.step_time import StepTimeReport, diagnose_means
-from rankwatch.diagnosis.window_report import RankInfo, WindowReport
-from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.demo import (
+from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
+from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
+from rankwatch.diagnosis.report import RankInfo, WindowReport
+from rankwatch.diagnosis.step_time.rules import StepTimeReport, diagnose_means
+from rankwatch.exporter.cli.demo import (
     DEEPEP_PHASES,
     DemoOptions,
     Segment,
@@ -23,8 +22,9 @@ from rankwatch.exporter.demo import (
     parse_timeline,
     scenario_timeline,
 )
-from rankwatch.exporter.live_table import LiveView, Progress
-from rankwatch.exporter.summary import (
+from rankwatch.exporter.cli.live_table import LiveView, Progress
+from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.publish.summary import (
     RunRecorder,
     describe_step,
     incident_label,

@@ -18,10 +18,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rankwatch.diagnosis.normal import NormalDiagnoser
-from rankwatch.diagnosis.normal.simulator import NormalSimulator
-from rankwatch.diagnosis.normal.window import InvalidWindowError, NormalWindow, snapshot_counters
-from rankwatch.exporter.deepep_snapshot import CounterWindows, DeepEPWindow
+from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
+from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
+from rankwatch.diagnosis.deepep.normal.window import (
+    InvalidWindowError,
+    NormalWindow,
+    snapshot_counters,
+)
+from rankwatch.exporter.deepep.snapshot import CounterWindows, DeepEPWindow
 
 EP, RPN = 16, 8
 BASELINE = 4  # windows that bootstrap the global history before the fault

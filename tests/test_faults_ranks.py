@@ -123,7 +123,7 @@ def scenario_kill_and_freeze(
     """World 4, async windows every 0.25 s: the parent SIGKILLs rank 3, then freezes rank 2
     for 3 s with SIGSTOP and lets it go with SIGCONT."""
     import torch.distributed as dist
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     rec = Recorder()
     rw = RankWatch(
@@ -142,10 +142,14 @@ def scenario_deepep(rank: int, world: int, out: str, extra: dict, result: dict[s
     for 1.5 s (shorter than the gather timeout), later killed."""
     import torch
     import torch.distributed as dist
-    from rankwatch.diagnosis.normal.schema import COMBINE_BUNDLE, DISPATCH_BUNDLE, counter_slots
-    from rankwatch.diagnosis.normal.simulator import NormalSimulator
-    from rankwatch.diagnosis.normal.window import snapshot_counters
-    from rankwatch.exporter.deepep import Diagnose
+    from rankwatch.diagnosis.deepep.normal.schema import (
+        COMBINE_BUNDLE,
+        DISPATCH_BUNDLE,
+        counter_slots,
+    )
+    from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
+    from rankwatch.diagnosis.deepep.normal.window import snapshot_counters
+    from rankwatch.exporter.deepep.diagnose import Diagnose
 
     rec = Recorder()
     env = {
@@ -220,8 +224,8 @@ def scenario_root_restart(
     trains on, then closes. ``phase`` 2 (a new world, same metrics port): the RankWatch is
     closed and created again halfway, as after an in-job restart of the monitoring."""
     import torch.distributed as dist
-    from rankwatch.exporter.publishing import PublisherHub
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.publish.hub import PublisherHub
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     def start() -> Any:
         cfg = _config(

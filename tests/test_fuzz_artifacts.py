@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rankwatch.diagnosis.artifacts import (
+from rankwatch.diagnosis.deepep.artifact import (
     MAX_JSON_CHARS,
     MAX_MEMBERS,
     SCHEMA_VERSION,
@@ -32,9 +32,9 @@ from rankwatch.diagnosis.artifacts import (
     load_window_artifact,
     save_window_artifact,
 )
-from rankwatch.diagnosis.normal import NormalDiagnoser
-from rankwatch.diagnosis.normal.simulator import NormalSimulator
-from rankwatch.diagnosis.normal.window import NormalWindow
+from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
+from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
+from rankwatch.diagnosis.deepep.normal.window import NormalWindow
 
 EP = 4
 # Loading a valid EP-4 artifact allocates well under this; a hostile file must not do more.

@@ -37,7 +37,7 @@ def _lazy_transport(
     """Join the job (then call ``on_joined``), then rankwatch's lazily connected group:
     ``(layout, transport)``."""
     import torch.distributed as dist
-    from rankwatch.exporter.windows import (
+    from rankwatch.exporter.step_time.collector import (
         GroupLayout,
         Transport,
         create_gloo_group,
@@ -58,8 +58,8 @@ def _lazy_transport(
 def _send_one(transport: Any, rank: int) -> None:
     """Ship one message of three rows to the root."""
     import numpy as np
-    from rankwatch.diagnosis.step_window import ROW_WIDTH
-    from rankwatch.exporter.windows import FLAG_END_OF_ROUND, encode_message
+    from rankwatch.diagnosis.step_time.table import ROW_WIDTH
+    from rankwatch.exporter.step_time.collector import FLAG_END_OF_ROUND, encode_message
 
     rows = np.zeros((3, ROW_WIDTH))
     rows[:, 0] = (0, 1, 2)
@@ -132,7 +132,7 @@ def _rankwatch_rank(rank: int, world: int, port: int, out: str) -> None:
     try:
         import torch.distributed as dist
         from rankwatch.exporter.config import RankwatchConfig
-        from rankwatch.exporter.rankwatch import RankWatch
+        from rankwatch.exporter.step_time.rank_watch import RankWatch
 
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from rankwatch.diagnosis.step_time import SIGNALS
-from rankwatch.exporter.event_pool import EventPool, GpuTimeline
-from rankwatch.exporter.hooks import model_device
-from rankwatch.exporter.timer import BACKWARD, FORWARD, PHASES, StepTimer
+from rankwatch.diagnosis.step_time.rules import SIGNALS
+from rankwatch.exporter.step_time.gpu_events import EventPool, GpuTimeline
+from rankwatch.exporter.step_time.hooks import model_device
+from rankwatch.exporter.step_time.timer import BACKWARD, FORWARD, PHASES, StepTimer
 
 GPU = {s: 1 + len(SIGNALS) + i for i, s in enumerate(SIGNALS)}
 

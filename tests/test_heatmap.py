@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from matplotlib.image import imread
-from rankwatch.diagnosis.artifacts import ArtifactError, save_window_artifact
-from rankwatch.diagnosis.normal import (
+from rankwatch.diagnosis.deepep.artifact import ArtifactError, save_window_artifact
+from rankwatch.diagnosis.deepep.normal import (
     SIMULATOR_PHASES,
     NormalDiagnoser,
     NormalSimulator,
     NormalWindow,
 )
-from rankwatch.exporter.heatmap import (
+from rankwatch.exporter.cli.heatmap import (
     CHARTS,
     DOCS_DPI,
     chart_paths,
@@ -271,6 +271,6 @@ def test_render_all_rejects_bad_input(tmp_path: Path) -> None:
 
 
 def test_importing_the_module_does_not_import_matplotlib() -> None:
-    code = "import sys, rankwatch.exporter.heatmap; print('matplotlib' in sys.modules)"
+    code = "import sys, rankwatch.exporter.cli.heatmap; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from rankwatch.diagnosis.step_time import SIGNALS
-from rankwatch.diagnosis.step_window import BASE_WIDTH
+from rankwatch.diagnosis.step_time.rules import SIGNALS
+from rankwatch.diagnosis.step_time.table import BASE_WIDTH
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.hooks import OPTIMIZER_SILENT_BATCHES, move_to_device
-from rankwatch.exporter.rankwatch import RankWatch
+from rankwatch.exporter.step_time.hooks import OPTIMIZER_SILENT_BATCHES, move_to_device
+from rankwatch.exporter.step_time.rank_watch import RankWatch
 
 CPU = {s: 1 + i for i, s in enumerate(SIGNALS)}
 AFTER_S = 0.03

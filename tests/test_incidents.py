@@ -1,4 +1,4 @@
-"""Incidents: k-of-n opening, m-clean closing, identities, events (``exporter/incidents.py``)."""
+"""Incidents: k-of-n opening, m-clean closing, identities, events (``exporter/publish/incidents.py``)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.events import (
+from rankwatch.exporter.publish.events import (
     event_attributes,
     event_json,
     event_log_record,
     event_message,
 )
-from rankwatch.exporter.incidents import (
+from rankwatch.exporter.publish.incidents import (
     IncidentEvent,
     IncidentTracker,
     signals_from_report,

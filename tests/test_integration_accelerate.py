@@ -32,7 +32,7 @@ def scenario_accelerate(rank: int, world: int, out: str) -> dict[str, Any]:
     from accelerate import Accelerator
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.integrations import unwrap_optimizer
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     accelerator = Accelerator(cpu=True)  # initialises Gloo from torchrun's environment
     torch.manual_seed(0)

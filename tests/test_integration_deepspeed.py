@@ -35,7 +35,7 @@ def scenario_deepspeed(rank: int, world: int, out: str) -> dict[str, Any]:
     import torch
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.integrations import unwrap_optimizer
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))

@@ -55,7 +55,7 @@ def scenario_lightning(rank: int, world: int, out: str) -> dict[str, Any]:
     import lightning.pytorch as lp
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.integrations.lightning import RankwatchCallback
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     loader = pairs_loader(rank, STEPS * BATCH * world)  # Lightning shards it per rank
     recorder = Recorder()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rankwatch.diagnosis.step_window import column
+from rankwatch.diagnosis.step_time.table import column
 
 from tests.framework_world import (
     SLEEP_S,

@@ -11,8 +11,8 @@ import pytest
 import torch
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.integrations import unwrap_optimizer, watch_loader_in_place
-from rankwatch.exporter.publishing import PublisherHub
-from rankwatch.exporter.rankwatch import RankWatch
+from rankwatch.exporter.publish.hub import PublisherHub
+from rankwatch.exporter.step_time.rank_watch import RankWatch
 
 
 def _config(**overrides: Any) -> RankwatchConfig:
@@ -74,7 +74,7 @@ def test_loader_in_place_leaves_an_inactive_rankwatch_alone() -> None:
 def test_hub_calls_on_incident_with_each_event_and_survives_its_errors(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from rankwatch.exporter.incidents import IncidentEvent
+    from rankwatch.exporter.publish.incidents import IncidentEvent
 
     from tests.publish_reports import step_window
 

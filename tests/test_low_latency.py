@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from rankwatch.diagnosis.config import LowLatencyConfig
-from rankwatch.diagnosis.low_latency import (
+from rankwatch.diagnosis.deepep.low_latency import (
     DENOMINATOR_EPSILON,
     LowLatencyResult,
     diagnose_low_latency,

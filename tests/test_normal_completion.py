@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 from rankwatch.diagnosis.config import NormalConfig
-from rankwatch.diagnosis.normal import NormalDiagnoser
-from rankwatch.diagnosis.normal.completion import cost_per_sample, diagnose_completion
+from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
+from rankwatch.diagnosis.deepep.normal.completion import cost_per_sample, diagnose_completion
 
 from .test_normal_support import (
     block_factor,
@@ -290,7 +290,7 @@ def test_bad_shapes_and_layout_raise():
 
 
 def test_gateway_matrix_helper_matches_the_simulator_layout():
-    from rankwatch.diagnosis.normal import NormalSimulator
+    from rankwatch.diagnosis.deepep.normal import NormalSimulator
 
     w = NormalSimulator(16, 8, seed=3).window("baseline")
     assert np.array_equal(w.completion[RD][1] > 0, gateway_mask(16, 8))

@@ -6,8 +6,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from rankwatch.diagnosis.normal import Anomaly, NormalDiagnoser, ProbeResult
-from rankwatch.diagnosis.normal.correlate import correlate
+from rankwatch.diagnosis.deepep.normal import Anomaly, NormalDiagnoser, ProbeResult
+from rankwatch.diagnosis.deepep.normal.correlate import correlate
 
 from .test_normal_support import block_factor, col_factor, make_window, row_factor
 

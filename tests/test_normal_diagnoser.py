@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankwatch.diagnosis.config import NormalConfig
-from rankwatch.diagnosis.normal import (
+from rankwatch.diagnosis.deepep.normal import (
     COMPLETION_PROBES,
     NOTIFY_PROBES,
     PROBES,
@@ -23,7 +23,7 @@ from rankwatch.diagnosis.normal import (
     ProbeResult,
     phase_timeline,
 )
-from rankwatch.diagnosis.normal.simulator import SimulatorProfile
+from rankwatch.diagnosis.deepep.normal.simulator import SimulatorProfile
 
 from .test_normal_support import block_factor, cell_factor, make_window, row_factor
 

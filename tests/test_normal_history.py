@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from rankwatch.diagnosis.config import NormalConfig
-from rankwatch.diagnosis.normal import GlobalHistory, NormalDiagnoser
+from rankwatch.diagnosis.deepep.normal import GlobalHistory, NormalDiagnoser
 
 from .test_normal_support import make_window, row_factor
 

@@ -6,14 +6,14 @@ import json
 
 import numpy as np
 import pytest
-from rankwatch.diagnosis.normal.report import NormalReport, ProbeResult
-from rankwatch.diagnosis.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES, PROBES
-from rankwatch.diagnosis.normal_log import (
+from rankwatch.diagnosis.deepep.log_lines import (
     NormalLogLine,
     invalid_window_line,
     normal_log_lines,
     parse_log_line,
 )
+from rankwatch.diagnosis.deepep.normal.report import NormalReport, ProbeResult
+from rankwatch.diagnosis.deepep.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES, PROBES
 
 from tests.test_artifacts import _report, _window
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from rankwatch.diagnosis.config import NormalConfig
-from rankwatch.diagnosis.normal import NormalDiagnoser
-from rankwatch.diagnosis.normal.notify import diagnose_notify, notify_ratios
+from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
+from rankwatch.diagnosis.deepep.normal.notify import diagnose_notify, notify_ratios
 
 from .test_normal_support import make_window
 

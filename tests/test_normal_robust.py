@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-from rankwatch.diagnosis.normal.robust import (
+from rankwatch.diagnosis.deepep.normal.robust import (
     grouped_medians,
     lane_medians,
     median_excluding_self,
@@ -108,7 +108,7 @@ def test_lane_medians_leave_the_input_alone():
 
 
 def test_transposed_copy_matches_numpy_for_any_shape():
-    from rankwatch.diagnosis.normal.robust import transposed_copy
+    from rankwatch.diagnosis.deepep.normal.robust import transposed_copy
 
     rng = np.random.default_rng(0)
     for shape in ((1, 1), (3, 70), (70, 3), (33, 65), (64, 64)):

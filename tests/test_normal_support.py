@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-from rankwatch.diagnosis.normal import COMPLETION_PROBES, NOTIFY_PROBES, NormalWindow
+from rankwatch.diagnosis.deepep.normal import COMPLETION_PROBES, NOTIFY_PROBES, NormalWindow
 
 SAMPLES = 64.0
 

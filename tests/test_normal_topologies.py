@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 from rankwatch.diagnosis.config import NormalConfig
-from rankwatch.diagnosis.normal import NormalDiagnoser, NormalSimulator
-from rankwatch.diagnosis.normal.completion import diagnose_completion
-from rankwatch.diagnosis.normal.robust import modified_zscores
+from rankwatch.diagnosis.deepep.normal import NormalDiagnoser, NormalSimulator
+from rankwatch.diagnosis.deepep.normal.completion import diagnose_completion
+from rankwatch.diagnosis.deepep.normal.robust import modified_zscores
 
 DF, RD, CB = "dispatch_final", "dispatch_rdma_recv", "combine_logical_recv"
 ND, CND, CNC = "notify_dispatch", "cached_notify_dispatch", "cached_notify_combine"
@@ -127,7 +127,7 @@ def test_5_noise_free_slow_rows_are_not_learned_as_normal():
     """Through the diagnoser, noise-free slow rows are anomalous (the window is not ok)."""
     d = NormalDiagnoser()
     cost, samples = _noise_free_rows((), 1.0)
-    from rankwatch.diagnosis.normal import NormalWindow
+    from rankwatch.diagnosis.deepep.normal import NormalWindow
 
     def window(c, s):
         return NormalWindow(16, 8, notify={}, completion={DF: (c, s, s), CB: (c.T.copy(), s, s)})
@@ -155,7 +155,7 @@ def test_6_one_node_late_rank_before_dispatch_is_a_pre_stage_skew():
 
 def test_hot_expert_is_said_to_be_a_hot_spot_in_the_summary():
     """A hot expert is localized on its rank, with load context, and the summary says so."""
-    from rankwatch.exporter.summary import normal_verdict
+    from rankwatch.exporter.publish.summary import normal_verdict
 
     sim, d = _bootstrapped(seed=4, hot_rank=10)
     report = d.diagnose(sim.window("hot_expert"))

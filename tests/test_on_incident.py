@@ -28,7 +28,7 @@ def scenario_react(rank: int, world: int, out: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from rankwatch.exporter import init
-    from rankwatch.exporter.incidents import IncidentEvent
+    from rankwatch.exporter.publish.incidents import IncidentEvent
 
     dist.init_process_group("gloo")  # from torchrun's environment
     events: list[dict[str, Any]] = []

@@ -23,16 +23,16 @@ from pathlib import Path
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families as parse_text
-from rankwatch.exporter.catalogue import CATALOGUE
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.identity import build_labels, k8s_attributes
-from rankwatch.exporter.otlp import (
+from rankwatch.exporter.publish.catalogue import CATALOGUE
+from rankwatch.exporter.publish.hub import PublisherHub
+from rankwatch.exporter.publish.otlp import (
     OtlpPublisher,
     OtlpSettings,
     otel_resource,
     otlp_settings,
 )
-from rankwatch.exporter.publishing import PublisherHub
 
 import rankwatch
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver
@@ -505,7 +505,7 @@ def test_grpc_without_its_extra_names_the_install(monkeypatch):
     script = (
         "import sys; sys.modules['opentelemetry.exporter.otlp.proto.grpc'] = None\n"
         "from rankwatch.exporter.config import RankwatchConfig\n"
-        "from rankwatch.exporter.publishing import PublisherHub\n"
+        "from rankwatch.exporter.publish.hub import PublisherHub\n"
         "try:\n"
         "    PublisherHub(RankwatchConfig(metrics_port=0))\n"
         "except ModuleNotFoundError as exc:\n"
@@ -536,7 +536,7 @@ from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.publishing import PublisherHub
+from rankwatch.exporter.publish.hub import PublisherHub
 from tests.publish_reports import normal_reports, step_report, window
 
 endpoint = sys.argv[1]

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_editable_install_imports_from_the_source_tree() -> None:
     import rankwatch.diagnosis.config as cfg
-    import rankwatch.exporter.catalogue as cat
+    import rankwatch.exporter.publish.catalogue as cat
 
     assert Path(cfg.__file__).resolve().parent == REPO / "diagnosis"
     assert Path(cat.__file__).resolve().parent == REPO / "exporter"
@@ -74,7 +74,7 @@ def test_wheel_installs_and_imports_outside_the_tree(tmp_path: Path) -> None:
     # entry: its .pth files (including the editable finder) are not processed that way.
     (site / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     probe = (
-        "import rankwatch.diagnosis.config as c, rankwatch.exporter.catalogue as k;"
+        "import rankwatch.diagnosis.config as c, rankwatch.exporter.publish.catalogue as k;"
         "print(c.__file__); print(k.__file__)"
     )
     out = subprocess.run(
@@ -146,7 +146,7 @@ def test_release_build_installs_exports_the_assets_and_runs_the_demo(tmp_path: P
 
     out = tmp_path / "exported"
     _run([python, "-m", "rankwatch.exporter.cli", "assets", "export", str(out)], cwd=tmp_path)
-    from rankwatch.exporter.assets import list_assets
+    from rankwatch.exporter.cli.assets import list_assets
 
     expected = {a.relative: a.source.read_bytes() for a in list_assets(REPO)}
     got = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}

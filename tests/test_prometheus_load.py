@@ -8,7 +8,7 @@ import threading
 import time
 
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.publishing import PublisherHub
+from rankwatch.exporter.publish.hub import PublisherHub
 
 from tests.publish_reports import full_report
 

@@ -21,21 +21,25 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
-from rankwatch.diagnosis.low_latency import diagnose_low_latency, diagnose_matrix
-from rankwatch.diagnosis.normal import (
+from rankwatch.diagnosis.deepep.log_lines import (
+    invalid_window_line,
+    normal_log_lines,
+    parse_log_line,
+)
+from rankwatch.diagnosis.deepep.low_latency import diagnose_low_latency, diagnose_matrix
+from rankwatch.diagnosis.deepep.normal import (
     CounterSnapshot,
     NormalDiagnoser,
     NormalWindow,
     counter_length,
 )
-from rankwatch.diagnosis.normal.completion import diagnose_completion
-from rankwatch.diagnosis.normal.notify import diagnose_notify
-from rankwatch.diagnosis.normal.report import PROBE_STATUSES, SCOPES
-from rankwatch.diagnosis.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES, PROBES
-from rankwatch.diagnosis.normal_log import invalid_window_line, normal_log_lines, parse_log_line
-from rankwatch.diagnosis.window_report import RankInfo, WindowReport
+from rankwatch.diagnosis.deepep.normal.completion import diagnose_completion
+from rankwatch.diagnosis.deepep.normal.notify import diagnose_notify
+from rankwatch.diagnosis.deepep.normal.report import PROBE_STATUSES, SCOPES
+from rankwatch.diagnosis.deepep.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES, PROBES
+from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.samples import report_samples
+from rankwatch.exporter.publish.samples import report_samples
 
 SETTINGS = settings(
     max_examples=60,

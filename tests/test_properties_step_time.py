@@ -18,16 +18,16 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from rankwatch.diagnosis.step_artifact import example_window, load_window, window_from_dict
-from rankwatch.diagnosis.step_time import (
+from rankwatch.diagnosis.report import RankInfo, WindowReport
+from rankwatch.diagnosis.step_time.artifact import example_window, load_window, window_from_dict
+from rankwatch.diagnosis.step_time.rules import (
     SIGNALS,
     diagnose_arrays,
     diagnose_means,
     diagnose_steps,
 )
-from rankwatch.diagnosis.window_report import RankInfo, WindowReport
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.samples import report_samples
+from rankwatch.exporter.publish.samples import report_samples
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 

@@ -7,11 +7,9 @@ import time
 
 import pytest
 import rankwatch.exporter as exporter
-from rankwatch.diagnosis.window_report import WindowReport
+from rankwatch.diagnosis.report import WindowReport
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.incidents import IncidentSnapshot
-from rankwatch.exporter.publisher import Publisher
-from rankwatch.exporter.publishing import (
+from rankwatch.exporter.publish.hub import (
     MAX_QUEUED_REPORTS,
     PUBLISH_QUEUE,
     HealthCounters,
@@ -19,6 +17,8 @@ from rankwatch.exporter.publishing import (
     PublisherHub,
     default_publishers,
 )
+from rankwatch.exporter.publish.incidents import IncidentSnapshot
+from rankwatch.exporter.publish.protocol import Publisher
 
 from tests.publish_reports import T0, full_report, rank_infos, step_report, window
 from tests.servers import http_get

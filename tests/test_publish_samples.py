@@ -1,4 +1,4 @@
-"""The catalogue and the samples both publishing paths read (``exporter/samples.py``)."""
+"""The catalogue and the samples both publishing paths read (``exporter/publish/samples.py``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankwatch.diagnosis.step_time import diagnose_means
-from rankwatch.diagnosis.window_report import RankInfo
-from rankwatch.exporter.catalogue import CATALOGUE, COMMON_LABELS, by_name
+from rankwatch.diagnosis.report import RankInfo
+from rankwatch.diagnosis.step_time.rules import diagnose_means
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.identity import current_gpu, gpu_labels
-from rankwatch.exporter.incidents import IncidentSnapshot, IncidentTracker
-from rankwatch.exporter.samples import (
+from rankwatch.exporter.publish.catalogue import CATALOGUE, COMMON_LABELS, by_name
+from rankwatch.exporter.publish.incidents import IncidentSnapshot, IncidentTracker
+from rankwatch.exporter.publish.samples import (
     ExporterHealth,
     Sample,
     build_samples,

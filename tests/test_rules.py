@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from rankwatch.exporter.catalogue import CATALOGUE, COMMON_LABELS
+from rankwatch.exporter.publish.catalogue import CATALOGUE, COMMON_LABELS
 
 from tests.servers import REPO, alertmanager, http_get, http_post, require_binary, wait_until
 from tests.test_dashboards import generator
@@ -176,7 +176,8 @@ def test_every_alert_has_unit_tests_on_both_sides() -> None:
 
 def test_rule_classes_are_the_exporters_incident_classes() -> None:
     """A renamed incident class in the exporter must not silently mute an alert."""
-    from rankwatch.exporter.incidents import INCIDENT_CLASSES, SEVERITIES
+    from rankwatch.diagnosis.vocabulary import INCIDENT_CLASSES
+    from rankwatch.diagnosis.vocabulary import INCIDENT_SEVERITIES as SEVERITIES
 
     text = RULES.read_text()
     used = set(re.findall(r'class="(\w+)"', text))

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rankwatch.diagnosis.artifacts import (
+from rankwatch.diagnosis.deepep.artifact import (
     ARTIFACT_PREFIX,
     ArtifactStore,
     artifact_name,
     check_artifact_name,
     save_window_artifact,
 )
-from rankwatch.diagnosis.normal import NormalWindow
-from rankwatch.diagnosis.normal.schema import NOTIFY_PROBES
+from rankwatch.diagnosis.deepep.normal import NormalWindow
+from rankwatch.diagnosis.deepep.normal.schema import NOTIFY_PROBES
 
 
 def small_window(instance_id: str = "job", index: int = 0) -> NormalWindow:

@@ -35,7 +35,7 @@ LAUNCHER = textwrap.dedent(
     """
     import os, signal, sys, time
     from rankwatch.exporter.config import RankwatchConfig
-    from rankwatch.exporter.prometheus import start_metrics_server
+    from rankwatch.exporter.publish.prometheus import start_metrics_server
     config = RankwatchConfig.from_env()
     servers = [start_metrics_server(config, r, lambda: ([], [])) for r in range(int(sys.argv[1]))]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

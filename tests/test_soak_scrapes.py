@@ -41,8 +41,8 @@ def _job(rank: int, world: int, port: int, metrics_port: int, out: str) -> None:
         import torch.distributed as dist
         from rankwatch.diagnosis.config import DiagnosisConfig, StepTimeConfig
         from rankwatch.exporter.config import RankwatchConfig
-        from rankwatch.exporter.publishing import PublisherHub
-        from rankwatch.exporter.rankwatch import RankWatch
+        from rankwatch.exporter.publish.hub import PublisherHub
+        from rankwatch.exporter.step_time.rank_watch import RankWatch
 
         torch.set_num_threads(1)
         dist.init_process_group(

@@ -22,14 +22,14 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from rankwatch.diagnosis.artifacts import ArtifactStore
-from rankwatch.diagnosis.normal import NormalDiagnoser
-from rankwatch.diagnosis.normal.simulator import NormalSimulator
-from rankwatch.diagnosis.step_time import diagnose_means
-from rankwatch.diagnosis.window_report import RankInfo, WindowReport
+from rankwatch.diagnosis.deepep.artifact import ArtifactStore
+from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
+from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
+from rankwatch.diagnosis.report import RankInfo, WindowReport
+from rankwatch.diagnosis.step_time.rules import diagnose_means
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.prometheus import RankwatchCollector
-from rankwatch.exporter.publishing import PublisherHub
+from rankwatch.exporter.publish.hub import PublisherHub
+from rankwatch.exporter.publish.prometheus import RankwatchCollector
 
 EP, RPN = 8, 4
 WINDOWS = 10_000
@@ -157,7 +157,7 @@ def test_ten_thousand_windows_keep_memory_and_series_flat(tmp_path: Path, caplog
 def test_a_new_group_name_every_window_keeps_the_series_bounded(caplog) -> None:
     """A job that names its group differently every window (a misconfigured run id, a group
     per step): 1,000 windows, yet the exposition holds at most MAX_GROUPS groups' series."""
-    from rankwatch.exporter.publishing import MAX_GROUPS
+    from rankwatch.exporter.publish.hub import MAX_GROUPS
 
     caplog.set_level(logging.ERROR)
     steps = step_reports()

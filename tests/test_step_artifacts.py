@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rankwatch.diagnosis.step_artifact import diagnose_file, load_window
-from rankwatch.diagnosis.window_report import WindowReport
+from rankwatch.diagnosis.report import WindowReport
+from rankwatch.diagnosis.step_time.artifact import diagnose_file, load_window
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.rankwatch import RankWatch
-from rankwatch.exporter.step_artifacts import StepArtifactWriter, safe_name
+from rankwatch.exporter.step_time.artifacts import StepArtifactWriter, safe_name
+from rankwatch.exporter.step_time.rank_watch import RankWatch
 
 
 class Recorder:

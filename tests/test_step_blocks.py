@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 from rankwatch.diagnosis.config import StepTimeConfig
-from rankwatch.diagnosis.step_artifact import example_window
-from rankwatch.diagnosis.step_blocks import StepBlocks, every_step_keys
-from rankwatch.diagnosis.step_time import diagnose_arrays, diagnose_window
-from rankwatch.diagnosis.step_window import (
+from rankwatch.diagnosis.step_time.artifact import example_window
+from rankwatch.diagnosis.step_time.blocks import StepBlocks, every_step_keys
+from rankwatch.diagnosis.step_time.rules import diagnose_arrays, diagnose_window
+from rankwatch.diagnosis.step_time.table import (
     BASE_WIDTH,
     EXTRA_COLUMNS,
     MEAN_KEYS,
@@ -20,8 +20,13 @@ from rankwatch.diagnosis.step_window import (
     reduce_window,
 )
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.timer import StepTimer
-from rankwatch.exporter.windows import GroupLayout, WindowCollector, root_tail_rows, window_arrays
+from rankwatch.exporter.step_time.collector import (
+    GroupLayout,
+    WindowCollector,
+    root_tail_rows,
+    window_arrays,
+)
+from rankwatch.exporter.step_time.timer import StepTimer
 
 TAIL = 216
 ASYNC_COL = BASE_WIDTH + EXTRA_COLUMNS.index("async_collectives")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from rankwatch.diagnosis.config import StepTimeConfig
-from rankwatch.diagnosis.step_time import (
+from rankwatch.diagnosis.step_time.rules import (
     KINDS,
     SIGNALS,
     Finding,

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from rankwatch.diagnosis.config import StepTimeConfig
-from rankwatch.diagnosis.step_artifact import (
+from rankwatch.diagnosis.step_time.artifact import (
     FORMAT,
     VERSION,
     diagnose_file,
@@ -22,8 +22,8 @@ from rankwatch.diagnosis.step_artifact import (
     window_from_dict,
     window_to_dict,
 )
-from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays
-from rankwatch.diagnosis.step_window import column
+from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, diagnose_arrays
+from rankwatch.diagnosis.step_time.table import column
 
 
 def test_example_window_is_a_critical_input_straggler() -> None:

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays, diagnose_means
-from rankwatch.diagnosis.step_window import BASE_WIDTH, EXTRA_COLUMNS, column
+from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, diagnose_arrays, diagnose_means
+from rankwatch.diagnosis.step_time.table import BASE_WIDTH, EXTRA_COLUMNS, column
 
 Means = dict[str, float | None]
 
@@ -177,7 +177,7 @@ def test_zero_forward_is_no_compute_excess() -> None:
 
 
 def test_a_saved_window_keeps_the_sync_waits_and_the_flag(tmp_path: Any) -> None:
-    from rankwatch.diagnosis.step_artifact import load_window, save_window
+    from rankwatch.diagnosis.step_time.artifact import load_window, save_window
 
     per_rank = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0) for r in range(3)}
     live = diagnose_arrays(per_rank, window=30)

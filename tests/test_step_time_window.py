@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 from rankwatch.diagnosis.config import StepTimeConfig
-from rankwatch.diagnosis.step_time import (
+from rankwatch.diagnosis.step_time.rules import (
     ROW_WIDTH,
     SIGNALS,
     diagnose_arrays,
@@ -16,7 +16,7 @@ from rankwatch.diagnosis.step_time import (
     diagnose_steps,
     rows_to_array,
 )
-from rankwatch.diagnosis.step_window import column, reduce_window
+from rankwatch.diagnosis.step_time.table import column, reduce_window
 
 PHASES = {"input_wait": 5.0, "h2d": 1.0, "forward": 40.0, "backward": 50.0, "optimizer": 4.0}
 

@@ -11,9 +11,9 @@ import time
 
 import pytest
 import torch
-from rankwatch.diagnosis.step_window import column
-from rankwatch.exporter.rankwatch import RankWatch
-from rankwatch.exporter.timer import StepTimer
+from rankwatch.diagnosis.step_time.table import column
+from rankwatch.exporter.step_time.rank_watch import RankWatch
+from rankwatch.exporter.step_time.timer import StepTimer
 
 from tests.test_timer import rows_of, single_config
 

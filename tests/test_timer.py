@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from rankwatch.diagnosis.step_time import ROW_WIDTH, SIGNALS
-from rankwatch.diagnosis.window_report import WindowReport
+from rankwatch.diagnosis.report import WindowReport
+from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, SIGNALS
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.event_pool import EventPool, GpuTimeline
-from rankwatch.exporter.hooks import WatchedLoader, detect_strategy, move_to_device
-from rankwatch.exporter.rankwatch import RankWatch
-from rankwatch.exporter.timer import PHASES, StepTimer
+from rankwatch.exporter.step_time.gpu_events import EventPool, GpuTimeline
+from rankwatch.exporter.step_time.hooks import WatchedLoader, detect_strategy, move_to_device
+from rankwatch.exporter.step_time.rank_watch import RankWatch
+from rankwatch.exporter.step_time.timer import PHASES, StepTimer
 
 CPU = {s: 1 + i for i, s in enumerate(SIGNALS)}
 GPU = {s: 1 + len(SIGNALS) + i for i, s in enumerate(SIGNALS)}
@@ -460,7 +460,7 @@ class FailOnce(torch.nn.Module):
 
 
 def test_a_failed_backward_does_not_stop_backward_timing() -> None:
-    from rankwatch.exporter.hooks import install
+    from rankwatch.exporter.step_time.hooks import install
 
     timer = StepTimer(8)
     model = FailOnce()
@@ -651,7 +651,7 @@ class TupleOut(torch.nn.Module):
 @pytest.mark.parametrize("use", ["leaf", "nested"])
 def test_backward_is_timed_from_any_output_tensor(use: str) -> None:
     # The backward start hooks an output's autograd node, or the tensor itself for a leaf.
-    from rankwatch.exporter.hooks import install
+    from rankwatch.exporter.step_time.hooks import install
 
     timer = StepTimer(8)
     model = TupleOut()

@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 import pytest
-from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays
-from rankwatch.exporter.windows import (
+from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, diagnose_arrays
+from rankwatch.exporter.step_time.collector import (
     CHUNK_ROWS,
     FLAG_END_OF_ROUND,
     FLAG_FINAL,

@@ -158,7 +158,7 @@ BULK_STEPS = 1300  # more than two messages' worth of rows
 def scenario_kinds(rank: int, world: int, result: dict[str, Any]) -> None:
     """DDP, watch(), sync mode: warm-up, then an input, a compute and an H2D straggler."""
     import torch
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     phases = ["warmup", "input", "compute", "h2d"]
     culprit = {"input": 1, "compute": 2, "h2d": 1}
@@ -197,7 +197,7 @@ def scenario_kinds(rank: int, world: int, result: dict[str, Any]) -> None:
 def scenario_equivalence(rank: int, world: int, result: dict[str, Any]) -> None:
     """Explicit API vs watch() on the same DDP model; then FSDP detection."""
     import torch
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     # Bad groups fail before any collective call, naming the field and the value.
     errors = []
@@ -278,7 +278,7 @@ def scenario_world4(rank: int, world: int, result: dict[str, Any]) -> None:
     Part 2: the whole world, async, explicit API, rank 2 killed and rank 3 stalled mid-run."""
     import torch
     import torch.distributed as dist
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     # ---- part 1
     train_pg = dist.new_group([1, 3], backend="gloo")
@@ -343,7 +343,7 @@ def scenario_world4(rank: int, world: int, result: dict[str, Any]) -> None:
 def scenario_ship_and_exit(rank: int, world: int, result: dict[str, Any]) -> None:
     """Ranks 1 and 2 close (their final rows shipped) and leave the process at once, before
     the root reads them; the root trains on, then closes."""
-    from rankwatch.exporter.rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     rec = Recorder()
     rw = RankWatch(config=_config(interval_seconds=0.25), publishers=[rec])
@@ -457,7 +457,7 @@ def test_watch_gives_the_explicit_rows_and_detects_ddp_and_fsdp(tmp_path: Path) 
         assert len(summaries) == 1, key
         st = summaries[0]["step_time"]
         assert st["strategy"] == strategy and st["step_range"] == [0, 7], (key, st)
-    from rankwatch.exporter.windows import CHUNK_ROWS
+    from rankwatch.exporter.step_time.collector import CHUNK_ROWS
 
     assert BULK_STEPS > 2 * CHUNK_ROWS
     (bulk,) = res[0]["bulk_reports"]  # no round before close: only the summary

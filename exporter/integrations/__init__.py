@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..rankwatch import RankWatch
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
 
 __all__ = ["RankwatchStarter", "unwrap_optimizer", "watch_loader_in_place"]
 
@@ -66,7 +66,7 @@ class RankwatchStarter:
         if self._factory is not None:
             self.rankwatch = self._factory()
         else:
-            from .. import init
+            from rankwatch.exporter import init
 
             self.rankwatch = init(**self._overrides)
         return self.rankwatch

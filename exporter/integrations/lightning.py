@@ -38,9 +38,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-
-from ..rankwatch import RankWatch
-from . import RankwatchStarter, unwrap_optimizer
+from rankwatch.exporter.integrations import RankwatchStarter, unwrap_optimizer
+from rankwatch.exporter.step_time.rank_watch import RankWatch
 
 __all__ = ["FETCH_ACTION_SUFFIX", "RankwatchCallback"]
 

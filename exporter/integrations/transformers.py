@@ -24,7 +24,7 @@ overrides, e.g. ``metrics_port=9500``; or pass ``rankwatch=`` a function returni
   :func:`~rankwatch.exporter.integrations.watch_loader_in_place`). Accelerate moves the batch
   to the device inside that ``next()``: the copy counts as input wait and ``h2d`` is absent;
 * the Trainer's token-count all-gather (``average_tokens_across_devices``, before the forward
-  pass): run inside :meth:`~rankwatch.exporter.rankwatch.RankWatch.sync_wait`, so the ranks'
+  pass): run inside :meth:`~rankwatch.exporter.RankWatch.sync_wait`, so the ranks'
   wait there joins ``forward_wait``.
 
 When training ends the loader gets its class back, the Trainer its token count, and rankwatch
@@ -39,10 +39,13 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from rankwatch.exporter.integrations import (
+    RankwatchStarter,
+    unwrap_optimizer,
+    watch_loader_in_place,
+)
+from rankwatch.exporter.step_time.rank_watch import RankWatch
 from transformers import TrainerCallback
-
-from ..rankwatch import RankWatch
-from . import RankwatchStarter, unwrap_optimizer, watch_loader_in_place
 
 __all__ = ["RankwatchCallback"]
 

@@ -1,0 +1,53 @@
+"""The step-time engine: is one rank of a DDP/FSDP job a straggler, which one, why, how sure.
+
+Modules, in reading order: :mod:`.table` (the columnar rows and their reduction to per-rank
+means), :mod:`.row_dicts` (row dictionaries into that table), :mod:`.blocks` (bounded state
+for long windows), :mod:`.rules` (the policy: straggler score, attribution, bottlenecks,
+gates), :mod:`.report` (what it returns) and :mod:`.artifact` (windows saved as JSON).
+"""
+
+from rankwatch.diagnosis.step_time.report import (
+    COMPONENTS,
+    KINDS,
+    RANK_MEAN_KEYS,
+    STATUS_KINDS,
+    STRAGGLER_KINDS,
+    Finding,
+    StepTimeReport,
+    StragglerEvidence,
+)
+from rankwatch.diagnosis.step_time.row_dicts import rows_to_array
+from rankwatch.diagnosis.step_time.rules import (
+    STRATEGIES,
+    diagnose_arrays,
+    diagnose_means,
+    diagnose_steps,
+    diagnose_window,
+    normalize_strategy,
+    strategy_from_metadata,
+)
+from rankwatch.diagnosis.step_time.table import CLOCKS, ROW_WIDTH, SIGNALS
+from rankwatch.diagnosis.vocabulary import SEVERITIES
+
+__all__ = [
+    "CLOCKS",
+    "COMPONENTS",
+    "KINDS",
+    "RANK_MEAN_KEYS",
+    "ROW_WIDTH",
+    "SEVERITIES",
+    "SIGNALS",
+    "STATUS_KINDS",
+    "STRAGGLER_KINDS",
+    "STRATEGIES",
+    "Finding",
+    "StepTimeReport",
+    "StragglerEvidence",
+    "diagnose_arrays",
+    "diagnose_means",
+    "diagnose_steps",
+    "diagnose_window",
+    "normalize_strategy",
+    "rows_to_array",
+    "strategy_from_metadata",
+]

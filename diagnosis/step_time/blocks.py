@@ -1,0 +1,329 @@
+"""Bounded per-rank state for long step-time windows: rows of the newest steps, sums of older.
+
+A window's means are sums over its aligned steps divided by their number, so the root does not
+need every row of a 10,000-step summary: it keeps, per rank,
+
+* the newest rows (at least ``tail_rows``, held by the caller; the live window is cut from
+  them), and
+* for older steps, one *block* per ``block_steps`` consecutive step ids (step id //
+  ``block_steps``): for each clock the sums of the window means' keys over the block's steps
+  (the per-step clamped residual is summed per step, so it stays exact), which keys were
+  measured on every step / on any step (the rules of :mod:`.step_window`), whether every step
+  could be read on the GPU clock, and which step ids of the block the rank sent (a bitmask).
+
+Memory is ``ranks x (tail_rows + summary_window / block_steps)`` small records instead of
+``ranks x buffered steps`` rows. Everything is derived from :mod:`.step_window` (its columns,
+its per-step reduction and its clock rule), so columns added there are carried here unchanged.
+
+Exactness. :meth:`StepBlocks.reduce` returns the same :class:`~.step_window.WindowMeans` as
+:func:`~.step_window.reduce_window` on the full rows (up to floating-point summation order)
+when the window's aligned steps all lie in the kept rows, or when the older part covers whole
+blocks in which every present rank sent the same step ids. Two cases are approximate, and
+:attr:`StepBlocks.approximate` says so: the window start, which is rounded to a whole block
+(the window holds between ``window - block_steps + 1`` and ``window`` aligned steps, never more),
+and an old block in which ranks sent different step ids (rows lost on one rank), where a rank's
+block means stand for the common steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import groupby
+
+import numpy as np
+from rankwatch.diagnosis.step_time.table import (
+    _ASYNC_COL,
+    CLOCKS,
+    MEAN_KEYS,
+    ROW_WIDTH,
+    SIGNALS,
+    SYNC_SIGNALS,
+    BoolArray,
+    FloatArray,
+    WindowMeans,
+    _align,
+    _check_table,
+    _reduce_cube,
+    column,
+    gpu_steps,
+    validate_window,
+)
+
+__all__ = ["BLOCK_STEPS", "StepBlocks", "every_step_keys"]
+
+BLOCK_STEPS = 100  # default step ids per block
+
+
+def every_step_keys() -> BoolArray:
+    """``[MEAN_KEYS]``: True where a key is measured only when present on *every* step.
+
+    Probed from :func:`~.step_window._reduce_cube` itself (a two-step rank on which one signal
+    is absent on the second step), so the rule follows the reduction wherever it changes.
+    Derived keys (the residual) depend on every-step keys, so they combine the same way.
+    """
+    out = np.ones(len(MEAN_KEYS), dtype=bool)
+    for k, key in enumerate(MEAN_KEYS):
+        if key in SIGNALS:
+            cols = [column(clock, key) for clock in CLOCKS]
+        elif key in SYNC_SIGNALS:
+            cols = [column("cpu", key)]
+        else:
+            continue  # derived (the residual): combines like the keys it is made of
+        cube = np.full((1, 2, ROW_WIDTH), 1.0)
+        cube[0, :, 0] = (0.0, 1.0)
+        cube[0, 1, cols] = np.nan
+        wm = _reduce_cube([0], np.ones(1, dtype=bool), cube, cube[0, :, 0], clock="cpu")
+        out[k] = not bool(wm.measured[0, k])
+    return out
+
+
+_EVERY = every_step_keys()
+_KEYS = len(MEAN_KEYS)
+
+
+class StepBlocks:
+    """Block sums for a fixed set of ranks (the group root's state beside its row tails).
+
+    ``add(rank, rows)`` takes each rank's rows in ascending step order (rows not above the
+    rank's last step id are dropped, as the exporter's ``RowBuffer`` does).
+    ``reduce(tails, window)`` builds the window means from the caller's kept rows (the newest
+    ``tail_rows`` or fewer of each rank) and the blocks.
+    """
+
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        *,
+        window_steps: int,
+        tail_rows: int,
+        block_steps: int = BLOCK_STEPS,
+    ) -> None:
+        window_steps = validate_window(window_steps)
+        if block_steps < 1:
+            raise ValueError(f"StepBlocks.block_steps: value {block_steps!r} must be >= 1")
+        # The tail must hold a closed block and the open one, so no row is lost between them.
+        if tail_rows < 2 * block_steps:
+            raise ValueError(
+                f"StepBlocks.tail_rows: value {tail_rows!r} must be >= 2 x block_steps "
+                f"({2 * block_steps})"
+            )
+        self.ranks = tuple(ranks)
+        self._row = {r: i for i, r in enumerate(self.ranks)}
+        self.block_steps = block_steps
+        self.tail_rows = tail_rows
+        n, slots = len(self.ranks), -(-window_steps // block_steps) + 1
+        self.slots = slots
+        self._last = np.full(n, -1.0)
+        self._open = np.full(n, -1, dtype=np.int64)  # block index of each rank's open block
+        self._pending: list[list[FloatArray]] = [[] for _ in self.ranks]
+        # Closed blocks: a ring of ``slots`` per rank; ``_index`` -1 marks an empty slot.
+        self._index = np.full((n, slots), -1, dtype=np.int64)
+        self._steps = np.zeros((n, slots), dtype=np.int64)
+        self._sums = np.zeros((n, slots, len(CLOCKS), _KEYS))
+        self._measured = np.zeros((n, slots, len(CLOCKS), _KEYS), dtype=bool)
+        self._gpu_ok = np.zeros((n, slots), dtype=bool)
+        # A block in which the rank flagged collectives that do not block its host.
+        self._async = np.zeros((n, slots), dtype=bool)
+        self._mask = np.zeros((n, slots, -(-block_steps // 8)), dtype=np.uint8)
+        self._closing: list[tuple[int, FloatArray]] = []
+        self.approximate = False  # the last reduce() rounded or approximated (see module doc)
+
+    # ---- feeding ---------------------------------------------------------------------------
+
+    def nbytes(self) -> int:
+        """Bytes held by the block records and the rows of the open blocks."""
+        arrays = (
+            self._index,
+            self._steps,
+            self._sums,
+            self._measured,
+            self._gpu_ok,
+            self._async,
+            self._mask,
+        )
+        pending = sum(p.nbytes for rows in self._pending for p in rows)
+        return sum(a.nbytes for a in arrays) + pending
+
+    def add(self, rank: int, rows: FloatArray) -> None:
+        """Append one rank's new rows (ascending step ids); closes the blocks they complete."""
+        i = self._row[rank]
+        if len(rows) == 0:
+            return
+        ids = rows[:, 0]
+        keep = ids > np.maximum.accumulate(np.concatenate(([self._last[i]], ids[:-1])))
+        if not keep.all():
+            rows = rows[keep]
+            if len(rows) == 0:
+                return
+        self._last[i] = rows[-1, 0]
+        blocks = (rows[:, 0] // self.block_steps).astype(np.int64)
+        cuts = np.flatnonzero(np.diff(blocks)) + 1
+        start = 0
+        for cut in (*cuts.tolist(), len(rows)):
+            b = int(blocks[start])
+            if b != self._open[i]:
+                self._close(i)
+                self._open[i] = b
+            self._pending[i].append(rows[start:cut])
+            start = cut
+
+    def _close(self, i: int) -> None:
+        if self._pending[i]:
+            parts = self._pending[i]
+            block = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            self._closing.append((i, block))
+            self._pending[i] = []
+
+    def flush(self) -> None:
+        """Reduce the blocks closed since the last flush (batched over ranks by row count)."""
+        closing, self._closing = self._closing, []
+        # Oldest blocks first, so a rank that closed more blocks than the ring holds in one
+        # shipment keeps its newest ones; runs of equal length reduce together.
+        closing.sort(key=lambda item: float(item[1][0, 0]))
+        for _, run in groupby(closing, key=lambda item: len(item[1])):
+            group = list(run)
+            self._store([i for i, _ in group], np.stack([b for _, b in group]))
+
+    def _store(self, rows_of: list[int], cube: FloatArray) -> None:
+        n = len(rows_of)
+        idx = np.asarray(rows_of)
+        present = np.ones(n, dtype=bool)
+        ids = cube[:, :, 0]
+        block = (ids[:, 0] // self.block_steps).astype(np.int64)
+        slot = block % self.slots
+        steps = cube.shape[1]
+        names = list(range(n))
+        with np.errstate(over="ignore", invalid="ignore"):
+            for c, clock in enumerate(CLOCKS):
+                wm = _reduce_cube(names, present, cube, ids[0], clock=clock)
+                self._sums[idx, slot, c] = wm.means * steps
+                self._measured[idx, slot, c] = wm.measured
+        self._gpu_ok[idx, slot] = gpu_steps(cube).all(axis=1)
+        self._async[idx, slot] = np.nan_to_num(cube[:, :, _ASYNC_COL]).any(axis=1)
+        self._index[idx, slot] = block
+        self._steps[idx, slot] = steps
+        if steps == self.block_steps:  # every step id of the block (the usual case)
+            self._mask[idx, slot] = np.packbits(np.ones(steps, dtype=bool))
+            return
+        offsets = (ids - (block * self.block_steps)[:, None]).astype(np.int64)
+        bits = np.zeros((n, self.block_steps), dtype=bool)
+        bits[np.arange(n)[:, None], offsets] = True
+        self._mask[idx, slot] = np.packbits(bits, axis=1)
+
+    # ---- windows ---------------------------------------------------------------------------
+
+    def reduce(
+        self,
+        tails: Mapping[int, FloatArray | None],
+        window: int,
+        *,
+        complete: Sequence[int] = (),
+    ) -> WindowMeans:
+        """Window means over the last ``window`` step ids every present rank sent.
+
+        ``tails`` maps every rank to its newest kept rows (ascending; None or empty: absent),
+        each holding at least its last ``tail_rows`` rows. ``complete`` names the ranks whose
+        tail still holds every row they ever sent; when every present rank's does, the window
+        comes from the rows alone.
+        """
+        window = validate_window(window)
+        self.flush()
+        self.approximate = False
+        ranks = list(self.ranks)
+        pmask = np.zeros(len(ranks), dtype=bool)
+        kept: list[tuple[int, FloatArray]] = []
+        for rank, rows in tails.items():
+            if rows is not None and len(rows):
+                i = self._row[rank]
+                pmask[i] = True
+                kept.append((i, np.asarray(rows, dtype=np.float64)))
+        kept.sort(key=lambda x: x[0])
+        rows_of = np.asarray([i for i, _ in kept], dtype=np.int64)
+        tails_list = [t for _, t in kept]
+        if not kept:
+            return _reduce_cube(ranks, pmask, np.empty((0, 0, ROW_WIDTH)), np.empty(0))
+        # Steps from ``split`` on come from the rows (every present rank kept all its rows
+        # from there); older ones from closed blocks.
+        bs = self.block_steps
+        split = max(-(-int(t[0, 0]) // bs) * bs for t in tails_list)
+        done = set(complete)
+        if all(ranks[i] in done for i in rows_of):
+            split = 0  # no present rank's ring dropped a row: every row is there
+        elif min(int(t[-1, 0]) for t in tails_list) < split:
+            self.approximate = True  # a rank's rows ended before the others' kept rows begin
+        parts = [t[t[:, 0] >= split] for t in tails_list] if split else tails_list
+        table = np.concatenate(parts)
+        lengths = [len(p) for p in parts]
+        present_ranks = [ranks[i] for i in rows_of]
+        _check_table(table, lengths, present_ranks)
+        with np.errstate(over="ignore", invalid="ignore"):
+            cube, ids = _align(table, lengths, present_ranks, window)
+            if cube.shape[1] >= window or split == 0:
+                return _reduce_cube(ranks, pmask, cube, ids)
+            return self._combine(ranks, pmask, rows_of, cube, ids, split, window)
+
+    def _combine(
+        self,
+        ranks: list[int],
+        pmask: BoolArray,
+        rows_of: np.ndarray,
+        cube: FloatArray,
+        ids: FloatArray,
+        split: int,
+        window: int,
+    ) -> WindowMeans:
+        bs = self.block_steps
+        n_tail = cube.shape[1]
+        # Closed blocks older than ``split``, newest first.
+        ks = np.arange(split // bs - 1, max(split // bs - 1 - self.slots, -1), -1)
+        slots = ks % self.slots
+        valid = self._index[rows_of][:, slots] == ks  # [present, blocks]
+        masks = np.where(valid[:, :, None], self._mask[rows_of][:, slots], 0)
+        common = np.bitwise_and.reduce(masks, axis=0)  # [blocks, bytes]
+        counts = np.unpackbits(common, axis=1).sum(axis=1)
+        take = (np.cumsum(counts) <= window - n_tail) & (counts > 0)
+        used = np.flatnonzero(take)
+        ragged = bool((masks[:, used] != common[None, used]).any())
+        # The window start cut a block: some older common steps were left out short of the window.
+        short = n_tail + int(counts[used].sum()) < window
+        rounded = short and bool((counts[~take] > 0).any())
+        self.approximate = self.approximate or ragged or rounded
+        # Block sums stand for the common steps (exact unless ragged).
+        own = np.maximum(self._steps[rows_of][:, slots[used]], 1)
+        scale = counts[used][None, :] / own  # [present, used]
+        sums = (self._sums[rows_of][:, slots[used]] * scale[:, :, None, None]).sum(axis=1)
+        meas = self._measured[rows_of][:, slots[used]]  # [present, used, clocks, keys]
+        every = np.where(_EVERY, meas.all(axis=1), meas.any(axis=1))
+        gpu_blocks = bool(self._gpu_ok[rows_of][:, slots[used]].all())
+        async_collectives = bool(self._async[rows_of][:, slots[used]].any())
+        steps = n_tail + int(counts[used].sum())
+        use_gpu = gpu_blocks and (n_tail == 0 or bool(gpu_steps(cube).all()))
+        c = CLOCKS.index("gpu" if use_gpu else "cpu")
+        block_sums, block_meas = sums[:, c], every[:, c]
+        if n_tail:
+            tail = _reduce_cube(
+                list(range(len(rows_of))),
+                np.ones(len(rows_of), dtype=bool),
+                cube,
+                ids,
+                clock=CLOCKS[c],
+            )
+            block_sums = block_sums + tail.means * n_tail
+            block_meas = np.where(_EVERY, block_meas & tail.measured, block_meas | tail.measured)
+            async_collectives = async_collectives or tail.async_collectives
+        means = np.zeros((len(ranks), _KEYS))
+        measured = np.zeros((len(ranks), _KEYS), dtype=bool)
+        sub = block_sums / steps
+        sub[~block_meas] = 0.0
+        means[rows_of] = sub
+        measured[rows_of] = block_meas
+        if used.size:
+            oldest = int(used[-1])
+            first_bit = int(np.flatnonzero(np.unpackbits(common[oldest]))[0])
+            first = int(ks[oldest]) * bs + first_bit
+        else:
+            first = int(ids[0])
+        last = int(ids[-1]) if n_tail else first
+        return WindowMeans(
+            tuple(ranks), means, measured, pmask, steps, CLOCKS[c], (first, last), async_collectives
+        )

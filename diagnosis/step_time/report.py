@@ -1,0 +1,208 @@
+"""The step-time report model: findings, straggler evidence, the report of one window.
+
+Plain frozen dataclasses; the exporter publishes from their fields. ``to_dict()`` gives JSON
+with NaN and infinities mapped to ``None`` and rank-keyed maps keyed by strings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankwatch.diagnosis.step_time.table import MEAN_KEYS
+from rankwatch.diagnosis.vocabulary import SEVERITIES, STRAGGLER_KINDS, UNATTRIBUTED
+
+__all__ = [
+    "COMPONENTS",
+    "GPU_TIMING",
+    "KINDS",
+    "RANK_MEAN_KEYS",
+    "SEVERITIES",
+    "STATUS_KINDS",
+    "STRAGGLER_KINDS",
+    "UNATTRIBUTED",
+    "VISIBLE_DDP",
+    "VISIBLE_DEFINITIONS",
+    "VISIBLE_FSDP",
+    "VISIBLE_NONE",
+    "VISIBLE_SYNC",
+    "Finding",
+    "StepTimeReport",
+    "StragglerEvidence",
+]
+
+COMPONENTS: tuple[str, ...] = ("input", "h2d", "compute")  # attribution order breaks ties
+KINDS: tuple[str, ...] = (
+    "STRAGGLER",
+    "INPUT_STRAGGLER",
+    "COMPUTE_STRAGGLER",
+    "H2D_STRAGGLER",
+    "INPUT_BOUND",
+    "H2D_BOUND",
+    "RESIDUAL_HEAVY",
+    "COMPUTE_BOUND",
+    "WARMUP",
+    "INCOMPLETE_DATA",
+    "BALANCED",
+)
+STATUS_KINDS: tuple[str, ...] = ("WARMUP", "INCOMPLETE_DATA", "BALANCED")
+RANK_MEAN_KEYS: tuple[str, ...] = (*MEAN_KEYS, "visible")
+# Which value the straggler rule compared across ranks (``visible_definition``):
+VISIBLE_SYNC = "sync_wait"  # forward_wait + backward_wait (rankwatch's extension, CPU clock)
+VISIBLE_DDP = "backward"  # the seed's DDP/default definition
+VISIBLE_FSDP = "forward+backward"  # the seed's FSDP definition
+VISIBLE_NONE = "none"  # the rule abstained: the CPU clock cannot contain the wait
+VISIBLE_DEFINITIONS: tuple[str, ...] = (VISIBLE_SYNC, VISIBLE_DDP, VISIBLE_FSDP, VISIBLE_NONE)
+# Named in ``missing_signals`` when the straggler rule abstains for want of GPU timing.
+GPU_TIMING = "gpu_timing"
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _clean_map(values: Mapping[str, float]) -> dict[str, float | None]:
+    return {k: _finite_or_none(v) for k, v in values.items()}
+
+
+@dataclass(frozen=True)
+class StragglerEvidence:
+    """The straggler rule's numbers for a window, published whether or not they crossed 0.10.
+
+    ``component`` is what attribution would name (``input``/``h2d``/``compute`` or
+    ``sync_or_unattributed``). Maps are keyed by component; a component unmeasured on the
+    culprit or the victim (or ``compute`` under FSDP) is absent from both.
+    ``missing_signals`` names the signals that kept a component out of attribution.
+    ``visible_definition`` names the visible value compared (``VISIBLE_DEFINITIONS``).
+    """
+
+    culprit_rank: int
+    victim_rank: int
+    score: float
+    visible_culprit_ms: float
+    visible_victim_ms: float
+    component_excesses_ms: dict[str, float]
+    component_coverage: dict[str, float]
+    component: str
+    eligible_ranks: tuple[int, ...] = ()
+    missing_signals: tuple[str, ...] = ()
+    visible_definition: str = VISIBLE_DDP
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "culprit_rank": self.culprit_rank,
+            "victim_rank": self.victim_rank,
+            "score": _finite_or_none(self.score),
+            "visible_culprit_ms": _finite_or_none(self.visible_culprit_ms),
+            "visible_victim_ms": _finite_or_none(self.visible_victim_ms),
+            "component_excesses_ms": _clean_map(self.component_excesses_ms),
+            "component_coverage": _clean_map(self.component_coverage),
+            "component": self.component,
+            "eligible_ranks": list(self.eligible_ranks),
+            "missing_signals": list(self.missing_signals),
+            "visible_definition": self.visible_definition,
+        }
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis of a window.
+
+    ``score`` is the straggler score for straggler kinds, the median share for bottleneck
+    kinds and 0 for the status kinds (``WARMUP``, ``INCOMPLETE_DATA``, ``BALANCED``).
+    ``ranks`` are the ranks the finding points at: the culprit for a straggler, the ranks whose
+    own share crosses the warning threshold for a bottleneck (the compute-bound threshold for
+    ``COMPUTE_BOUND``), the ranks a rule abstained on for ``INCOMPLETE_DATA``.
+    ``missing_signals`` names signals whose absence made a rule abstain (``INCOMPLETE_DATA``,
+    bottlenecks) or kept a component out of attribution (stragglers).
+    """
+
+    kind: str
+    severity: str
+    score: float
+    ranks: tuple[int, ...] = ()
+    culprit_rank: int | None = None
+    victim_rank: int | None = None
+    component: str | None = None
+    visible_culprit_ms: float | None = None
+    visible_victim_ms: float | None = None
+    component_excesses_ms: dict[str, float] = field(default_factory=dict)
+    component_coverage: dict[str, float] = field(default_factory=dict)
+    missing_signals: tuple[str, ...] = ()
+
+    @property
+    def is_straggler(self) -> bool:
+        return self.kind in STRAGGLER_KINDS.values()
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "severity": self.severity,
+            "score": _finite_or_none(self.score),
+            "ranks": list(self.ranks),
+            "culprit_rank": self.culprit_rank,
+            "victim_rank": self.victim_rank,
+            "component": self.component,
+            "visible_culprit_ms": _finite_or_none(self.visible_culprit_ms),
+            "visible_victim_ms": _finite_or_none(self.visible_victim_ms),
+            "component_excesses_ms": _clean_map(self.component_excesses_ms),
+            "component_coverage": _clean_map(self.component_coverage),
+        }
+        out["missing_signals"] = list(self.missing_signals)
+        return out
+
+
+@dataclass(frozen=True)
+class StepTimeReport:
+    """The step-time diagnosis of one window; ``findings[0]`` is the diagnosis.
+
+    ``kind``/``severity`` repeat ``findings[0]``, except that ``severity`` is None for the
+    status kinds (``WARMUP``, ``INCOMPLETE_DATA``, ``BALANCED``): no finding, nothing to page.
+    ``rank_means[rank]`` holds the window means in ms keyed ``RANK_MEAN_KEYS`` (None =
+    unmeasured). ``missing_signals`` lists, per rank with any, the unmeasured signals;
+    ``missing_ranks`` the expected ranks that sent nothing. ``straggler`` is the straggler
+    rule's evidence whenever two ranks were eligible, even below the warning score.
+    ``visible_definition`` says which visible value the straggler rule compared
+    (``VISIBLE_DEFINITIONS``; ``"none"`` when it abstained because the CPU clock cannot
+    contain the wait).
+    """
+
+    kind: str
+    severity: str | None
+    findings: tuple[Finding, ...]
+    clock: str
+    strategy: str
+    steps: int
+    ranks: tuple[int, ...]
+    rank_means: dict[int, dict[str, float | None]]
+    missing_signals: dict[int, tuple[str, ...]]
+    straggler: StragglerEvidence | None = None
+    missing_ranks: tuple[int, ...] = ()
+    step_range: tuple[int, int] | None = None
+    visible_definition: str = VISIBLE_DDP
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: rank-keyed maps use string keys, unmeasured values are None, no NaN."""
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "clock": self.clock,
+            "strategy": self.strategy,
+            "steps": self.steps,
+            "visible_definition": self.visible_definition,
+            "step_range": None if self.step_range is None else list(self.step_range),
+            "ranks": list(self.ranks),
+            "missing_ranks": list(self.missing_ranks),
+            "findings": [f.to_dict() for f in self.findings],
+            "straggler": None if self.straggler is None else self.straggler.to_dict(),
+            "rank_means": {
+                str(r): {k: _finite_or_none(v) for k, v in m.items()}
+                for r, m in self.rank_means.items()
+            },
+            "missing_signals": {str(r): list(s) for r, s in self.missing_signals.items()},
+        }

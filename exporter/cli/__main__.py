@@ -1,0 +1,7 @@
+"""``python -m rankwatch.exporter.cli``: the ``rankwatch`` command."""
+
+import sys
+
+from rankwatch.exporter.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,643 @@
+"""The ``rankwatch`` command: demo, diagnose, heatmap, replay, config, assets.
+
+Exit codes: 0 success, 1 a failure while running, 2 bad arguments or configuration (the message
+names the option and the value) or a missing optional extra (the message names the
+``pip install`` that adds it), 130 the demo was interrupted with Ctrl-C (after writing its
+summary). Heavy imports (torch, matplotlib) happen inside the subcommand that needs them, so
+``rankwatch config`` and argument errors answer instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import rankwatch
+
+__all__ = ["format_value", "main"]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def _version() -> str:
+    return rankwatch.__version__
+
+
+# Optional extras: the import names each one provides (what a command needs to run).
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "demo": ("rich", "matplotlib", "PIL"),
+    "heatmap": ("matplotlib", "PIL"),
+}
+_DISTRIBUTIONS = {"PIL": "pillow"}
+
+
+def require_extra(extra: str) -> None:
+    """Raise :class:`UsageError` naming the ``pip install`` to run when ``extra`` is missing."""
+    missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        names = ", ".join(_DISTRIBUTIONS.get(m, m) for m in missing)
+        raise UsageError(
+            f"needs the optional packages of the {extra!r} extra ({names} not installed): "
+            f"pip install 'rankwatch[{extra}]'"
+        )
+
+
+def format_value(value: Any) -> str:
+    """A config value the way a user would write it in the environment (1/0, (empty))."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value == "":
+        return "(empty)"
+    return str(value)
+
+
+# --- argument types: each error names the option and the value --------------------------------
+
+
+# argparse prefixes each message with "argument --option:", so they name only the problem.
+
+
+def _number(raw: str, kind: Callable[[str], float]) -> float:
+    try:
+        value = kind(raw)
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"must be {noun}, got {raw!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {raw!r}")
+    return value
+
+
+def _positive(unit: str) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        value = _number(raw, float)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0 {unit}, got {raw!r}")
+        return value
+
+    return parse
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = int(_number(raw, int))
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {raw!r}")
+        return value
+
+    return parse
+
+
+def _timeline(raw: str) -> Any:
+    from rankwatch.exporter.cli.demo import parse_timeline
+
+    try:
+        return parse_timeline(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _existing_file(raw: str) -> Path:
+    path = Path(raw)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such file: {raw!r}")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"not a file: {raw!r}")
+    return path
+
+
+def _existing_dir(raw: str) -> Path:
+    path = Path(raw)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"no such directory: {raw!r}")
+    return path
+
+
+# --- the parser ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``rankwatch`` argument parser (also used to document the options)."""
+    from rankwatch.exporter.cli.demo import SCENARIOS
+
+    parser = argparse.ArgumentParser(
+        prog="rankwatch",
+        description="Find the slow rank in distributed PyTorch training.",
+    )
+    parser.add_argument("--version", action="version", version=f"rankwatch {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    demo = sub.add_parser(
+        "demo",
+        help="run the demo job: a small Gloo world with scripted stragglers",
+        description="Spawn a small multi-rank job with a scripted timeline of stragglers, "
+        "beside a DeepEP group simulated at EP 16 over two nodes (whatever --ranks is) going "
+        "through five DeepEP phases; serve /metrics, show a live table, write artifacts and a "
+        "summary.",
+        epilog="Timeline phases: balanced, input (the straggler sleeps in its data loading), "
+        "compute (its forward pass is slowed). Exit codes: 0 done, 1 a rank failed, 2 bad "
+        "arguments or configuration, 130 interrupted (Ctrl-C; the summary is still written).",
+    )
+    demo.add_argument(
+        "--duration",
+        type=_positive("seconds"),
+        default=None,
+        metavar="SECONDS",
+        help="how long the timeline lasts; its phases are scaled to fit (default 60, or the sum "
+        "of --timeline)",
+    )
+    demo.add_argument(
+        "--ranks",
+        type=_int_in(2, 8),
+        default=4,
+        metavar="N",
+        help="training ranks, 2..8 (default 4)",
+    )
+    demo.add_argument(
+        "--port",
+        type=_int_in(0, 65535),
+        default=9464,
+        help="/metrics port; 0 picks a free one (default 9464)",
+    )
+    demo.add_argument(
+        "--addr", default="127.0.0.1", metavar="ADDRESS", help="/metrics address (127.0.0.1)"
+    )
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=Path("rankwatch-out"),
+        metavar="DIR",
+        help="output folder (default rankwatch-out)",
+    )
+    demo.add_argument(
+        "--straggler-rank",
+        type=_int_in(0, 7),
+        default=1,
+        metavar="R",
+        help="the rank the timeline slows down (default 1)",
+    )
+    demo.add_argument(
+        "--straggler-ms",
+        type=_positive("ms"),
+        default=40.0,
+        metavar="MS",
+        help="extra milliseconds per step of the slowed rank (default 40)",
+    )
+    demo.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="full",
+        metavar="NAME",
+        help=f"named timeline: {', '.join(sorted(SCENARIOS))} (default full)",
+    )
+    demo.add_argument(
+        "--timeline",
+        type=_timeline,
+        default=None,
+        metavar="SPEC",
+        help="explicit timeline, e.g. balanced:10,input:30,balanced:20 (replaces --scenario)",
+    )
+    demo.add_argument(
+        "--interval",
+        type=_positive("seconds"),
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between windows (default 1)",
+    )
+    demo.add_argument(
+        "--plain", action="store_true", help="one line per window instead of the live table"
+    )
+    demo.set_defaults(handler=_cmd_demo)
+
+    diagnose = sub.add_parser(
+        "diagnose",
+        help="diagnose one saved window (DeepEP NPZ or step-time JSON)",
+        description="Diagnose a saved DeepEP normal-mode window (.npz) or step-time window "
+        "(.json) and print the result.",
+    )
+    diagnose.add_argument("window", type=_existing_file, metavar="WINDOW")
+    diagnose.add_argument("--json", action="store_true", help="print the full report as JSON")
+    diagnose.set_defaults(handler=_cmd_diagnose)
+
+    # Listed for --help only: main() hands `heatmap ...` to the heatmap tool before parsing.
+    sub.add_parser("heatmap", help="render heatmaps of a saved DeepEP window (see heatmap -h)")
+
+    replay = sub.add_parser(
+        "replay",
+        help="re-diagnose every saved window of a folder, in order",
+        description="Re-diagnose the saved windows of DIR (NPZ and step-time JSON) in window "
+        "order, one line each, then a summary.",
+    )
+    replay.add_argument("dir", type=_existing_dir, metavar="DIR")
+    replay.add_argument("--json", action="store_true", help="one JSON object per window")
+    replay.set_defaults(handler=_cmd_replay)
+
+    config = sub.add_parser(
+        "config",
+        help="print the effective configuration and every environment variable",
+        description="Print every environment variable rankwatch reads, its effective value "
+        "and its default.",
+    )
+    config.add_argument("--json", action="store_true", help="print as JSON")
+    config.set_defaults(handler=_cmd_config)
+
+    assets = sub.add_parser(
+        "assets",
+        help="write out the shipped dashboards, alert rules and deploy manifests",
+        description="The Grafana dashboards, Prometheus alert and recording rules, and deploy "
+        "manifests of this version, as files: the same as the dashboards/ and deploy/ folders "
+        "of a clone.",
+    )
+    assets_sub = assets.add_subparsers(dest="action", metavar="ACTION")
+    assets_sub.required = True
+    export = assets_sub.add_parser(
+        "export",
+        help="write every asset under DIR (dashboards/..., deploy/...)",
+        description="Write every asset under DIR, keeping the repository layout. A file "
+        "already there with other content is refused unless --force.",
+    )
+    export.add_argument("dir", type=Path, metavar="DIR")
+    export.add_argument(
+        "--force", action="store_true", help="overwrite files whose content differs"
+    )
+    export.set_defaults(handler=_cmd_assets_export)
+    listing = assets_sub.add_parser("list", help="list the shipped files")
+    listing.set_defaults(handler=_cmd_assets_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``rankwatch`` command; returns the process exit code."""
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["heatmap"]:
+        # The heatmap tool owns its arguments (including --help); hand them over untouched.
+        return _cmd_heatmap(argparse.Namespace(args=args_in[1:]))
+    parser = build_parser()
+    try:
+        args = parser.parse_args(args_in)
+    except SystemExit as exc:  # argparse already printed usage and the error
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except UsageError as exc:
+        print(f"rankwatch {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # e.g. `rankwatch replay DIR | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+# --- subcommands -----------------------------------------------------------------------------
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig, all_env_variables
+
+    try:
+        cfg = RankwatchConfig.from_env()
+        deepep = DeepEPConfig.from_env()
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"invalid configuration: {exc}") from None
+    owners: dict[str, Any] = {
+        "RankwatchConfig": cfg,
+        "DeepEPConfig": deepep,
+        "StepTimeConfig": cfg.diagnosis.step_time,
+        "NormalConfig": cfg.diagnosis.normal,
+        "LowLatencyConfig": cfg.diagnosis.low_latency,
+    }
+    rows = []
+    for env_name, (path, default) in all_env_variables().items():
+        owner, _, name = path.partition(".")
+        rows.append(
+            {
+                "variable": env_name,
+                "option": path,
+                "value": getattr(owners[owner], name),
+                "default": default,
+                "set": env_name in os.environ,
+            }
+        )
+    if args.json:
+        print(json.dumps({"version": _version(), "variables": rows}, indent=2))
+        return EXIT_OK
+    width = max(len(r["variable"]) for r in rows)
+    vwidth = max(len(format_value(r["value"])) for r in rows)
+    dwidth = max(len(format_value(r["default"])) for r in rows)
+    print(f"rankwatch {_version()}: effective configuration (* = set in the environment)")
+    print(f"  {'VARIABLE':<{width}}  {'VALUE':<{vwidth}}  {'DEFAULT':<{dwidth}}  OPTION")
+    for r in rows:
+        mark = "*" if r["set"] else " "
+        print(
+            f"{mark} {r['variable']:<{width}}  {format_value(r['value']):<{vwidth}}  "
+            f"{format_value(r['default']):<{dwidth}}  {r['option']}"
+        )
+    print("OTLP push: standard OTEL_EXPORTER_OTLP_* variables; endpoint", end=" ")
+    print(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "unset (no push)")
+    return EXIT_OK
+
+
+def _cmd_assets_export(args: argparse.Namespace) -> int:
+    from rankwatch.exporter.cli.assets import export_assets, list_assets
+
+    try:
+        written = export_assets(args.dir, force=args.force)
+    except FileNotFoundError as exc:
+        print(f"rankwatch assets: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:
+        raise UsageError(f"DIR {str(args.dir)!r}: {exc}") from None
+    total = len(list_assets())
+    print(
+        f"rankwatch {_version()}: {total} asset files in {args.dir} "
+        f"({len(written)} written, {total - len(written)} already up to date)"
+    )
+    return EXIT_OK
+
+
+def _cmd_assets_list(args: argparse.Namespace) -> int:
+    from rankwatch.exporter.cli.assets import list_assets
+
+    for asset in list_assets():
+        print(asset.relative)
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from rankwatch.exporter.cli.demo import DemoOptions, preflight, run_demo, scenario_timeline
+
+    require_extra("demo")
+    if args.straggler_rank >= args.ranks:
+        raise UsageError(
+            f"--straggler-rank must be below --ranks ({args.ranks}), got {args.straggler_rank}"
+        )
+    if args.timeline is not None:
+        timeline = args.timeline if args.duration is None else args.timeline.scaled(args.duration)
+    else:
+        timeline = scenario_timeline(args.scenario, args.duration or 60.0)
+    options = DemoOptions(
+        ranks=args.ranks,
+        timeline=timeline,
+        port=args.port,
+        addr=args.addr,
+        out=args.out,
+        straggler_rank=args.straggler_rank,
+        straggler_ms=args.straggler_ms,
+        interval_seconds=args.interval,
+        live=None if not args.plain else False,
+    )
+    try:
+        preflight(options)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"invalid configuration: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"--addr/--port: {exc.strerror or exc}") from None
+    return run_demo(options)
+
+
+def _cmd_heatmap(args: argparse.Namespace) -> int:
+    from rankwatch.exporter.cli import heatmap
+
+    if not {"-h", "--help"} & set(args.args):
+        try:
+            require_extra("heatmap")
+        except UsageError as exc:
+            print(f"rankwatch heatmap: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    return int(heatmap.main(list(args.args)))
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    try:
+        if args.window.suffix == ".npz":
+            data, text = _diagnose_npz(args.window)
+        elif args.window.suffix == ".json":
+            data, text = _diagnose_step_json(args.window)
+        else:
+            raise ValueError(
+                f"unknown window type {args.window.suffix!r}: expected a DeepEP window (.npz) "
+                "or a step-time window (.json)"
+            )
+    except (ValueError, TypeError, OSError) as exc:
+        raise UsageError(f"WINDOW {str(args.window)!r}: {exc}") from None
+    if args.json:
+        print(json.dumps(data, indent=2, allow_nan=False))
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def _verdict_lines(verdict: Any) -> list[str]:
+    sev = f" [{verdict.severity}]" if verdict.severity else ""
+    return [
+        f"verdict: {verdict.what}{sev}",
+        f"  why: {verdict.why}",
+        f"  what to do: {verdict.action}",
+    ]
+
+
+def _anomaly_text(anomaly: Any) -> str:
+    if anomaly.scope == "rank":
+        return f"rank {anomaly.src} ratio {anomaly.factor:.3g}"
+    where = "" if anomaly.src is None else f" {anomaly.src}"
+    if anomaly.dst is not None:
+        where += f"->{anomaly.dst}" if anomaly.src is not None else f" {anomaly.dst}"
+    return f"{anomaly.scope}{where} x{anomaly.factor:.3g}"
+
+
+def _diagnose_npz(path: Path) -> tuple[dict[str, Any], str]:
+    from rankwatch.diagnosis.config import NormalConfig
+    from rankwatch.diagnosis.deepep.artifact import load_window_artifact
+    from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
+    from rankwatch.exporter.publish.summary import normal_verdict
+
+    window, saved, meta = load_window_artifact(path)
+    report = NormalDiagnoser(NormalConfig.from_env()).diagnose(window)
+    verdict = normal_verdict(report)
+    lines = [
+        f"DeepEP normal-mode window {window.window_index} (EP{window.ep_size}, "
+        f"{window.ranks_per_node} ranks per node): {path}"
+    ]
+    for name, result in report.probes.items():
+        detail = ""
+        if result.anomalies:
+            detail = ": " + ", ".join(_anomaly_text(a) for a in result.anomalies)
+        elif result.detail:
+            detail = f": {result.detail}"
+        lines.append(f"  {name:<24} {result.status}{detail}")
+    lines.extend(_verdict_lines(verdict))
+    lines.append(
+        "note: global slowdown needs earlier normal windows as a reference; "
+        "`rankwatch replay DIR` re-diagnoses a run's windows in order."
+    )
+    data = {
+        "kind": "deepep_normal",
+        "path": str(path),
+        "window_index": window.window_index,
+        "verdict": verdict.to_dict(),
+        "report": report.to_dict(include_arrays=False),
+        "saved_diagnosis": saved,
+        "created_at_s": meta.created_at_s,
+    }
+    return data, "\n".join(lines)
+
+
+def _diagnose_step_json(path: Path) -> tuple[dict[str, Any], str]:
+    from rankwatch.diagnosis.step_time.artifact import load_window
+    from rankwatch.exporter.publish.summary import step_verdict
+
+    saved = load_window(path)
+    report = saved.diagnose()
+    verdict = step_verdict(report)
+    lines = [
+        f"Step-time window ({len(report.ranks)} ranks, {report.steps} steps, {report.clock} "
+        f"clock, {report.strategy}): {path}",
+        "  rank  " + "".join(f"{c:>12}" for c in _STEP_COLUMNS),
+    ]
+    for rank in sorted(report.rank_means):
+        means = report.rank_means[rank]
+        cells = "".join(
+            f"{'-' if means.get(c) is None else format(means[c], '.2f'):>12}" for c in _STEP_COLUMNS
+        )
+        lines.append(f"  {rank:>4}  {cells}")
+    lines.append(f"  (milliseconds per step)  kind: {report.kind}")
+    lines.extend(_verdict_lines(verdict))
+    data = {
+        "kind": "step_time",
+        "path": str(path),
+        "verdict": verdict.to_dict(),
+        "report": report.to_dict(),
+        "saved_report": saved.report,
+        "meta": saved.meta,
+    }
+    return data, "\n".join(lines)
+
+
+_STEP_COLUMNS = ("input_wait", "forward", "backward", "optimizer", "step", "visible")
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from rankwatch.diagnosis.config import NormalConfig
+    from rankwatch.diagnosis.deepep.artifact import load_window_artifact
+    from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
+    from rankwatch.diagnosis.step_time.artifact import is_step_time_artifact, load_window
+    from rankwatch.exporter.publish.summary import describe_normal, describe_step
+
+    npz_files = sorted(p for p in args.dir.rglob("*.npz") if p.is_file())
+    step_files = []
+    for p in sorted(args.dir.rglob("*.json")):
+        try:
+            doc = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # not ours: only step-time window artifacts are replayed
+        if is_step_time_artifact(doc):
+            step_files.append(p)
+    if not npz_files and not step_files:
+        raise UsageError(
+            f"DIR {str(args.dir)!r}: no saved windows (DeepEP *.npz or step-time *.json) in it"
+        )
+    failures = 0
+
+    def emit(obj: dict[str, Any], text: str) -> None:
+        print(json.dumps(obj, allow_nan=False) if args.json else text, flush=True)
+
+    # DeepEP windows go through one diagnoser in window order, so the global-slowdown history
+    # builds up exactly as it did live.
+    loaded = []
+    for p in npz_files:
+        try:
+            window, saved, meta = load_window_artifact(p)
+        except (ValueError, OSError) as exc:
+            failures += 1
+            emit({"path": str(p), "error": str(exc)}, f"{p}: error: {exc}")
+            continue
+        loaded.append((window.window_index, meta.created_at_s, str(p), window, saved))
+    loaded.sort(key=lambda item: item[:3])
+    diagnoser = NormalDiagnoser(NormalConfig.from_env())
+    classes: dict[str, int] = {}
+    differs = 0
+    for _, _, name, window, saved in loaded:
+        report = diagnoser.diagnose(window)
+        now = sorted(i.cls for i in report.incidents)
+        before = None if saved is None else sorted(i["class"] for i in saved.get("incidents", []))
+        changed = before is not None and before != now
+        differs += changed
+        for cls in now:
+            classes[cls] = classes.get(cls, 0) + 1
+        mark = f"  (saved: {', '.join(before or []) or 'no incident'})" if changed else ""
+        emit(
+            {
+                "path": name,
+                "kind": "deepep_normal",
+                "window_index": window.window_index,
+                "incidents": [i.to_dict() for i in report.incidents],
+                "saved_incidents": before,
+            },
+            f"{Path(name).name}  {describe_normal(report)}{mark}",
+        )
+    step_reports = []
+    for p in step_files:
+        try:
+            saved_step = load_window(p)
+            report = saved_step.diagnose()
+        except (ValueError, OSError) as exc:
+            failures += 1
+            emit({"path": str(p), "error": str(exc)}, f"{p}: error: {exc}")
+            continue
+        index = saved_step.meta.get("window_index", -1)
+        step_reports.append((index if isinstance(index, int) else -1, str(p), report, saved_step))
+    step_reports.sort(key=lambda item: item[:2])
+    kinds: dict[str, int] = {}
+    for _, name, report, saved_step in step_reports:
+        kinds[report.kind] = kinds.get(report.kind, 0) + 1
+        before_kind = None if saved_step.report is None else saved_step.report.get("kind")
+        changed = before_kind is not None and before_kind != report.kind
+        differs += changed
+        mark = f"  (saved: {before_kind})" if changed else ""
+        emit(
+            {
+                "path": name,
+                "kind": "step_time",
+                "report": report.to_dict(),
+                "saved_kind": before_kind,
+            },
+            f"{Path(name).name}  {describe_step(report)}{mark}",
+        )
+    summary = {
+        "deepep_windows": len(loaded),
+        "deepep_incidents": classes,
+        "step_windows": len(step_reports),
+        "step_kinds": kinds,
+        "differ_from_saved": differs,
+        "unreadable": failures,
+    }
+
+    def counts(d: dict[str, int]) -> str:
+        return ", ".join(f"{k} x{v}" for k, v in sorted(d.items())) or "none"
+
+    emit(
+        {"summary": summary},
+        f"replayed {len(loaded)} DeepEP windows (incidents: {counts(classes)}) and "
+        f"{len(step_reports)} step-time windows (kinds: {counts(kinds)}); "
+        f"{differs} differ from the saved diagnosis; {failures} unreadable",
+    )
+    return EXIT_FAILURE if failures else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

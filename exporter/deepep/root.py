@@ -1,0 +1,302 @@
+"""The root side of one EP group's DeepEP diagnosis: cumulative snapshots in, reports out.
+
+:class:`DeepEPRoot` forms windows from consecutive gathered snapshots
+(:class:`~.deepep_snapshot.CounterWindows`), validates them, runs the normal-mode and
+low-latency diagnosis, writes the log lines and NPZ artifacts, and hands each
+:class:`WindowReport` to the publishers, all on a worker thread of its own so whoever feeds it
+(the collection thread or the training thread) never waits. :class:`~.deepep.Diagnose` runs one
+on the group's root and feeds it the gathered snapshots; anything else that holds cumulative
+counter blocks of a whole EP group (the demo's simulated group) can feed one directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
+from rankwatch.diagnosis.deepep.artifact import ArtifactStore
+from rankwatch.diagnosis.deepep.log_lines import LINE_PREFIX, invalid_window_line, normal_log_lines
+from rankwatch.diagnosis.deepep.low_latency import LowLatencyResult, diagnose_low_latency
+from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
+from rankwatch.diagnosis.deepep.normal.schema import counter_length
+from rankwatch.diagnosis.report import RankInfo, WindowReport
+from rankwatch.exporter.config import DeepEPConfig
+from rankwatch.exporter.deepep.counters import LOW_LATENCY_PHASES
+from rankwatch.exporter.deepep.snapshot import CounterWindows, DeepEPWindow, PendingSnapshot
+from rankwatch.exporter.publish.protocol import Publisher
+
+__all__ = ["HISTORY_WINDOWS", "DeepEPRoot"]
+
+# The log lines keep the logger name they always had, so existing log routing still applies.
+log = logging.getLogger("rankwatch.exporter.deepep.diagnose")
+
+# Windows the root keeps for inspection and artifacts; bounded like every other history.
+HISTORY_WINDOWS = 16
+# Gathered snapshots waiting for the root's worker. A dropped snapshot loses nothing: the
+# counters are cumulative, so the next window simply spans both intervals.
+_QUEUE_DEPTH = 16
+_STOP = object()
+
+
+class DeepEPRoot:
+    """Windows, diagnosis, logs, artifacts and publishing for one EP group.
+
+    ``members`` are the EP ranks in group order (their count is the EP size); ``log_rank`` names
+    the log file (``deepep_diagnose_rank<log_rank>.log``) when ``log_to_file`` is set. Call
+    :meth:`start`, then :meth:`submit` each gathered cumulative snapshot, then :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        *,
+        members: Sequence[RankInfo],
+        ranks_per_node: int,
+        config: DeepEPConfig,
+        normal_config: NormalConfig,
+        low_latency_config: LowLatencyConfig,
+        normal: bool,
+        low_latency: bool,
+        instance_id: str,
+        group_name: str,
+        publishers: Sequence[Publisher] = (),
+        log_to_file: bool = False,
+        log_rank: int = 0,
+        run: str = "",
+        copy_stream: Any = None,
+    ) -> None:
+        self.ranks = tuple(members)
+        self.ep_size = len(self.ranks)
+        self.ranks_per_node = ranks_per_node
+        self.config = config
+        self.normal_config = normal_config
+        self.low_latency_config = low_latency_config
+        self.enable_normal_diagnose = normal
+        self.enable_ll_diagnose = low_latency
+        self.instance_id = instance_id
+        self.group_name = group_name
+        self.publishers = tuple(publishers)
+        self._log_to_file = log_to_file
+        self._log_rank = log_rank
+        self._run = run
+        self._copy_stream = copy_stream
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._worker: threading.Thread | None = None
+        self._windows: CounterWindows | None = None
+        self._normal_diagnoser: NormalDiagnoser | None = None
+        self._latest: WindowReport | None = None
+        self._log_handler: logging.Handler | None = None
+        self._artifacts: ArtifactStore | None = None
+        self.recent_windows: deque[DeepEPWindow] = deque(maxlen=HISTORY_WINDOWS)
+        self.rejected_windows: Counter[str] = Counter()
+        self.dropped_snapshots = 0
+
+    @property
+    def latest_report(self) -> WindowReport | None:
+        """The last report published."""
+        with self._lock:
+            return self._latest
+
+    def start(self, started_at_s: float) -> None:
+        """Open the window builder (warm-up counts from ``started_at_s``), logs, artifacts and
+        the worker thread."""
+        self._windows = CounterWindows(
+            self.ep_size,
+            self.ranks_per_node,
+            normal=self.enable_normal_diagnose,
+            low_latency=self.enable_ll_diagnose,
+            warmup_seconds=self.config.warmup_seconds,
+            started_at_s=started_at_s,
+            instance_id=self.instance_id,
+        )
+        if self.enable_normal_diagnose:
+            self._normal_diagnoser = NormalDiagnoser(self.normal_config)
+        self._attach_log_file()
+        if self.config.export_npz:
+            self._artifacts = ArtifactStore(self.config.log_path, self.config.npz_retention)
+        self._worker = threading.Thread(
+            target=self._work, name="rankwatch-deepep-root", daemon=True
+        )
+        self._worker.start()
+
+    def submit(self, parts: tuple[str, ...], pending: PendingSnapshot) -> None:
+        """Queue one gathered cumulative snapshot (``parts``: which counter regions it holds,
+        normal first). Never blocks: when the worker is behind the snapshot is dropped and
+        counted, and the next window spans both intervals."""
+        try:
+            self._queue.put_nowait((parts, pending))
+        except queue.Full:
+            self.dropped_snapshots += 1
+            log.warning("DeepEP root is behind: dropped one snapshot (windows will merge)")
+
+    def stop(self, wait_seconds: float) -> None:
+        """Finish what was queued (waiting at most ``wait_seconds``) and close the log file."""
+        if self._worker is not None:
+            with contextlib.suppress(queue.Full):
+                self._queue.put(_STOP, timeout=wait_seconds)
+            self._worker.join(wait_seconds)
+        if self._log_handler is not None:
+            log.removeHandler(self._log_handler)
+            self._log_handler.close()
+            self._log_handler = None
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            parts, pending = item
+            try:
+                self._process(parts, pending)
+            except Exception as exc:  # one bad window must not end diagnosis
+                log.exception("DeepEP window processing failed: %s", exc)
+
+    def _process(self, parts: tuple[str, ...], pending: PendingSnapshot) -> None:
+        assert self._windows is not None
+        rows = pending.to_numpy(self._copy_stream)
+        ep = self.ep_size
+        n_normal = counter_length(ep)
+        offset = 0
+        normal = low_latency = None
+        if "normal" in parts:
+            normal = rows[:, offset : offset + n_normal]
+            offset += n_normal
+        if "low_latency" in parts:
+            n_ll = len(LOW_LATENCY_PHASES) * ep
+            low_latency = rows[:, offset : offset + n_ll].reshape(ep, len(LOW_LATENCY_PHASES), ep)
+        window = self._windows.feed(pending.taken_at_s, normal=normal, low_latency=low_latency)
+        if window is None:
+            return
+        self.recent_windows.append(window)
+        self._publish(self._diagnose(window))
+
+    def _diagnose(self, window: DeepEPWindow) -> WindowReport:
+        seconds: dict[str, float] = {}
+        normal_report = None
+        reason = window.normal_invalid_reason
+        if reason is not None:
+            self.rejected_windows[f"normal:{reason}"] += 1
+            self._log_rejection(
+                "normal", window.window_index, reason, window.normal_invalid_detail or reason
+            )
+        if window.normal is not None and self._normal_diagnoser is not None:
+            t0 = time.perf_counter()
+            try:
+                normal_report = self._normal_diagnoser.diagnose(window.normal)
+            except Exception as exc:
+                reason = "diagnosis_error"
+                self.rejected_windows[f"normal:{reason}"] += 1
+                log.exception(
+                    "normal-mode diagnosis of window %d failed: %s", window.window_index, exc
+                )
+            seconds["normal"] = time.perf_counter() - t0
+        ll_results: dict[str, LowLatencyResult] | None = None
+        ll_reason = None
+        if window.low_latency_invalid_reason is not None:
+            ll_reason = window.low_latency_invalid_reason
+            self.rejected_windows[f"low_latency:{ll_reason}"] += 1
+            self._log_rejection(
+                "low_latency",
+                window.window_index,
+                ll_reason,
+                window.low_latency_invalid_detail or ll_reason,
+            )
+        if window.low_latency is not None:
+            t0 = time.perf_counter()
+            ll_results = {
+                phase: diagnose_low_latency(mat.astype(np.float64), phase, self.low_latency_config)
+                for phase, mat in window.low_latency.items()
+            }
+            seconds["low_latency"] = time.perf_counter() - t0
+        report = WindowReport(
+            group=self.group_name,
+            window_index=window.window_index,
+            created_at_s=time.time(),
+            ranks=self.ranks,
+            run=self._run,
+            normal=normal_report,
+            normal_invalid_reason=reason,
+            low_latency=ll_results,
+            low_latency_invalid_reason=ll_reason,
+            diagnosis_seconds=seconds,
+        )
+        self._log_report(window, report)
+        self._save_artifact(window, report)
+        return report
+
+    def _publish(self, report: WindowReport) -> None:
+        with self._lock:
+            self._latest = report
+        for pub in self.publishers:
+            try:
+                pub.publish(report)
+            except Exception as exc:  # a broken publisher must not starve the others
+                log.exception("publisher %r failed on window %d: %s", pub, report.window_index, exc)
+
+    # ------------------------------------------------------------------ log lines
+
+    def _prefix(self, window_index: int) -> str:
+        return (
+            f"{LINE_PREFIX} InstanceID: {self.instance_id} EPSize: {self.ep_size} "
+            f"WindowIndex: {window_index}"
+        )
+
+    def _log_rejection(self, part: str, window_index: int, reason: str, detail: str) -> None:
+        # An idle window is routine; a reset or a bad counter is worth a warning.
+        level = logging.DEBUG if reason == "empty_window" else logging.WARNING
+        if part == "normal":
+            line = invalid_window_line(self.instance_id, self.ep_size, window_index, reason, detail)
+        else:
+            payload = json.dumps({"reason": reason, "message": detail}, separators=(",", ":"))
+            line = f"{self._prefix(window_index)} LowLatency invalid: {payload}"
+        log.log(level, line)
+
+    def _log_report(self, window: DeepEPWindow, report: WindowReport) -> None:
+        if report.normal is not None:
+            for line in normal_log_lines(
+                report.normal,
+                window.normal,
+                details=self.config.log_details,
+                instance_id=self.instance_id,
+            ):
+                log.info(line)
+        for phase, result in (report.low_latency or {}).items():
+            payload = json.dumps(result.to_dict(), separators=(",", ":"))
+            log.info(f"{self._prefix(window.window_index)} LowLatency {phase}: {payload}")
+
+    def _save_artifact(self, window: DeepEPWindow, report: WindowReport) -> None:
+        if self._artifacts is None or window.normal is None:
+            return
+        try:
+            self._artifacts.save(window.normal, report.normal)
+        except (OSError, ValueError) as exc:  # a full disk must not end diagnosis
+            log.warning("DeepEP artifact of window %d not written: %s", window.window_index, exc)
+
+    def _attach_log_file(self) -> None:
+        # DeepXTrace writes its log lines to a file under DEEPEP_DIAGNOSE_LOG_PATH; do the same
+        # when the variable is set, and otherwise leave the lines to the application's logging.
+        if not self._log_to_file:
+            return
+        path = os.path.join(self.config.log_path, f"deepep_diagnose_rank{self._log_rank}.log")
+        try:
+            os.makedirs(self.config.log_path, exist_ok=True)
+            handler = logging.FileHandler(path, encoding="utf-8")
+        except OSError as exc:  # an unwritable log folder must not stop training
+            log.warning("DeepEP log file %s cannot be opened: %s", path, exc)
+            return
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
+        handler.setLevel(logging.INFO)
+        log.addHandler(handler)
+        if log.level == logging.NOTSET or log.level > logging.INFO:
+            log.setLevel(logging.INFO)
+        self._log_handler = handler

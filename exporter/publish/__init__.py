@@ -1,0 +1,4 @@
+"""Publishing: every window's report, once, to ``/metrics`` (:mod:`.prometheus`), OTLP
+(:mod:`.otlp`) and incident log lines (:mod:`.events`), through one hub (:mod:`.hub`). The
+series are defined in :mod:`.catalogue` and computed in :mod:`.samples`; incidents open and
+close in :mod:`.incidents`; :mod:`.summary` records a run and words its verdicts."""

@@ -1,0 +1,342 @@
+"""The metric catalogue: every series rankwatch publishes, defined once.
+
+Both publishers (Prometheus ``/metrics`` and OTLP) read this table, and ``docs/metrics.md`` is
+generated from it, so a metric's name, type, unit, labels and meaning live in exactly one place.
+Prometheus names follow the conventions: ``rankwatch_`` prefix, base units, ``_total`` only on
+counters, ``_ratio`` for 0..1 ratios. Every series also carries the ``run`` and ``group`` labels
+(listed in ``COMMON_LABELS``) so one Prometheus can hold many jobs and EP/DP groups.
+
+The OTel instrument of each family is derived from its Prometheus name so that the standard
+OTLP-to-Prometheus translation (dots to underscores, the unit appended as a word, ``_total`` on
+monotonic sums, ``_ratio`` on unit-``"1"`` gauges) gives that Prometheus name back exactly:
+the unit word and the ``_total``/``_ratio`` suffix are taken off the name and carried by the
+unit and the instrument kind instead. For that reason unit ``"1"`` is reserved for families whose
+name ends in ``_ratio``; other dimensionless families have unit ``""``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CATALOGUE", "COMMON_LABELS", "MetricSpec", "by_name", "markdown_table", "render_doc"]
+
+COMMON_LABELS: tuple[str, ...] = ("run", "group")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family: Prometheus name, type (gauge/counter/info), unit, labels, help."""
+
+    name: str
+    type: str
+    unit: str
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        """``COMMON_LABELS`` followed by the family's own labels (the order samples use)."""
+        return COMMON_LABELS + self.labels
+
+    @property
+    def otel_name(self) -> str:
+        """The dotted OTel instrument name that translates back to ``name``.
+
+        ``rankwatch_phase_seconds`` -> ``rankwatch.phase`` (unit ``s``),
+        ``rankwatch_incidents_total`` -> ``rankwatch.incidents`` (a counter),
+        ``rankwatch_deepep_notify_ratio`` -> ``rankwatch.deepep.notify`` (unit ``1``).
+        """
+        body = self.name
+        for suffix, applies in (
+            ("_total", self.type == "counter"),
+            ("_seconds", self.unit == "s"),
+            ("_ratio", self.unit == "1"),
+        ):
+            if applies and body.endswith(suffix):
+                body = body[: -len(suffix)]
+        return body.replace("_", ".")
+
+    @property
+    def otel_unit(self) -> str:
+        """The UCUM unit of the OTel instrument (``s``, ``1`` or empty)."""
+        return self.unit
+
+    @property
+    def openmetrics_unit(self) -> str:
+        """The OpenMetrics ``# UNIT`` of the family (the name's unit suffix), or empty."""
+        return {"s": "seconds", "1": "ratio"}.get(self.unit, "")
+
+
+def _m(name: str, type_: str, unit: str, labels: tuple[str, ...], help_: str) -> MetricSpec:
+    return MetricSpec("rankwatch_" + name, type_, unit, labels, help_)
+
+
+# Where a rank runs; gpu and UUID carry dcgm-exporter's label names (and values) so per-rank
+# series join a GPU's telemetry. Empty on CPU.
+RANK = ("rank", "local_rank", "hostname", "gpu", "UUID")
+
+CATALOGUE: tuple[MetricSpec, ...] = (
+    # --- step time (rank-straggler policy) ---
+    _m(
+        "straggler_score",
+        "gauge",
+        "",
+        (),
+        "Straggler score of the current window: (visible_victim - visible_culprit) / "
+        "(input_wait_victim + step_victim). Warning from 0.10, critical from 0.20.",
+    ),
+    _m(
+        "cause_coverage_ratio",
+        "gauge",
+        "1",
+        ("component",),
+        "Bounded share of the visible wait explained by a component (input, h2d, compute); "
+        "a component unmeasured on culprit or victim is absent.",
+    ),
+    _m(
+        "component_excess_seconds",
+        "gauge",
+        "s",
+        ("component",),
+        "Culprit minus victim window-mean time of a component (input, h2d, compute).",
+    ),
+    _m(
+        "phase_seconds",
+        "gauge",
+        "s",
+        (*RANK, "phase"),
+        "Window mean of a phase per rank on the selected clock: input_wait, h2d, forward, "
+        "backward, optimizer, step, residual, visible. An unmeasured phase is absent.",
+    ),
+    _m(
+        "diagnosis_info",
+        "info",
+        "",
+        ("kind", "severity", "culprit_rank", "victim_rank", "component", "clock", "strategy"),
+        "The current step-time diagnosis (value 1): kind, severity, culprit and victim rank.",
+    ),
+    _m(
+        "diagnosis_severity",
+        "gauge",
+        "",
+        (),
+        "Severity of the current step-time diagnosis: 0 none, 1 info, 2 warning, 3 critical.",
+    ),
+    _m("window_steps", "gauge", "", (), "Steps aligned across all ranks in the current window."),
+    # --- DeepEP normal mode ---
+    _m(
+        "deepep_notify_ratio",
+        "gauge",
+        "1",
+        ("probe", "rank"),
+        "Notify kernel duration of a rank divided by the median of its peers; <= 0.25 is "
+        "late-arrival evidence.",
+    ),
+    _m(
+        "deepep_notify_duration_seconds",
+        "gauge",
+        "s",
+        ("probe", "rank"),
+        "Average Notify kernel duration per launch in the window.",
+    ),
+    _m(
+        "deepep_completion_cycles_per_sample",
+        "gauge",
+        "",
+        ("probe", "src_rank", "dst_rank"),
+        "Completion cost per sample of one src->dst cell (only within the cell budget; above it "
+        "only flagged cells).",
+    ),
+    _m(
+        "deepep_completion_row_cycles_per_sample",
+        "gauge",
+        "",
+        ("probe", "src_rank"),
+        "Median completion cost per sample over a source row.",
+    ),
+    _m(
+        "deepep_completion_column_cycles_per_sample",
+        "gauge",
+        "",
+        ("probe", "dst_rank"),
+        "Median completion cost per sample over a destination column.",
+    ),
+    _m(
+        "deepep_residual_slowdown_factor",
+        "gauge",
+        "",
+        ("probe", "scope", "src", "dst"),
+        "Slowdown factor of a flagged scope (row, column, point, block, src_gateway, "
+        "dst_gateway, edge) after removing wider effects; src/dst are ranks or n<node>.",
+    ),
+    _m(
+        "deepep_global_slowdown_factor",
+        "gauge",
+        "",
+        ("probe",),
+        "Completion cost of the probe's slowest link class (intra-node, inter-node, gateway) "
+        "over the median of that class's recent normal windows; >= 1.3 is a global slowdown. "
+        "Absent until the history is bootstrapped.",
+    ),
+    _m(
+        "deepep_probe_anomalous",
+        "gauge",
+        "",
+        ("probe",),
+        "1 when the probe reported an anomaly in the current window, else 0.",
+    ),
+    _m(
+        "deepep_window_invalid_total",
+        "counter",
+        "",
+        ("reason",),
+        "DeepEP windows (normal or low-latency) rejected before diagnosis, by reason.",
+    ),
+    # --- DeepEP low-latency mode ---
+    _m(
+        "deepep_ll_row_ratio",
+        "gauge",
+        "1",
+        ("phase", "rank"),
+        "Low-latency receive wait: a receiver row's mean over the mean of all row means.",
+    ),
+    _m(
+        "deepep_ll_column_ratio",
+        "gauge",
+        "1",
+        ("phase", "rank"),
+        "Low-latency receive wait: a peer column's mean over the mean of all column means.",
+    ),
+    _m(
+        "deepep_ll_point_ratio",
+        "gauge",
+        "1",
+        ("phase", "src_rank", "dst_rank"),
+        "Low-latency receive wait of a flagged cell over the matrix mean; src_rank is the peer "
+        "waited for (matrix column), dst_rank the rank that waited (matrix row).",
+    ),
+    # --- incidents ---
+    _m(
+        "incidents_total",
+        "counter",
+        "",
+        ("class", "severity"),
+        "Incidents opened, by class and severity.",
+    ),
+    _m(
+        "incident_active",
+        "gauge",
+        "",
+        ("class", "severity", "probe", "culprit_rank", "hostname", "cause"),
+        "1 while an incident is open; the series is removed when it closes.",
+    ),
+    _m(
+        "incident_score",
+        "gauge",
+        "",
+        ("class", "severity", "probe", "culprit_rank", "hostname", "cause"),
+        "Score of an open incident: the straggler score for step-time classes, the largest "
+        "slowdown factor for data-path classes, the smallest Notify ratio for arrival skew.",
+    ),
+    # --- windows and the exporter itself ---
+    _m("window_index", "gauge", "", (), "Index of the latest diagnosed window."),
+    _m(
+        "window_timestamp_seconds",
+        "gauge",
+        "s",
+        (),
+        "Unix time at which the latest window was diagnosed.",
+    ),
+    _m("window_age_seconds", "gauge", "s", (), "Seconds since the latest window was diagnosed."),
+    _m(
+        "window_missing_ranks",
+        "gauge",
+        "",
+        (),
+        "Ranks expected but missing from the latest window (0 when complete).",
+    ),
+    _m("group_ranks", "gauge", "", (), "Ranks in the group."),
+    _m(
+        "diagnosis_duration_seconds",
+        "gauge",
+        "s",
+        ("engine",),
+        "Wall time the last diagnosis took, per engine (step_time, normal, low_latency).",
+    ),
+    _m(
+        "collection_errors_total",
+        "counter",
+        "",
+        ("reason",),
+        "Failures to gather or form a window, by reason.",
+    ),
+    _m(
+        "export_failures_total",
+        "counter",
+        "",
+        ("exporter",),
+        "Failed export attempts (otlp_metrics, otlp_logs), incident events dropped before "
+        "export (otlp_logs), and window reports replaced in the publish queue before they were "
+        "published (publish_queue).",
+    ),
+    _m("exporter_up", "gauge", "", (), "1 while the rankwatch exporter runs."),
+    _m("exporter_start_time_seconds", "gauge", "s", (), "Unix time the exporter started."),
+    _m(
+        "build_info",
+        "info",
+        "",
+        ("version", "python", "torch"),
+        "The versions of rankwatch, Python and torch the exporter runs with (value 1).",
+    ),
+)
+
+
+_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
+
+
+def by_name(name: str) -> MetricSpec:
+    """The catalogue entry for a Prometheus metric name (KeyError if unknown)."""
+    return _BY_NAME[name]
+
+
+# docs/metrics.md holds the generated table between these markers; the prose around it is kept.
+DOC_BEGIN = "<!-- catalogue: generated by `make generate` -->"
+DOC_END = "<!-- /catalogue -->"
+
+
+def _otel_kind(spec: MetricSpec) -> str:
+    return "observable counter" if spec.type == "counter" else "observable gauge"
+
+
+def markdown_table() -> str:
+    """The catalogue as a Markdown table: name, type, unit, labels, OTel instrument, meaning."""
+    rows = [
+        "| name | type | unit | labels | OTel instrument | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for spec in CATALOGUE:
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "-"
+        unit = f"`{spec.unit}`" if spec.unit else "-"
+        otel_unit = f"unit `{spec.otel_unit}`" if spec.otel_unit else "no unit"
+        otel = f"`{spec.otel_name}` ({_otel_kind(spec)}, {otel_unit})"
+        meaning = spec.help.replace("|", "\\|")
+        rows.append(f"| `{spec.name}` | {spec.type} | {unit} | {labels} | {otel} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def render_doc(text: str) -> str:
+    """``text`` (the metrics doc) with the generated table between its markers replaced."""
+    begin, end = text.find(DOC_BEGIN), text.find(DOC_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"text: the markers {DOC_BEGIN!r} ... {DOC_END!r} are missing")
+    return text[: begin + len(DOC_BEGIN)] + "\n" + markdown_table() + text[end:]
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m rankwatch.exporter.publish.catalogue PATH/TO/metrics.md")
+    path = Path(sys.argv[1])
+    path.write_text(render_doc(path.read_text()))

@@ -1,0 +1,134 @@
+"""Incident events, written two ways: one JSON log line each, and one OTel log record each.
+
+The OpenTelemetry Events API is gone; an event is now a log record with an *event name*
+(``rankwatch.incident.open`` / ``rankwatch.incident.close``) and attributes. Both forms carry
+the same fields:
+
+================================ ===========================================================
+attribute                        meaning
+================================ ===========================================================
+``rankwatch.incident.id``        stable id of the incident (open and close share it)
+``rankwatch.incident.action``    ``open`` or ``close``
+``rankwatch.incident.class``     incident class (``step_time_straggler``, ...)
+``rankwatch.incident.severity``  ``warning`` or ``critical``
+``rankwatch.incident.probe``     DeepEP probe(s), comma-separated; empty for step time
+``rankwatch.incident.cause``     straggler kind / bottleneck kind / normal-mode scope
+``rankwatch.incident.culprit_ranks`` global ranks blamed (list of ints)
+``rankwatch.incident.hostnames`` their hosts, lower case (list of strings)
+``rankwatch.incident.score``     straggler score, slowdown factor or Notify ratio (if finite)
+``rankwatch.incident.opened_window`` window index at which it opened
+``rankwatch.incident.evidence``  the evidence of the latest supporting window (a map)
+``rankwatch.window.index``       window index of this event
+``rankwatch.group``, ``rankwatch.run`` the group and run
+================================ ===========================================================
+
+Severity numbers: an opening is ``ERROR`` when critical and ``WARN`` when a warning; a closing is
+``INFO``. The body is one human sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry._logs import LogRecord, SeverityNumber
+from rankwatch.diagnosis.deepep.normal.report import json_ready
+from rankwatch.exporter.publish.incidents import IncidentEvent
+
+__all__ = ["event_attributes", "event_json", "event_log_record", "event_message"]
+
+
+def _clean(value: Any) -> Any:
+    """JSON-ready evidence without None entries (OTel attribute values cannot be null)."""
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_clean(v) for v in value if v is not None]
+    return value
+
+
+def _check(event: Any) -> IncidentEvent:
+    if not isinstance(event, IncidentEvent):
+        raise TypeError(f"event: expected IncidentEvent, got {type(event).__name__}")
+    if event.action not in ("open", "close"):
+        raise ValueError(f"event.action: must be 'open' or 'close', got {event.action!r}")
+    return event
+
+
+def event_message(event: IncidentEvent) -> str:
+    """One sentence saying what happened, where, and how bad."""
+    inc = _check(event).incident
+    where = ",".join(str(r) for r in inc.ranks) or "all ranks"
+    hosts = f" ({', '.join(inc.hostnames)})" if inc.hostnames else ""
+    probe = f" on {inc.probe}" if inc.probe else ""
+    verb = "opened" if event.action == "open" else "closed"
+    score = "" if inc.score is None else f", score {inc.score:.3g}"
+    return (
+        f"rankwatch incident {verb}: {inc.severity} {inc.cls}{probe}, rank {where}{hosts}, "
+        f"cause {inc.cause or 'unknown'}{score} (window {event.window_index}, "
+        f"group {event.group or '-'})"
+    )
+
+
+def event_attributes(event: IncidentEvent) -> dict[str, Any]:
+    """The event's attributes (see the module table); no None values, no NaN."""
+    inc = _check(event).incident
+    attrs: dict[str, Any] = {
+        "rankwatch.incident.id": inc.incident_id,
+        "rankwatch.incident.action": event.action,
+        "rankwatch.incident.class": inc.cls,
+        "rankwatch.incident.severity": inc.severity,
+        "rankwatch.incident.probe": inc.probe,
+        "rankwatch.incident.cause": inc.cause,
+        "rankwatch.incident.culprit_ranks": [int(r) for r in inc.ranks],
+        "rankwatch.incident.hostnames": list(inc.hostnames),
+        "rankwatch.incident.opened_window": int(inc.opened_window),
+        "rankwatch.incident.evidence": _clean(json_ready(dict(inc.evidence))),
+        "rankwatch.window.index": int(event.window_index),
+        "rankwatch.group": event.group,
+        "rankwatch.run": event.run,
+    }
+    if inc.score is not None and math.isfinite(inc.score):
+        attrs["rankwatch.incident.score"] = float(inc.score)
+    return attrs
+
+
+def _severity(event: IncidentEvent) -> tuple[SeverityNumber, str]:
+    if event.action == "close":
+        return SeverityNumber.INFO, "INFO"
+    if event.incident.severity == "critical":
+        return SeverityNumber.ERROR, "ERROR"
+    return SeverityNumber.WARN, "WARN"
+
+
+def event_log_record(event: IncidentEvent) -> LogRecord:
+    """The OTel log record of an incident event: event name, severity, body, attributes.
+
+    Its timestamp is the time of the window that caused it.
+    """
+    number, text = _severity(_check(event))
+    return LogRecord(
+        timestamp=int(event.time_s * 1e9),
+        severity_number=number,
+        severity_text=text,
+        body=event_message(event),
+        attributes=event_attributes(event),
+        event_name=event.event_name,
+    )
+
+
+def event_json(event: IncidentEvent) -> str:
+    """The event as one JSON line (no newline inside): ``event``, ``time_unix_s``, ``severity``,
+    ``message`` and the attributes without their ``rankwatch.`` prefix."""
+    _, text = _severity(_check(event))
+    doc: dict[str, Any] = {
+        "event": event.event_name,
+        "time_unix_s": event.time_s,
+        "level": text,
+        "message": event_message(event),
+    }
+    for key, value in event_attributes(event).items():
+        doc[key.removeprefix("rankwatch.")] = value
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False, sort_keys=False)

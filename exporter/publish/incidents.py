@@ -1,0 +1,450 @@
+"""Incidents: per-window findings turned into incidents that open and close with hysteresis.
+
+A single window can be noisy: one slow data-loader fetch or one checkpoint can make a rank look
+like a straggler for five seconds. Paging on that would teach people to ignore the page. So a
+finding becomes an *incident* only when it persists, and an incident ends only when it has
+really gone:
+
+* **open**: an incident opens when the same finding (same identity, see below) was present in
+  at least ``k`` of the last ``n`` windows (``RankwatchConfig.incident_open_k`` /
+  ``incident_open_n``, default 2 of 3);
+* **close**: an open incident closes after ``m`` consecutive windows without it
+  (``incident_close_m``, default 3);
+* after closing, the identity starts from a clean history: it must again be seen in ``k`` of the
+  next ``n`` windows to reopen.
+
+With the defaults one noisy window neither opens an incident nor, once one is open, closes it.
+
+Only windows in which the engine behind a finding actually ran count, for opening and for
+closing: a window without a step-time report says nothing about a step-time straggler (missing
+data is not a clean window). The final ``summary`` window is not a live window and is ignored.
+
+Findings that become incidents, and their identity:
+
+* step-time findings of severity ``warning`` or ``critical``: the rank-straggler kinds
+  (``STRAGGLER``, ``INPUT_STRAGGLER``, ``COMPUTE_STRAGGLER``, ``H2D_STRAGGLER``) become class
+  ``step_time_straggler`` identified by the culprit rank, with the kind (lower case) as the
+  cause, so a straggler whose attribution wavers between windows stays one incident; the
+  single-rank bottleneck kinds (``INPUT_BOUND``, ``COMPUTE_BOUND``, ``RESIDUAL_HEAVY``, ...)
+  become class ``step_time_bottleneck`` identified by kind and ranks;
+* every normal-mode ``Incident`` keeps its class (``pre_stage_arrival_skew``,
+  ``global_data_path_slowdown``, ``localized_data_path_slowdown``, ``unclassified``) and is
+  identified by class, probes and ranks.
+
+While open, an incident's severity only escalates (the highest severity of the windows that
+supported it); its cause, score and evidence follow the latest supporting window. Each incident
+emits exactly one ``open`` and one ``close`` event; ``rankwatch_incidents_total`` counts openings
+by the severity at opening.
+
+State is bounded: at most ``max_tracked`` identities are remembered (open incidents first; the
+least recently seen candidates are forgotten when the bound is reached), and each keeps a
+history of ``n`` booleans.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankwatch.diagnosis.report import WindowReport
+from rankwatch.diagnosis.vocabulary import (
+    BOTTLENECK_CLASS,
+    INCIDENT_SEVERITIES,
+    STRAGGLER_CLASS,
+    STRAGGLER_KINDS,
+)
+from rankwatch.exporter.config import RankwatchConfig
+
+__all__ = [
+    "IncidentEvent",
+    "IncidentSnapshot",
+    "IncidentTracker",
+    "OpenIncident",
+    "Signal",
+    "signals_from_report",
+]
+
+_STRAGGLER_KINDS = frozenset(STRAGGLER_KINDS.values())
+_SEVERITY_RANK = {s: i for i, s in enumerate(INCIDENT_SEVERITIES)}
+
+# Which engine a signal comes from: only windows in which that engine ran count for it.
+_STEP_TIME = "step_time"
+_NORMAL = "normal"
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One window's evidence for one incident identity (``key``)."""
+
+    key: tuple[Any, ...]
+    engine: str
+    cls: str
+    severity: str
+    probe: str
+    cause: str
+    ranks: tuple[int, ...]
+    score: float | None
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OpenIncident:
+    """An incident as it stands: identity, where, how bad, and the latest evidence."""
+
+    incident_id: str
+    cls: str
+    severity: str
+    probe: str
+    cause: str
+    ranks: tuple[int, ...]
+    hostnames: tuple[str, ...]
+    score: float | None
+    evidence: Mapping[str, Any]
+    opened_window: int
+    opened_at_s: float
+
+
+@dataclass(frozen=True)
+class IncidentEvent:
+    """An incident opened or closed (emitted exactly once each)."""
+
+    action: str  # "open" | "close"
+    incident: OpenIncident
+    window_index: int
+    time_s: float
+    group: str
+    run: str
+
+    @property
+    def event_name(self) -> str:
+        """The OTel event name: ``rankwatch.incident.open`` or ``rankwatch.incident.close``."""
+        return f"rankwatch.incident.{self.action}"
+
+
+@dataclass(frozen=True)
+class IncidentSnapshot:
+    """What the publishers need: the open incidents and the opening counts so far."""
+
+    open: tuple[OpenIncident, ...] = ()
+    opened_total: Mapping[tuple[str, str], int] = field(default_factory=dict)
+
+
+@dataclass
+class _Track:
+    """Mutable per-identity state inside the tracker."""
+
+    history: deque[bool]
+    engine: str
+    last_seen: int
+    latest: Signal | None = None
+    incident: OpenIncident | None = None
+    clean_run: int = 0
+    # Severities of the windows in ``history`` that supported this identity (same length).
+    severities: deque[str | None] = field(default_factory=deque)
+
+
+def _finite_or_none(value: object) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        f = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _step_time_signals(report: WindowReport) -> list[Signal]:
+    st = report.step_time
+    if st is None:
+        return []
+    out: list[Signal] = []
+    for finding in getattr(st, "findings", ()) or ():
+        severity = getattr(finding, "severity", None)
+        if severity not in _SEVERITY_RANK:
+            continue
+        kind = str(getattr(finding, "kind", ""))
+        culprit = getattr(finding, "culprit_rank", None)
+        victim = getattr(finding, "victim_rank", None)
+        ranks_attr = tuple(int(r) for r in (getattr(finding, "ranks", ()) or ()))
+        evidence: dict[str, Any] = {
+            "kind": kind,
+            "score": _finite_or_none(getattr(finding, "score", None)),
+            "culprit_rank": culprit,
+            "victim_rank": victim,
+            "component": getattr(finding, "component", None),
+            "component_excesses_ms": dict(getattr(finding, "component_excesses_ms", {}) or {}),
+            "component_coverage": dict(getattr(finding, "component_coverage", {}) or {}),
+            "clock": getattr(st, "clock", None),
+            "strategy": getattr(st, "strategy", None),
+            "steps": getattr(st, "steps", None),
+        }
+        ranks: tuple[int, ...]
+        if kind in _STRAGGLER_KINDS and culprit is not None:
+            key: tuple[Any, ...] = (STRAGGLER_CLASS, int(culprit))
+            cls, ranks = STRAGGLER_CLASS, (int(culprit),)
+        else:
+            ranks = ranks_attr or ((int(culprit),) if culprit is not None else ())
+            key = (BOTTLENECK_CLASS, kind, ranks)
+            cls = BOTTLENECK_CLASS
+        out.append(
+            Signal(
+                key=key,
+                engine=_STEP_TIME,
+                cls=cls,
+                severity=str(severity),
+                probe="",
+                cause=kind.lower(),
+                ranks=ranks,
+                score=_finite_or_none(getattr(finding, "score", None)),
+                evidence=evidence,
+            )
+        )
+    return out
+
+
+def _normal_score(report: WindowReport, cls: str, probes: tuple[str, ...]) -> float | None:
+    """Largest slowdown factor (data path) or smallest Notify ratio (arrival skew)."""
+    normal = report.normal
+    if normal is None:
+        return None
+    values: list[float] = []
+    for probe in probes:
+        result = normal.probes.get(probe)
+        if result is None:
+            continue
+        for anomaly in result.anomalies:
+            f = _finite_or_none(anomaly.factor)
+            if f is not None:
+                values.append(f)
+        g = _finite_or_none(result.global_factor)
+        if g is not None and cls == "global_data_path_slowdown":
+            values.append(g)
+    if not values:
+        return None
+    return min(values) if cls == "pre_stage_arrival_skew" else max(values)
+
+
+def _normal_signals(report: WindowReport) -> list[Signal]:
+    normal = report.normal
+    if normal is None:
+        return []
+    out: list[Signal] = []
+    for inc in normal.incidents:
+        probes = tuple(sorted(inc.probes))
+        ranks = tuple(sorted({int(r) for r in inc.ranks}))
+        evidence = dict(inc.to_dict().get("evidence") or {})
+        evidence["scope"] = inc.scope
+        out.append(
+            Signal(
+                key=("normal", inc.cls, probes, ranks),
+                engine=_NORMAL,
+                cls=inc.cls,
+                severity=inc.severity,
+                probe=",".join(probes),
+                cause=inc.scope,
+                ranks=ranks,
+                score=_normal_score(report, inc.cls, probes),
+                evidence=evidence,
+            )
+        )
+    return out
+
+
+def signals_from_report(report: WindowReport) -> list[Signal]:
+    """The incident signals of one window: warning/critical step-time findings and normal-mode
+    incidents, each with its identity key. Duplicated identities keep the most severe signal."""
+    if not isinstance(report, WindowReport):
+        raise TypeError(f"report: expected WindowReport, got {type(report).__name__}")
+    by_key: dict[tuple[Any, ...], Signal] = {}
+    for sig in _step_time_signals(report) + _normal_signals(report):
+        prev = by_key.get(sig.key)
+        if prev is None or _SEVERITY_RANK[sig.severity] > _SEVERITY_RANK[prev.severity]:
+            by_key[sig.key] = sig
+    return list(by_key.values())
+
+
+class IncidentTracker:
+    """Opens an incident after ``k`` of the last ``n`` windows agree, closes it after ``m``
+    clean windows; see the module docstring for identities and the rules.
+
+    Not thread-safe: one publishing thread feeds it (``update``) and hands out ``snapshot()``s,
+    which are immutable.
+    """
+
+    def __init__(
+        self,
+        open_k: int = 2,
+        open_n: int = 3,
+        close_m: int = 3,
+        *,
+        max_tracked: int = 256,
+        group: str = "",
+        run: str = "",
+    ) -> None:
+        for name, value in (
+            ("open_k", open_k),
+            ("open_n", open_n),
+            ("close_m", close_m),
+            ("max_tracked", max_tracked),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"IncidentTracker.{name}: expected an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"IncidentTracker.{name}: must be >= 1, got {value!r}")
+        if open_k > open_n:
+            raise ValueError(
+                f"IncidentTracker.open_k: must be <= open_n ({open_n}), got {open_k!r}"
+            )
+        self.open_k, self.open_n, self.close_m = open_k, open_n, close_m
+        self.max_tracked = max_tracked
+        self.group, self.run = group, run
+        self._tracks: dict[tuple[Any, ...], _Track] = {}
+        self._opened_total: dict[tuple[str, str], int] = {}
+        self._seq = 0
+        self._windows = 0
+
+    @classmethod
+    def from_config(cls, config: RankwatchConfig) -> IncidentTracker:
+        """A tracker with the configured k, n and m."""
+        if not isinstance(config, RankwatchConfig):
+            raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
+        return cls(
+            config.incident_open_k,
+            config.incident_open_n,
+            config.incident_close_m,
+            group=config.group_name,
+            run=config.run_id,
+        )
+
+    def update(self, report: WindowReport) -> list[IncidentEvent]:
+        """Feed one window; return the open/close events it caused (opens after closes)."""
+        if not isinstance(report, WindowReport):
+            raise TypeError(f"report: expected WindowReport, got {type(report).__name__}")
+        if report.window_kind != "live":
+            return []
+        ran = {e for e, part in ((_STEP_TIME, report.step_time), (_NORMAL, report.normal)) if part}
+        if not ran:
+            return []
+        self._windows += 1
+        signals: dict[tuple[Any, ...], Signal] = {s.key: s for s in signals_from_report(report)}
+        group = report.group or self.group
+        run = report.run or self.run
+        closes: list[IncidentEvent] = []
+        opens: list[IncidentEvent] = []
+
+        for key, new in signals.items():
+            if key not in self._tracks:
+                self._tracks[key] = _Track(
+                    history=deque(maxlen=self.open_n),
+                    severities=deque(maxlen=self.open_n),
+                    engine=new.engine,
+                    last_seen=self._windows,
+                )
+        for key, track in list(self._tracks.items()):
+            if track.engine not in ran:
+                continue  # this window says nothing about it
+            sig = signals.get(key)
+            track.history.append(sig is not None)
+            track.severities.append(None if sig is None else sig.severity)
+            if sig is not None:
+                track.last_seen = self._windows
+                track.latest = sig
+                track.clean_run = 0
+            else:
+                track.clean_run += 1
+            if track.incident is not None:
+                if sig is not None:
+                    track.incident = self._refresh(track.incident, sig, report)
+                elif track.clean_run >= self.close_m:
+                    closes.append(self._event("close", track.incident, report, group, run))
+                    del self._tracks[key]
+                continue
+            if sum(track.history) >= self.open_k and sig is not None:
+                track.incident = self._open(track, sig, report)
+                opens.append(self._event("open", track.incident, report, group, run))
+            elif not any(track.history):
+                del self._tracks[key]  # nothing left to remember
+        self._bound()
+        return closes + opens
+
+    def snapshot(self) -> IncidentSnapshot:
+        """Open incidents (in opening order) and opening counts, as immutable data."""
+        open_ = sorted(
+            (t.incident for t in self._tracks.values() if t.incident is not None),
+            key=lambda i: (i.opened_window, i.incident_id),
+        )
+        return IncidentSnapshot(open=tuple(open_), opened_total=dict(self._opened_total))
+
+    @property
+    def tracked(self) -> int:
+        """How many identities are remembered (open incidents and candidates)."""
+        return len(self._tracks)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _open(self, track: _Track, sig: Signal, report: WindowReport) -> OpenIncident:
+        self._seq += 1
+        severity = max(
+            (s for s in track.severities if s is not None), key=_SEVERITY_RANK.__getitem__
+        )
+        self._opened_total[(sig.cls, severity)] = self._opened_total.get((sig.cls, severity), 0) + 1
+        return OpenIncident(
+            incident_id=f"{sig.cls}-{report.window_index}-{self._seq}",
+            cls=sig.cls,
+            severity=severity,
+            probe=sig.probe,
+            cause=sig.cause,
+            ranks=sig.ranks,
+            hostnames=_hostnames(report, sig.ranks),
+            score=sig.score,
+            evidence=dict(sig.evidence),
+            opened_window=report.window_index,
+            opened_at_s=report.created_at_s,
+        )
+
+    @staticmethod
+    def _refresh(inc: OpenIncident, sig: Signal, report: WindowReport) -> OpenIncident:
+        severity = max(inc.severity, sig.severity, key=_SEVERITY_RANK.__getitem__)
+        return OpenIncident(
+            incident_id=inc.incident_id,
+            cls=inc.cls,
+            severity=severity,
+            probe=sig.probe,
+            cause=sig.cause,
+            ranks=sig.ranks,
+            hostnames=_hostnames(report, sig.ranks) or inc.hostnames,
+            score=sig.score,
+            evidence=dict(sig.evidence),
+            opened_window=inc.opened_window,
+            opened_at_s=inc.opened_at_s,
+        )
+
+    @staticmethod
+    def _event(
+        action: str, inc: OpenIncident, report: WindowReport, group: str, run: str
+    ) -> IncidentEvent:
+        return IncidentEvent(action, inc, report.window_index, report.created_at_s, group, run)
+
+    def _bound(self) -> None:
+        excess = len(self._tracks) - self.max_tracked
+        if excess <= 0:
+            return
+        # Forget the least recently seen candidates first; open incidents only if unavoidable.
+        order = sorted(
+            self._tracks.items(),
+            key=lambda kv: (kv[1].incident is not None, kv[1].last_seen),
+        )
+        for key, _ in order[:excess]:
+            del self._tracks[key]
+
+
+def _hostnames(report: WindowReport, ranks: tuple[int, ...]) -> tuple[str, ...]:
+    names: list[str] = []
+    for r in ranks:
+        host = report.rank_info(r).hostname.lower()
+        if host and host not in names:
+            names.append(host)
+    return tuple(names)

@@ -1,0 +1,87 @@
+"""Step-time window files written by the root, with bounded retention.
+
+When ``RankwatchConfig.artifact_dir`` is set, the root saves every window it diagnoses as a
+versioned step-window JSON (``rankwatch.diagnosis.step_time.artifact``), so ``rankwatch diagnose``
+and ``rankwatch replay`` can re-diagnose it offline. Only the newest ``artifact_retention``
+files of a group are kept. File names are built from a sanitised group name, so a group name
+can never place a file outside the folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+from rankwatch.diagnosis.report import WindowReport
+from rankwatch.diagnosis.step_time.artifact import save_window
+from rankwatch.exporter.config import RankwatchConfig
+
+__all__ = ["StepArtifactWriter", "safe_name"]
+
+log = logging.getLogger("rankwatch.exporter.step_time.artifacts")
+
+
+def safe_name(text: str) -> str:
+    """``text`` reduced to letters, digits, ``_`` and ``-`` (never empty, no dots or slashes)."""
+    cleaned = re.sub(r"[^A-Za-z0-9_-]+", "_", text).strip("_") or "group"
+    return cleaned[:64]
+
+
+class StepArtifactWriter:
+    """Saves each step-time window of one group into a folder, keeping the newest N files."""
+
+    def __init__(self, directory: str | Path, group: str, retention: int) -> None:
+        if isinstance(retention, bool) or not isinstance(retention, int) or retention < 1:
+            raise ValueError(f"retention: expected an int >= 1, got {retention!r}")
+        self.directory = Path(directory)
+        self.prefix = f"step-{safe_name(group)}-"
+        self.retention = retention
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def from_config(cls, config: RankwatchConfig) -> StepArtifactWriter | None:
+        """A writer when the config asks for artifacts (a folder and retention >= 1), else None."""
+        if not config.artifact_dir or config.artifact_retention < 1:
+            return None
+        return cls(config.artifact_dir, config.group_name, config.artifact_retention)
+
+    def save(
+        self,
+        report: WindowReport,
+        per_rank: Mapping[int, np.ndarray | None],
+        window: int,
+    ) -> Path | None:
+        """Write the window behind ``report``; errors are logged, never raised (bg thread)."""
+        step = report.step_time
+        if step is None:
+            return None
+        path = self.directory / (
+            f"{self.prefix}{report.window_kind}-{report.window_index:08d}.json"
+        )
+        try:
+            save_window(
+                path,
+                per_rank,
+                strategy=step.strategy,
+                window=window,
+                meta={
+                    "group": report.group,
+                    "run": report.run,
+                    "window_index": report.window_index,
+                },
+                report=step,
+            )
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("rankwatch: step window %d not written: %s", report.window_index, exc)
+            return None
+        self.prune()
+        return path
+
+    def prune(self) -> None:
+        """Delete this group's oldest files beyond the retention (names sort by window index)."""
+        files = sorted(self.directory.glob(f"{self.prefix}*.json"))
+        for old in files[: max(0, len(files) - self.retention)]:
+            old.unlink(missing_ok=True)

@@ -1,0 +1,347 @@
+"""GPU-clock timing of training phases: pooled CUDA events, resolved by polling, never waited on.
+
+The step timer records a pair of events around every phase it times on the GPU clock and one
+pair around the whole step. Recording an event only enqueues a marker on the current stream, so
+it costs the training thread a few microseconds and never waits for the GPU. A step's GPU
+times are known only once the GPU has passed its last marker; :meth:`GpuTimeline.poll` asks
+each pending step's events ``query()`` (which never blocks), turns the finished ones into
+milliseconds and returns the events to the :class:`EventPool` for reuse. Nothing here calls
+``synchronize()``.
+
+Everything is bounded: the pool creates at most ``capacity`` events, and a step that cannot get
+an event (pool empty) or that waits too long behind the GPU is finished with its GPU columns
+absent (NaN) rather than growing a queue. A phase one of whose occurrences in a step could not
+get its markers is absent for that step (never a partial sum of the occurrences that could).
+On a machine without CUDA this path is never switched on and the GPU columns of every row stay
+NaN: the diagnosis then uses the CPU clock.
+
+Devices. A CUDA event belongs to the device of the stream it was first recorded on, and torch
+refuses to record it on another device's stream. The autograd engine runs a CUDA backward on a
+per-device thread whose current device is the tensors' device, which need not be the main
+thread's current device (a script that never calls ``torch.cuda.set_device``). So a timeline
+records every marker on an explicit stream, the model's device's current stream, and each
+device has its own pool: an event never meets a stream of another device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+__all__ = ["EventLike", "EventPool", "GpuTimeline", "cuda_event_factory", "cuda_stream_of"]
+
+NAN = math.nan
+log = logging.getLogger("rankwatch.exporter.step_time.gpu_events")
+
+
+class EventLike(Protocol):
+    """What a timing event must do: ``torch.cuda.Event(enable_timing=True)`` does all three."""
+
+    def record(self, stream: Any = None) -> None:
+        """Enqueue the marker on ``stream`` (None: the current device's current stream)."""
+
+    def query(self) -> bool:
+        """True once the device has passed the marker; never blocks."""
+
+    def elapsed_time(self, end_event: EventLike) -> float:
+        """Milliseconds from this marker to ``end_event`` (both must have completed)."""
+
+
+def cuda_event_factory() -> Callable[[], EventLike]:
+    """Factory of timing-enabled CUDA events (imported lazily: torch stays optional here)."""
+    import torch
+
+    def make() -> EventLike:
+        return torch.cuda.Event(enable_timing=True)  # type: ignore[return-value]
+
+    return make
+
+
+def cuda_stream_of(device: Any) -> Callable[[], Any]:
+    """The current stream of ``device``, asked at each record (a ``with stream:`` block of the
+    training loop is honoured), whatever the calling thread's current device is."""
+    import torch
+
+    def stream() -> Any:
+        return torch.cuda.current_stream(device)
+
+    return stream
+
+
+class EventPool:
+    """A bounded free list of timing events.
+
+    ``acquire`` hands out a recycled event, or creates one while fewer than ``capacity`` exist,
+    or returns None: the caller then skips GPU timing for that phase instead of allocating.
+    ``release`` puts an event back once its time has been read.
+    """
+
+    def __init__(self, capacity: int, factory: Callable[[], EventLike]) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise TypeError(f"EventPool.capacity: expected an int, got {capacity!r}")
+        if capacity < 2:
+            raise ValueError(f"EventPool.capacity: must be >= 2 (one pair), got {capacity!r}")
+        if not callable(factory):
+            raise TypeError(f"EventPool.factory: expected a callable, got {factory!r}")
+        self.capacity = capacity
+        self._factory = factory
+        self._free: list[EventLike] = []
+        self.created = 0
+
+    @property
+    def in_use(self) -> int:
+        """Events handed out and not yet released."""
+        return self.created - len(self._free)
+
+    def acquire(self) -> EventLike | None:
+        """A free event, a new one while under capacity, else None."""
+        if self._free:
+            return self._free.pop()
+        if self.created < self.capacity:
+            self.created += 1
+            return self._factory()
+        return None
+
+    def release(self, event: EventLike) -> None:
+        """Return an event whose time has been read (or that will never be read)."""
+        self._free.append(event)
+
+
+# (signal, start marker, end marker, inside the step's bracket)
+_Pair = tuple[int, EventLike, EventLike, bool]
+
+
+class _PendingStep:
+    """One finished step whose GPU markers the device may not have passed yet."""
+
+    __slots__ = ("pairs", "slot", "step_pair", "untimed")
+
+    def __init__(
+        self,
+        slot: int,
+        pairs: list[_Pair],
+        step_pair: tuple[EventLike, EventLike] | None,
+        untimed: frozenset[int] = frozenset(),
+    ) -> None:
+        self.slot = slot
+        self.pairs = pairs
+        self.step_pair = step_pair
+        self.untimed = untimed
+
+
+class GpuTimeline:
+    """GPU-clock bookkeeping of the step timer (one per timer, used by the training thread).
+
+    ``begin``/``end`` bracket a phase (``signal`` is the index into the timer's signal list),
+    ``start_step``/``finish_step`` bracket a step, and ``poll`` resolves steps whose markers
+    the device has passed, oldest first, writing milliseconds through ``write``. A phase that
+    occurs several times in a step (gradient accumulation) is summed; if one occurrence could
+    not be timed (no event left) the phase is absent for that step.
+
+    ``stream`` returns the stream to record on (the model device's; see the module docstring);
+    None records on the caller's current stream (single-device use). ``device`` names the
+    device the pool's events belong to.
+    """
+
+    def __init__(
+        self,
+        pool: EventPool,
+        n_signals: int,
+        input_wait_signal: int,
+        max_pending_steps: int = 256,
+        *,
+        stream: Callable[[], Any] | None = None,
+        device: Any = None,
+    ) -> None:
+        if max_pending_steps < 1:
+            raise ValueError(
+                f"GpuTimeline.max_pending_steps: must be >= 1, got {max_pending_steps!r}"
+            )
+        self.pool = pool
+        self.n_signals = n_signals
+        self.input_wait_signal = input_wait_signal
+        self.max_pending_steps = max_pending_steps
+        self._open: list[EventLike | None] = [None] * n_signals
+        self._open_inside: list[bool] = [False] * n_signals
+        self._pairs: list[_Pair] = []
+        self._step_start: EventLike | None = None
+        self._pending: deque[_PendingStep] = deque()
+        self._stream = stream
+        self.device = device
+        # Signals one of whose occurrences in the open step got no marker: absent this step.
+        self._untimed: set[int] = set()
+        # Steps finished without GPU times because the pool ran dry or the device lagged.
+        self.dropped_steps = 0
+        self.untimed_phases = 0  # phase occurrences that got no marker (pool empty)
+        self._warned = False
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _record(self) -> EventLike | None:
+        event = self.pool.acquire()
+        if event is not None:
+            if self._stream is None:
+                event.record()
+            else:
+                event.record(self._stream())
+        return event
+
+    def _warn_once(self, why: str) -> None:
+        # One warning per timeline, naming why GPU times are missing; the rest are counted.
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "rankwatch: GPU timing is incomplete: %s; those steps lack GPU times and "
+                "windows holding them use the CPU clock",
+                why,
+            )
+
+    def _lost(self, signal: int) -> None:
+        self._untimed.add(signal)
+        self.untimed_phases += 1
+        self._warn_once(f"the pool ran out of events ({self.pool.capacity})")
+
+    def begin(self, signal: int) -> None:
+        """Marker at the start of a phase."""
+        stale = self._open[signal]
+        if stale is not None:  # a begin without its end: forget the unmatched marker
+            self.pool.release(stale)
+        event = self._record()
+        self._open[signal] = event
+        self._open_inside[signal] = self._step_start is not None
+        if event is None:
+            self._lost(signal)
+
+    def end(self, signal: int) -> None:
+        """Marker at the end of a phase; pairs it with the phase's start marker."""
+        start = self._open[signal]
+        if start is None:
+            return
+        self._open[signal] = None
+        stop = self._record()
+        if stop is None:
+            self.pool.release(start)
+            self._lost(signal)
+            return
+        self._pairs.append((signal, start, stop, self._open_inside[signal]))
+
+    def start_step(self) -> None:
+        """Marker at the start of a step (phases recorded before it still count toward it)."""
+        if self._step_start is not None:
+            self.pool.release(self._step_start)
+        self._step_start = self._record()
+
+    def abort_step(self) -> None:
+        """Forget the open step and its phases (the step produced no row)."""
+        for _, a, b, _ in self._pairs:
+            self.pool.release(a)
+            self.pool.release(b)
+        self._pairs = []
+        for i, ev in enumerate(self._open):
+            if ev is not None:
+                self.pool.release(ev)
+                self._open[i] = None
+        if self._step_start is not None:
+            self.pool.release(self._step_start)
+            self._step_start = None
+        self._untimed = set()
+
+    def finish_step(self, slot: int) -> None:
+        """Close the step whose CPU row sits in ring ``slot``; its GPU times come from ``poll``.
+
+        Input wait timed inside the step's bracket is subtracted from the GPU step time:
+        ``step`` excludes input wait on both clocks.
+        """
+        start = self._step_start
+        self._step_start = None
+        stop = self._record() if start is not None else None
+        step_pair: tuple[EventLike, EventLike] | None = None
+        if start is not None and stop is not None:
+            step_pair = (start, stop)
+        elif start is not None:
+            self.pool.release(start)
+        untimed = frozenset(self._untimed) if self._untimed else frozenset()
+        self._pending.append(_PendingStep(slot, self._pairs, step_pair, untimed))
+        self._pairs = []
+        self._untimed = set()
+
+    def poll(self, write: Callable[[int, list[float]], None], max_steps: int) -> int:
+        """Resolve up to ``max_steps`` finished steps, oldest first; never blocks.
+
+        ``write(slot, gpu_ms)`` receives the step's GPU milliseconds per signal (NaN where not
+        timed), the step time last. Returns how many steps were resolved. Steps are resolved
+        in order, so the caller can advance its "finished" cursor by the return value.
+        """
+        done = 0
+        while self._pending and done < max_steps:
+            head = self._pending[0]
+            overdue = len(self._pending) > self.max_pending_steps
+            if not overdue and not self._ready(head):
+                break
+            self._pending.popleft()
+            if overdue and not self._ready(head):
+                # The device is far behind: give up on this step's GPU times, keep bounded.
+                self.dropped_steps += 1
+                self._warn_once(f"the device is more than {self.max_pending_steps} steps behind")
+                write(head.slot, [NAN] * (self.n_signals + 1))
+            else:
+                write(head.slot, self._times(head))
+            self._release(head)
+            done += 1
+        return done
+
+    def drop_all(self, write: Callable[[int, list[float]], None]) -> int:
+        """Finish every pending step without GPU times (shutdown when the device lags)."""
+        n = 0
+        while self._pending:
+            head = self._pending.popleft()
+            if self._ready(head):
+                write(head.slot, self._times(head))
+            else:
+                self.dropped_steps += 1
+                write(head.slot, [NAN] * (self.n_signals + 1))
+            self._release(head)
+            n += 1
+        return n
+
+    @staticmethod
+    def _ready(step: _PendingStep) -> bool:
+        # Markers may sit on different streams (autograd's device thread), so ask every one.
+        if step.step_pair is not None and not (
+            step.step_pair[0].query() and step.step_pair[1].query()
+        ):
+            return False
+        return all(a.query() and b.query() for _, a, b, _ in step.pairs)
+
+    def _times(self, step: _PendingStep) -> list[float]:
+        out = [NAN] * (self.n_signals + 1)
+        inside_wait = 0.0
+        for signal, a, b, inside in step.pairs:
+            ms = max(0.0, float(a.elapsed_time(b)))
+            prev = out[signal]
+            out[signal] = ms if prev != prev else prev + ms  # NaN check without a call
+            if inside and signal == self.input_wait_signal:
+                inside_wait += ms
+        if step.step_pair is not None:
+            total = float(step.step_pair[0].elapsed_time(step.step_pair[1]))
+            out[self.n_signals] = max(0.0, total - inside_wait)
+        for signal in step.untimed:
+            # Some occurrence got no marker: a sum of the others would undercount.
+            out[signal] = NAN
+            if signal == self.input_wait_signal:  # the step's own subtraction is unknown
+                out[self.n_signals] = NAN
+        return out
+
+    def _release(self, step: _PendingStep) -> None:
+        release = self.pool.release
+        for _, a, b, _ in step.pairs:
+            release(a)
+            release(b)
+        if step.step_pair is not None:
+            release(step.step_pair[0])
+            release(step.step_pair[1])

@@ -1,0 +1,512 @@
+"""Automatic step timing: hooks on the model and the optimizer, a wrapper around the loader.
+
+``install(timer, model, optimizers)`` and :class:`WatchedLoader` produce the same rows as the
+explicit ``step()``/``phase()`` calls, from PyTorch's public hook points only (nothing of torch
+is replaced):
+
+* the loader wrapper's ``__next__`` times ``input_wait`` (fetching the batch) and ``h2d``
+  (moving it to the model's device, the batch keeping its type). On the training thread a
+  fetch closes the step a hook opened and opens the next: a step runs from one fetch to the
+  next, so work after the optimizer (logging, checkpointing) is in it, as residual. A fetch
+  on another thread (a prefetching producer) is not timed, and one warning says so;
+* forward pre/post hooks on the top module time ``forward``, wrapped around any hooks a
+  wrapper installed (FSDP's parameter all-gather runs in a pre hook);
+* ``backward`` starts when the gradient of the module's output is computed (a pre hook on
+  the output's autograd node, registered by the forward post hook) and ends in an autograd
+  *final callback*. Under DDP and FSDP it is queued twice: they queue their own final
+  callbacks (gradient reduction, waits on the reduction) while the backward pass runs, and a
+  callback queued from a callback runs after all of them, so ``backward`` includes the
+  reduction wait exactly as the wall time of ``loss.backward()`` does;
+* under DDP, the waits at the synchronisation points: ``forward_wait`` (the wrapper's forward
+  outside its module's: the buffer broadcast) and ``backward_wait`` (from the last parameter
+  gradient, seen by post-accumulate-grad hooks, to the end of backward);
+* optimizer step pre/post hooks time ``optimizer``; without a watched loader the post hook of
+  the last optimizer closes a step that a hook opened (a step opened by ``step()`` is closed
+  by its ``with`` block).
+
+Every hook returns at once while ``torch.compile`` traces (``torch.compiler.is_compiling()``),
+so nothing of rankwatch enters a compiled graph and ``fullgraph=True`` keeps working.
+
+The training strategy is read from the wrapper type: ``DistributedDataParallel`` is ``ddp``,
+FSDP (``FullyShardedDataParallel`` or a module managed by ``fully_shard``) is ``fsdp``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from threading import get_ident
+from typing import Any
+
+import torch
+from rankwatch.exporter.step_time.timer import (
+    BACKWARD,
+    BACKWARD_WAIT,
+    FORWARD,
+    FORWARD_WAIT,
+    H2D,
+    INPUT_WAIT,
+    OPTIMIZER,
+    StepTimer,
+)
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "WatchedLoader",
+    "detect_strategy",
+    "install",
+    "model_device",
+    "move_to_device",
+    "unwrap_optimizer",
+]
+
+log = logging.getLogger("rankwatch.exporter.step_time.hooks")
+_is_compiling = torch.compiler.is_compiling
+
+
+def detect_strategy(model: torch.nn.Module) -> str | None:
+    """``"ddp"``/``"fsdp"`` from the wrapper around ``model``, or None for a plain module."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    fsdp_types: list[type] = []
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        fsdp_types.append(FullyShardedDataParallel)
+    except ImportError:  # torch built without distributed
+        pass
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp_types.append(FSDPModule)
+    except ImportError:  # FSDP2 arrived in later releases
+        pass
+    if fsdp_types:
+        kinds = tuple(fsdp_types)
+        if any(isinstance(m, kinds) for m in model.modules()):
+            return "fsdp"
+    return None
+
+
+def model_device(model: torch.nn.Module) -> torch.device | None:
+    """The one device of the model's parameters and buffers; None if it has neither.
+
+    A model spread over several devices is refused (``ValueError`` naming them): the batch's
+    transfer target and the GPU clock's stream would be a guess.
+    """
+    devices: dict[torch.device, None] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type != "meta":
+            devices.setdefault(tensor.device)
+    if len(devices) > 1:
+        names = ", ".join(str(d) for d in devices)
+        raise ValueError(
+            f"watch: field model: parameters and buffers are on several devices ({names}); "
+            "rankwatch times one device per process: watch a single-device model, or time "
+            "the steps with step()/phase()"
+        )
+    return next(iter(devices), None)
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """``batch`` with every tensor moved to ``device``: tensors, tuples (named too), lists,
+    mappings, and any object with a ``to(device, non_blocking=...)`` method; the rest as is.
+
+    A batch whose tensors are all on ``device`` already is returned itself (same object, same
+    type): on a CPU model the common batch costs a few device comparisons, not a rebuilt batch
+    and a no-op ``.to()`` per tensor.
+    """
+    if _on_device(batch, device):
+        return batch
+    return _moved(batch, device, non_blocking)
+
+
+def _on_device(batch: Any, device: torch.device, depth: int = 0) -> bool:
+    """Every tensor of ``batch`` is on ``device`` (an object with its own ``to`` is not
+    looked into: it decides for itself)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.device == device
+    if depth > 4:  # batches are shallow; do not walk arbitrary object graphs
+        return False
+    if isinstance(batch, (tuple, list, dict)):
+        # A loop, not all(<generator>): this runs on every batch, and the generator costs
+        # more than the comparisons it makes.
+        for x in batch.values() if isinstance(batch, dict) else batch:
+            if not _on_device(x, device, depth + 1):
+                return False
+        return True
+    return not callable(getattr(batch, "to", None)) and not isinstance(batch, Mapping)
+
+
+def _moved(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, tuple):
+        moved = [_moved(x, device, non_blocking) for x in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
+    if isinstance(batch, list):
+        return [_moved(x, device, non_blocking) for x in batch]
+    to = getattr(batch, "to", None)
+    if callable(to) and not isinstance(batch, dict):
+        # Its own ``to`` keeps the batch's type (a tokenizer's BatchEncoding is a Mapping).
+        try:
+            return to(device, non_blocking=non_blocking)
+        except TypeError:  # a ``to`` without the keyword
+            return to(device)
+    if isinstance(batch, Mapping):
+        items = {k: _moved(v, device, non_blocking) for k, v in batch.items()}
+        if type(batch) is dict:
+            return items
+        try:  # a Mapping subclass keeps its type when it can be built from a dict
+            return type(batch)(items)  # type: ignore[call-arg]
+        except Exception:
+            return items
+    return batch
+
+
+# Fetched batches after which a watched optimizer that never stepped earns a warning (the
+# default of ``RankwatchConfig.optimizer_silent_batches``).
+OPTIMIZER_SILENT_BATCHES = 50
+
+
+class _WatchedIterator:
+    """Iterator over a watched loader: times the fetch and the transfer of every batch.
+
+    On the training thread a fetch also closes the step a hook opened (a step runs from one
+    fetch to the next) and opens the next one. Fetched on any other thread (a prefetching
+    pipeline) it times nothing: the producer's fetch is not what training waits for.
+    """
+
+    __slots__ = ("_device", "_it", "_loader", "_non_blocking", "_timer")
+
+    def __init__(self, it: Iterator[Any], loader: WatchedLoader) -> None:
+        self._it = it
+        self._loader = loader
+        self._timer = loader._timer
+        self._device = loader.device
+        self._non_blocking = loader._non_blocking
+
+    def __iter__(self) -> _WatchedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        timer = self._timer
+        if get_ident() != self._loader.training_thread:
+            return self._loader._untimed(self._it)
+        timer.loader_steps = True
+        # The previous batch's step ends where this fetch starts. A batch the loop skipped
+        # (no forward) stays in the open step, as its input wait.
+        opened = timer.turn_step()
+        timer.begin(INPUT_WAIT)
+        try:
+            batch = next(self._it)
+        except BaseException:
+            timer.end(INPUT_WAIT)
+            if opened:  # the loader ran out (or failed): no step happened
+                timer.abort_step()
+            raise
+        timer.end(INPUT_WAIT)
+        if self._device is not None:
+            timer.begin(H2D)
+            batch = move_to_device(batch, self._device, self._non_blocking)
+            timer.end(H2D)
+        self._loader._fetched += 1
+        if self._loader._fetched == self._loader.optimizer_silent_batches:
+            self._loader._check_optimizer()
+        return batch
+
+
+class WatchedLoader:
+    """Wraps a data loader (any iterable): iterating it times ``input_wait`` and ``h2d``.
+
+    Everything else (``len()``, ``.dataset``, ``.sampler.set_epoch``...) is the wrapped
+    loader's. ``device=None`` leaves batches where they are and times no ``h2d``.
+    ``training_thread`` is the thread that trains (default: the one creating the wrapper);
+    iterated on another thread, the loader is a prefetching pipeline's producer and is not
+    timed (one warning says so).
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        timer: StepTimer,
+        device: torch.device | None = None,
+        non_blocking: bool | None = None,
+        *,
+        training_thread: int | None = None,
+        optimizers_watched: bool = False,
+        optimizer_silent_batches: int = OPTIMIZER_SILENT_BATCHES,
+    ) -> None:
+        if not isinstance(loader, Iterable):
+            raise TypeError(f"watch: field dataloader: expected an iterable, got {loader!r}")
+        self.loader = loader
+        self._timer = timer
+        self.device = device
+        self.training_thread = get_ident() if training_thread is None else training_thread
+        self._optimizers_watched = optimizers_watched
+        self.optimizer_silent_batches = optimizer_silent_batches
+        self._fetched = 0
+        self._warned_thread = False
+        # Non-blocking copies only make sense towards an accelerator.
+        self._non_blocking = (
+            (device is not None and device.type != "cpu") if non_blocking is None else non_blocking
+        )
+
+    def __iter__(self) -> _WatchedIterator:
+        return _WatchedIterator(iter(self.loader), self)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes this wrapper lacks: the loader's own API stays reachable.
+        return getattr(self.__dict__["loader"], name)
+
+    def _untimed(self, it: Iterator[Any]) -> Any:
+        if not self._warned_thread:
+            self._warned_thread = True
+            log.warning(
+                "rankwatch: the watched loader is iterated on another thread than training "
+                "(a prefetching pipeline?): input wait is not timed there, since the producer's "
+                "fetch is not what training waits for. Watch the loader the training loop "
+                "iterates (the queue's consumer) to time input wait."
+            )
+        batch = next(it)
+        if self.device is not None:
+            batch = move_to_device(batch, self.device, self._non_blocking)
+        return batch
+
+    def _check_optimizer(self) -> None:
+        if self._optimizers_watched and self._timer.optimizer_steps == 0:
+            log.warning(
+                "rankwatch: %d batches fetched and the watched optimizer has not stepped: "
+                "is the optimizer passed to watch() the one that steps (not a copy, not a "
+                "second optimizer left out)? Steps still close at each fetch.",
+                self.optimizer_silent_batches,
+            )
+
+
+class _BackwardTracker:
+    """Opens ``backward`` at the first output gradient of a backward pass, closes it at the
+    very end of the pass (after DDP/FSDP final callbacks).
+
+    Under DDP it also credits ``backward_wait``: from the last local gradient (the last
+    post-accumulate-grad hook of a parameter) to that end, the wait for the last gradient
+    reduction and DDP's end-of-backward work.
+
+    The end is a callback queued from a callback: a wrapper (DDP, FSDP) queues its own final
+    callbacks during the pass, and a model that looks plain may be the inner module of a
+    wrapper the framework holds (a Trainer watches its unwrapped model), so one callback
+    would close backward before DDP's end-of-backward wait.
+    """
+
+    def __init__(self, timer: StepTimer) -> None:
+        self._timer = timer
+        self._active = False
+        self._engine = torch.autograd.Variable._execution_engine
+        self._clock = timer._clock
+        self.last_grad_ns = -1
+
+    def on_output_grad(self, *grads: Any) -> None:
+        # A pre hook of the output's autograd node (or, for an output without one, a tensor
+        # hook): called when the output's gradient exists, i.e. when backward reaches it.
+        if self._active:
+            return
+        self._active = True
+        self.last_grad_ns = -1
+        self._timer.begin(BACKWARD)
+        self._engine.queue_callback(self._requeue)
+
+    def on_param_grad(self, param: torch.Tensor) -> None:
+        # One clock read per parameter per backward: the last one wins.
+        self.last_grad_ns = self._clock()
+
+    def _requeue(self) -> None:
+        # Runs among the final callbacks; queue once more to run after every callback that
+        # DDP/FSDP queued during the pass (the engine runs callbacks added while it runs them).
+        self._engine.queue_callback(self._finish)
+
+    def _finish(self) -> None:
+        self._active = False
+        last = self.last_grad_ns
+        if last >= 0:
+            self._timer.add(BACKWARD_WAIT, self._clock() - last)
+            self.last_grad_ns = -1
+        self._timer.end(BACKWARD)
+
+    def watch_output(self, output: Any) -> None:
+        """Hook the gradient of every tensor of ``output`` that needs a gradient.
+
+        Called after each forward, when no backward pass of this model is running: a pass
+        that failed before its final callbacks ran must not keep the next one from timing.
+        The hook goes on the tensor's autograd node (``grad_fn.register_prehook``): the same
+        moment as a tensor hook, at a quarter of the cost of ``Tensor.register_hook`` (its
+        Python bookkeeping is what this saves, once per forward).
+        """
+        self._active = False
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:  # the common case
+            output.grad_fn.register_prehook(self.on_output_grad)
+            return
+        for tensor in _tensors(output):
+            self._hook(tensor)
+
+    def _hook(self, tensor: torch.Tensor) -> None:
+        node = tensor.grad_fn
+        if node is not None:
+            node.register_prehook(self.on_output_grad)
+        elif tensor.requires_grad:  # a leaf returned as the output
+            tensor.register_hook(self.on_output_grad)
+
+
+def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 4:  # model outputs are shallow; do not walk arbitrary object graphs
+        if isinstance(value, (tuple, list)):
+            for v in value:
+                yield from _tensors(v, depth + 1)
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                yield from _tensors(v, depth + 1)
+
+
+def unwrap_optimizer(obj: Any) -> torch.optim.Optimizer | None:
+    """The ``torch.optim.Optimizer`` of ``obj``: itself, or found through a chain of
+    ``.optimizer`` attributes (framework wrappers: accelerate, Lightning, ...); else None."""
+    for _ in range(8):
+        if isinstance(obj, torch.optim.Optimizer):
+            return obj
+        obj = getattr(obj, "optimizer", None)
+        if obj is None:
+            return None
+    return None
+
+
+def install(
+    timer: StepTimer,
+    model: torch.nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> list[RemovableHandle]:
+    """Install the model and optimizer hooks; returns the handles (``remove()`` undoes them).
+
+    Under DDP the waits at the synchronisation points are timed too: ``forward_wait`` is the
+    DDP wrapper's forward outside its module's (the buffer broadcast), ``backward_wait`` the
+    trailing wait of backward. Every hook returns at once while ``torch.compile`` traces it:
+    nothing of rankwatch enters a compiled graph.
+    """
+    handles: list[RemovableHandle] = []
+    if model is not None:
+        tracker = _BackwardTracker(timer)
+        inner = _ddp_inner(model)
+        sync = inner is not None
+
+        def forward_pre(module: torch.nn.Module, args: Any) -> None:
+            if _is_compiling():
+                return
+            if not timer.in_step:
+                # A forward outside any step is evaluation or inference: not a training step.
+                if not (module.training and torch.is_grad_enabled()):
+                    return
+                timer.start_step(auto=True)
+            timer.begin(FORWARD)
+            if sync:
+                timer.begin(FORWARD_WAIT)
+
+        def forward_post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if _is_compiling():
+                return
+            if sync:  # (open only inside an open forward)
+                timer.end(FORWARD_WAIT)
+            # A forward that did not open the phase (evaluation outside a step) ends nothing.
+            if timer.end(FORWARD) and torch.is_grad_enabled():
+                tracker.watch_output(output)
+
+        # First of the pre hooks, last of the post hooks: the FSDP all-gather (its own pre
+        # hook) and any wait in it belong to forward, as they do to the wall time of model(x).
+        handles.append(model.register_forward_pre_hook(forward_pre, prepend=True))
+        handles.append(model.register_forward_hook(forward_post, always_call=True))
+        if inner is not None:
+            handles.extend(_sync_wait_hooks(timer, tracker, inner))
+    for k, opt in enumerate(optimizers):
+        pre, post = _optimizer_hooks(timer, closes_step=k == len(optimizers) - 1)
+        handles.append(opt.register_step_pre_hook(pre))
+        handles.append(opt.register_step_post_hook(post))
+    return handles
+
+
+def _ddp_inner(model: torch.nn.Module) -> torch.nn.Module | None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model.module
+    return None
+
+
+def _sync_wait_hooks(
+    timer: StepTimer, tracker: _BackwardTracker, inner: torch.nn.Module
+) -> list[RemovableHandle]:
+    """Hooks on DDP's module that split the waits out of forward and backward.
+
+    ``forward_wait`` runs from the wrapper's pre hook to the module's first pre hook, and from
+    the module's first post hook to the wrapper's post hook: DDP's pre-forward work (buffer
+    broadcast, a collective that waits for the slowest rank) and post-forward work.
+    ``backward_wait`` starts at the last parameter gradient accumulated (a post-accumulate
+    hook per parameter, registered once: one clock read per parameter per backward).
+    """
+
+    def inner_pre(module: torch.nn.Module, args: Any) -> None:
+        if not _is_compiling():
+            timer.end(FORWARD_WAIT)
+
+    def inner_post(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not _is_compiling() and timer.phase_open(FORWARD):
+            timer.begin(FORWARD_WAIT)
+
+    def param_grad(param: torch.Tensor) -> None:
+        if not _is_compiling():
+            tracker.on_param_grad(param)
+
+    handles = [
+        inner.register_forward_pre_hook(inner_pre, prepend=True),
+        inner.register_forward_hook(inner_post, prepend=True),
+    ]
+    for param in inner.parameters():
+        if param.requires_grad:
+            handles.append(param.register_post_accumulate_grad_hook(param_grad))
+    return handles
+
+
+def _optimizer_hooks(
+    timer: StepTimer, closes_step: bool
+) -> tuple[Callable[..., None], Callable[..., None]]:
+    """Pre/post step hooks that time the outermost ``step()`` only.
+
+    A subclass whose ``step`` calls ``super().step()`` runs the instance's hooks twice, nested
+    (torch wraps both methods once the base class has been instantiated); timing the inner
+    call would drop the subclass's own work from the optimizer phase.
+    """
+    depth = [0]
+
+    def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _is_compiling():
+            return
+        depth[0] += 1
+        if depth[0] == 1:
+            timer.begin(OPTIMIZER)
+
+    def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _is_compiling():
+            return
+        depth[0] = max(0, depth[0] - 1)
+        if depth[0]:
+            return
+        timer.end(OPTIMIZER)
+        timer.optimizer_steps += 1
+        timer.optimizer_end_ns = timer._clock()
+        # With a watched loader the next fetch closes the step (post-step work included).
+        if closes_step and not timer.loader_steps and timer.auto_step:
+            timer.end_step()
+
+    return pre, post

@@ -1,0 +1,488 @@
+"""``RankWatch``: the object a training script holds.
+
+::
+
+    rw = RankWatch(group=None, config=RankwatchConfig.from_env(), publishers=[...])
+    loader = rw.watch(model, optimizer, loader)      # hooks; or time steps explicitly:
+    for batch in loader:
+        ...                                          # with rw.step(): with rw.phase("forward"):
+        rw.collect()                                 # sync mode: every sync_step calls ship rows
+    rw.close()                                       # before destroy_process_group()
+
+Construction is collective when ``torch.distributed`` is initialised: for the world
+(``group=None``) or a list of global ranks, every process of the job constructs a
+``RankWatch`` with the same ``group`` (processes outside a list get an object that times
+nothing and ships nothing); for a process-group handle, only its members do. Each member then
+runs one background thread (see :mod:`.windows`); the group's lowest rank is its root, builds
+the windows and publishes them. Without ``torch.distributed`` the process is a group of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+from rankwatch.diagnosis.report import WindowReport
+from rankwatch.diagnosis.step_time.rules import normalize_strategy
+from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.publish.protocol import Publisher
+from rankwatch.exporter.step_time.collector import (
+    GroupLayout,
+    Transport,
+    WindowCollector,
+    create_gloo_group,
+    dedicated_store,
+    group_timeout,
+    local_identity,
+)
+from rankwatch.exporter.step_time.gpu_events import (
+    EventPool,
+    GpuTimeline,
+    cuda_event_factory,
+    cuda_stream_of,
+)
+from rankwatch.exporter.step_time.hooks import (
+    WatchedLoader,
+    detect_strategy,
+    install,
+    model_device,
+    unwrap_optimizer,
+)
+from rankwatch.exporter.step_time.timer import PHASES, StepTimer
+
+__all__ = ["RankWatch"]
+
+log = logging.getLogger("rankwatch.exporter.step_time.rank_watch")
+
+# Events per step on the GPU clock: two per phase occurrence plus the step's own pair; the
+# pool holds enough for this many steps in flight before a step goes untimed.
+_GPU_STEPS_IN_FLIGHT = 64
+_EVENTS_PER_STEP = 2 * (len(PHASES) + 1) * 2
+
+
+class _Inert:
+    """Context manager that does nothing (a disabled or non-member ``RankWatch``)."""
+
+    def __enter__(self) -> _Inert:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_INERT = _Inert()
+
+
+def _resolve_layout(group: Any) -> tuple[GroupLayout | None, bool]:
+    """(layout, members_only) for the ``group`` argument; layout None for a non-member handle."""
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if isinstance(group, bool):
+        raise TypeError(
+            f"RankWatch: field group: expected None, a list of ranks or a "
+            f"ProcessGroup, got {group!r}"
+        )
+    if isinstance(group, int):
+        if group == dist.GroupMember.NON_GROUP_MEMBER:
+            return None, True
+        raise TypeError(
+            f"RankWatch: field group: expected None, a list of ranks or a ProcessGroup, got "
+            f"{group!r}"
+        )
+    if not (group is None or isinstance(group, (list, tuple))) and not (
+        dist.is_available() and isinstance(group, dist.ProcessGroup)
+    ):
+        raise TypeError(
+            f"RankWatch: field group: expected None, a list of ranks or a ProcessGroup, got "
+            f"{type(group).__name__} {group!r}"
+        )
+    if not initialised:
+        if group is None:
+            return GroupLayout((0,), 0), False
+        if isinstance(group, (list, tuple)) and list(group) == [0]:
+            return GroupLayout((0,), 0), False
+        raise ValueError(
+            f"RankWatch: field group: value {group!r} needs torch.distributed to be "
+            "initialised (without it the only group is [0])"
+        )
+    world, me = dist.get_world_size(), dist.get_rank()
+    if group is None:
+        return GroupLayout(tuple(range(world)), me), False
+    if isinstance(group, (list, tuple)):
+        ranks: list[int] = []
+        for r in group:
+            if isinstance(r, bool) or not isinstance(r, int):
+                raise TypeError(
+                    f"RankWatch: field group: rank {r!r} in {list(group)!r} is not an int"
+                )
+            if not 0 <= r < world:
+                raise ValueError(
+                    f"RankWatch: field group: rank {r} in {list(group)!r} is outside the world "
+                    f"0..{world - 1}"
+                )
+            ranks.append(r)
+        if not ranks:
+            raise ValueError("RankWatch: field group: value [] is empty")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"RankWatch: field group: value {list(group)!r} repeats a rank")
+        return GroupLayout(tuple(sorted(ranks)), me), False
+    if isinstance(group, dist.ProcessGroup):
+        return GroupLayout(tuple(sorted(dist.get_process_group_ranks(group))), me), True
+    raise TypeError(
+        f"RankWatch: field group: expected None, a list of ranks or a ProcessGroup, got "
+        f"{type(group).__name__} {group!r}"
+    )
+
+
+class RankWatch:
+    """Times every training step of this rank and, on the group's root, diagnoses windows.
+
+    ``group``: None (the world), a list of global ranks, or a process group (the training
+    group; rankwatch builds its own Gloo group over the same ranks). ``strategy``: ``"ddp"``,
+    ``"fsdp"`` or None (detected by :meth:`watch`, else ``config.strategy``, else DDP rules).
+    ``publishers`` receive every window report on the root and are closed by :meth:`close`.
+    ``gpu_timing``: None times the GPU clock with CUDA events when the watched model is on
+    CUDA (or, without ``watch``, when CUDA is available); False never; True requires CUDA. The
+    events are recorded on the current stream of the watched model's device, one event pool
+    per device; a watched model off CUDA turns GPU timing off (with one warning when it was
+    asked for, or when the model is on another accelerator).
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        strategy: str | None = None,
+        config: RankwatchConfig | None = None,
+        publishers: Sequence[Publisher] = (),
+        *,
+        gpu_timing: bool | None = None,
+    ) -> None:
+        if config is None:
+            config = RankwatchConfig.from_env()
+        if not isinstance(config, RankwatchConfig):
+            raise TypeError(f"RankWatch: field config: expected a RankwatchConfig, got {config!r}")
+        if strategy is not None and not isinstance(strategy, str):
+            raise TypeError(f"RankWatch: field strategy: expected a str or None, got {strategy!r}")
+        self._explicit_strategy: str | None = (
+            normalize_strategy(strategy) if strategy not in (None, "") else None
+        )
+        if self._explicit_strategy is None and config.strategy:
+            self._explicit_strategy = config.strategy
+        if isinstance(publishers, (str, bytes)) or not isinstance(publishers, Sequence):
+            raise TypeError(
+                f"RankWatch: field publishers: expected a sequence of publishers, got "
+                f"{publishers!r}"
+            )
+        for pub in publishers:
+            if not (
+                callable(getattr(pub, "publish", None)) and callable(getattr(pub, "close", None))
+            ):
+                raise TypeError(
+                    f"RankWatch: field publishers: {pub!r} has no publish(report) and "
+                    "close(timeout_seconds) methods"
+                )
+        if gpu_timing is not None and not isinstance(gpu_timing, bool):
+            raise TypeError(
+                f"RankWatch: field gpu_timing: expected True, False or None, got {gpu_timing!r}"
+            )
+        self.config = config
+        self.publishers: tuple[Publisher, ...] = tuple(publishers)
+        self._gpu_timing = gpu_timing
+        self._detected_strategy: str | None = None
+        self._handles: list[Any] = []
+        self._watched: set[int] = set()
+        self._optimizers_watched = False
+        self._pools: dict[str, EventPool] = {}  # one event pool per CUDA device
+        self._gpu_off_warned = False
+        self._collects = 0
+        self._closed = False
+        self._collector: WindowCollector | None = None
+        self._layout: GroupLayout | None = None
+        self.timer: StepTimer | None = None
+        if not config.enabled:
+            return
+        layout, members_only = _resolve_layout(group)
+        if layout is None or not layout.is_member:
+            # Outside the group: the new_group call below is still collective for lists.
+            if layout is not None and not members_only and len(layout.ranks) > 1:
+                create_gloo_group(
+                    layout.ranks, members_only, group_timeout(config), config.gloo_lazy_connect
+                )
+            return
+        self._layout = layout
+        self.timer = StepTimer(config.max_buffered_steps)
+        self._want_gpu(self._cuda_available() if gpu_timing is None else gpu_timing)
+        transport: Transport | None = None
+        identity = local_identity(config.node_name_env)
+        if len(layout.ranks) > 1:
+            pg = create_gloo_group(
+                layout.ranks, members_only, group_timeout(config), config.gloo_lazy_connect
+            )
+            transport = Transport(layout, pg, dedicated_store(pg), lazy=config.gloo_lazy_connect)
+            transport.publish_identity(*identity)
+        self._collector = WindowCollector(
+            layout,
+            self.timer,
+            config,
+            self.publishers,
+            transport,
+            lambda: self.strategy,
+            identity,
+        )
+        self._collector.start()
+
+    # ---- properties ----------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """This process times steps and ships them (enabled, member, not closed)."""
+        return self.timer is not None and not self._closed
+
+    @property
+    def is_root(self) -> bool:
+        """This process builds and publishes the group's windows."""
+        return self._layout is not None and self._layout.is_root
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the group (empty outside it)."""
+        return self._layout.ranks if self._layout is not None else ()
+
+    @property
+    def strategy(self) -> str | None:
+        """The training strategy handed to the diagnosis (explicit, else detected)."""
+        return self._explicit_strategy or self._detected_strategy
+
+    @property
+    def latest_report(self) -> WindowReport | None:
+        """The last window report published (root only; None elsewhere or before the first)."""
+        return self._collector.latest_report if self._collector is not None else None
+
+    # ---- timing --------------------------------------------------------------------------
+
+    def step(self, step_id: int | None = None) -> Any:
+        """Context manager around one training step; ``step_id`` defaults to previous + 1."""
+        if self.timer is None:
+            return _INERT
+        return self.timer.step(step_id)
+
+    def phase(self, name: str) -> Any:
+        """Context manager around one phase: input_wait, h2d, forward, backward, optimizer."""
+        if self.timer is None:
+            if name not in PHASES:  # same contract whether or not this rank is timing
+                raise ValueError(
+                    f"phase: field name: value {name!r} is not one of {', '.join(PHASES)}"
+                )
+            return _INERT
+        try:  # the timer's own context manager, without a second call on the hot path
+            return self.timer._phases[name]
+        except (KeyError, TypeError):
+            return self.timer.phase(name)  # raises the error naming the field
+
+    def sync_wait(self) -> Any:
+        """Context manager around a wait at a synchronisation point outside the watched model.
+
+        The hooks time DDP's own synchronisation points; a collective the training loop runs
+        outside the model (a token-count all-gather before the forward pass, an all-reduced
+        metric) lines the ranks up too, and the ranks that arrive early wait there. Wrapped
+        in ``with rw.sync_wait():`` that wait joins ``forward_wait`` (and ``forward``; inside
+        a timed backward: ``backward_wait``), so the rank that waited least is still named.
+        Run it on every rank at the same point of every step: the waits are compared only
+        when every rank timed them. Blocks do not nest (``RuntimeError``).
+        """
+        if self.timer is None:
+            return _INERT
+        return self.timer._sync_wait
+
+    def collect(self) -> None:
+        """Mark one training step for collection; in sync mode every ``sync_step``-th call
+        ships rows (and, on the root, builds a window) on the background thread."""
+        timer = self.timer
+        if timer is None:
+            return
+        if timer.gpu is not None:
+            timer.poll_gpu(8)
+        if self.config.async_mode or self._collector is None:
+            return
+        self._collects += 1
+        if self._collects % self.config.sync_step == 0:
+            self._collector.trigger()
+
+    def watch(
+        self,
+        model: Any = None,
+        optimizer: Any = None,
+        dataloader: Iterable[Any] | None = None,
+    ) -> Any:
+        """Install hooks: forward/backward on ``model``, step hooks on ``optimizer`` (one or a
+        sequence; a framework's wrapper holding the optimizer in ``.optimizer`` is accepted),
+        and return ``dataloader`` wrapped to time input wait and the batch's host-to-device
+        copy (None if not given).
+
+        With a watched loader a step runs from one batch fetch to the next (work after the
+        optimizer lands in the step's residual); without one the last optimizer's step closes
+        it. The loader must be iterated by the training thread (the thread calling ``watch``):
+        a prefetching thread's fetches are not timed. The strategy is detected from a
+        DDP/FSDP wrapper around ``model``.
+        """
+        import torch
+
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"watch: field model: expected a torch.nn.Module, got {model!r}")
+        optimizers: list[torch.optim.Optimizer] = []
+        if optimizer is not None:
+            items = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+            for item in items:
+                # A framework's wrapper is accepted: its optimizer is found inside it.
+                opt = unwrap_optimizer(item)
+                if opt is None:
+                    raise TypeError(
+                        f"watch: field optimizer: expected a torch.optim.Optimizer, a wrapper "
+                        f"holding one in .optimizer (or a list of them), got {item!r}"
+                    )
+                optimizers.append(opt)
+        if dataloader is not None and (
+            isinstance(dataloader, (str, bytes)) or not isinstance(dataloader, Iterable)
+        ):
+            raise TypeError(f"watch: field dataloader: expected an iterable, got {dataloader!r}")
+        for obj in (model, *optimizers):
+            if obj is not None and id(obj) in self._watched:
+                raise ValueError(f"watch: {type(obj).__name__} {id(obj):#x} is already watched")
+        device = model_device(model) if model is not None else None
+        if model is not None:
+            detected = detect_strategy(model)
+            if detected is not None:
+                self._detected_strategy = detected
+                if self._explicit_strategy not in (None, detected):
+                    log.warning(
+                        "rankwatch: strategy %r given, but the model is wrapped for %r; using %r",
+                        self._explicit_strategy,
+                        detected,
+                        self._explicit_strategy,
+                    )
+        if self.timer is None:
+            return dataloader
+        if model is not None:
+            self._gpu_for_model(device)
+        if device is not None:
+            # Collectives on accelerator tensors (NCCL) do not block the host: this rank's
+            # CPU clock cannot contain a wait, and the diagnosis must know it.
+            self.timer.async_collectives = device.type != "cpu"
+        self._handles.extend(install(self.timer, model, optimizers))
+        self._watched.update(id(o) for o in (model, *optimizers) if o is not None)
+        self._optimizers_watched |= bool(optimizers)
+        if dataloader is None:
+            return None
+        return WatchedLoader(
+            dataloader,
+            self.timer,
+            device,
+            training_thread=threading.get_ident(),
+            optimizers_watched=bool(optimizers) or self._optimizers_watched,
+            optimizer_silent_batches=self.config.optimizer_silent_batches,
+        )
+
+    # ---- shutdown ------------------------------------------------------------------------
+
+    def close(self, timeout_seconds: float = 5.0) -> None:
+        """Stop within ``timeout_seconds``: remove hooks, ship the last rows, let the root
+        publish the summary window, stop the thread, close the publishers. Call it before
+        ``torch.distributed.destroy_process_group()``. Idempotent."""
+        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)):
+            raise TypeError(
+                f"close: field timeout_seconds: expected a number, got {timeout_seconds!r}"
+            )
+        if not timeout_seconds > 0 or timeout_seconds == float("inf"):
+            raise ValueError(
+                f"close: field timeout_seconds: must be a finite number > 0, got "
+                f"{timeout_seconds!r}"
+            )
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout_seconds
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.timer is not None:
+            # A step left open when the loop ended is written if its optimizer ran (a
+            # trainer stopping at its step count fetches no next batch), else discarded.
+            self.timer.finish_open_step()
+            self.timer.drain_gpu(min(1.0, 0.2 * timeout_seconds))
+        if self._collector is not None:
+            self._collector.stop(max(0.0, deadline - time.monotonic()))
+        for pub in self.publishers:
+            try:
+                pub.close(max(0.05, deadline - time.monotonic()))
+            except Exception:
+                log.exception("rankwatch: closing publisher %r failed", pub)
+
+    def __enter__(self) -> RankWatch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    @staticmethod
+    def _cuda_available() -> bool:
+        import torch
+
+        return bool(torch.cuda.is_available())
+
+    def _gpu_for_model(self, device: Any) -> None:
+        """GPU timing on the watched model's device, or off with one warning saying why."""
+        on_cuda = device is not None and device.type == "cuda"
+        if self._gpu_timing is False:
+            return
+        if on_cuda:
+            self._want_gpu(True, device)
+            return
+        self._want_gpu(False)
+        if self._gpu_timing or (device is not None and device.type != "cpu"):
+            self._warn_gpu_off(
+                f"the watched model is on {device}, and GPU timing uses CUDA events on the "
+                "model's own device"
+            )
+
+    def _warn_gpu_off(self, why: str) -> None:
+        if not self._gpu_off_warned:
+            self._gpu_off_warned = True
+            log.warning("rankwatch: GPU timing is off: %s; steps are timed on the CPU clock", why)
+
+    def _want_gpu(self, on: bool, device: Any = None) -> None:
+        timer = self.timer
+        if timer is None:
+            return
+        if not on:
+            if timer.gpu is not None:
+                timer.set_gpu(None)
+            return
+        if not self._cuda_available():
+            raise ValueError("RankWatch: field gpu_timing: value True needs CUDA")
+        import torch
+
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        if timer.gpu is not None and timer.gpu.device == dev:
+            return
+        # A pending step's ring slot must not come round again before its GPU times land.
+        in_flight = max(1, min(_GPU_STEPS_IN_FLIGHT, timer.capacity // 2))
+        pool = self._pools.get(str(dev))
+        if pool is None:  # events of one device never meet another device's stream
+            pool = self._pools[str(dev)] = EventPool(
+                in_flight * _EVENTS_PER_STEP, cuda_event_factory()
+            )
+        timer.set_gpu(
+            GpuTimeline(pool, len(PHASES), 0, in_flight, stream=cuda_stream_of(dev), device=dev)
+        )

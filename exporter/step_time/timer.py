@@ -1,0 +1,446 @@
+"""The step timer: per-step rows of phase times, written into a preallocated ring.
+
+One row per training step, in the step-time diagnosis' layout (``ROW_WIDTH`` float64 columns):
+``[step_id, 6 cpu signals (ms), 6 gpu signals (ms), cpu forward_wait, cpu backward_wait,
+async_collectives]`` with the signals in ``SIGNALS`` order (``input_wait, h2d, forward,
+backward, optimizer, step``). NaN means the signal was not timed in that step; a timed phase
+that took no time is ``0.0``. The two waits (CPU clock only) are timed by the hooks inside
+``forward`` and ``backward`` (see :mod:`.hooks`); ``async_collectives`` is 1 on a rank whose
+collectives do not block the host (see :attr:`StepTimer.async_collectives`).
+
+How the columns are defined:
+
+* a phase's time is the sum of every time it ran in the step (gradient accumulation runs
+  forward and backward several times);
+* ``step`` is the step's bracket minus the input wait timed inside it, so it never counts
+  input wait twice;
+* a phase timed while no step is open (typically ``input_wait``/``h2d`` of the next batch
+  fetched before the step opens) is credited to the next step.
+
+The CPU clock is ``time.perf_counter_ns``. The GPU clock (CUDA events, see
+:mod:`.event_pool`) is optional; its columns are filled later, when the device has passed the
+step's markers, which is why the ring has two cursors: ``written`` (CPU columns final) and
+``finished`` (GPU columns final too). On CPU both advance together.
+
+The hot path is the training thread entering and leaving phases and steps. Leaving a phase
+adds its milliseconds into the open step's row (a preallocated ``array('d')``), and closing
+the step copies that row into the ring with one buffer copy (no numpy call); it never
+allocates per phase (the phase context managers are created once), takes no lock and does no
+I/O. The background thread
+reads finished rows with :meth:`StepTimer.read`, which detects rows the training thread
+overwrote while they were being copied (the ring is a seqlock without the lock: with the GIL,
+a row is complete before ``written`` moves past it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from array import array
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
+from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, SIGNALS
+from rankwatch.diagnosis.step_time.table import SYNC_SIGNALS
+
+if TYPE_CHECKING:
+    from rankwatch.exporter.step_time.gpu_events import GpuTimeline
+
+__all__ = ["BACKWARD_WAIT", "FORWARD_WAIT", "INPUT_WAIT", "PHASES", "StepTimer"]
+
+# The phases a user (or a hook) brackets; ``step`` is derived from the step's own bracket.
+PHASES: tuple[str, ...] = SIGNALS[:-1]
+INPUT_WAIT, H2D, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
+_NG = len(PHASES)  # phases timed on the GPU clock too
+# The sync waits inside forward and backward (hooks only, CPU clock only), in SYNC_SIGNALS order.
+FORWARD_WAIT, BACKWARD_WAIT = range(_NG, _NG + len(SYNC_SIGNALS))
+_N = _NG + len(SYNC_SIGNALS)
+_GPU0 = 1 + len(SIGNALS)  # first GPU column
+_NAN = math.nan
+_MS = 1e-6  # ns -> ms
+_STEP_COL = len(SIGNALS)  # the ``step`` column (CPU clock)
+_WAIT0 = _GPU0 + len(SIGNALS)  # first sync-wait column
+_ASYNC_COL = _WAIT0 + len(SYNC_SIGNALS)
+# Row column of each timed phase (``PHASES`` then the sync waits).
+_COL: tuple[int, ...] = (*range(1, 1 + _NG), *range(_WAIT0, _WAIT0 + len(SYNC_SIGNALS)))
+_FWD_COL, _BWD_COL, _OPT_COL = _COL[FORWARD], _COL[BACKWARD], _COL[OPTIMIZER]
+
+
+class _Phase:
+    """Context manager of one phase; one instance per phase per timer, reused every time."""
+
+    __slots__ = ("_end", "_i", "_timer")
+
+    def __init__(self, timer: StepTimer, index: int) -> None:
+        self._timer = timer
+        self._i = index
+        self._end = timer.end
+
+    def __enter__(self) -> _Phase:
+        # ``StepTimer.begin`` inlined: a mark is two of these calls, and this saves one of
+        # its four Python calls.
+        timer = self._timer
+        timer._start[self._i] = timer._clock()
+        if timer._gpu is not None:
+            timer._gpu.begin(self._i)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._end(self._i)
+
+
+class _SyncWait:
+    """Context manager crediting a wait at a synchronisation point outside the hooks' reach
+    (one instance per timer, reused; see :meth:`StepTimer.sync_wait`)."""
+
+    __slots__ = ("_start", "_timer")
+
+    def __init__(self, timer: StepTimer) -> None:
+        self._timer = timer
+        self._start = -1
+
+    def __enter__(self) -> _SyncWait:
+        if self._start >= 0:
+            raise RuntimeError("sync_wait: already inside a sync_wait block (they do not nest)")
+        self._start = self._timer._clock()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        timer = self._timer
+        ns = timer._clock() - self._start
+        self._start = -1
+        # Inside a timed forward or backward the phase already holds the time: only its wait
+        # grows. Anywhere else the wait is a synchronisation before the forward pass (as DDP's
+        # buffer broadcast is): it counts as forward and as forward_wait, so it leaves the
+        # residual and compute (forward minus its wait) stays what it was.
+        if timer.phase_open(BACKWARD):
+            timer.add(BACKWARD_WAIT, ns)
+            return
+        if not timer.phase_open(FORWARD):
+            timer.add(FORWARD, ns)
+        timer.add(FORWARD_WAIT, ns)
+
+
+class _Step:
+    """Context manager of one step (reused); an exception inside the step discards its row."""
+
+    __slots__ = ("_timer", "next_id")
+
+    def __init__(self, timer: StepTimer) -> None:
+        self._timer = timer
+        self.next_id: int | None = None
+
+    def __enter__(self) -> _Step:
+        step_id, self.next_id = self.next_id, None
+        self._timer.open_explicit(step_id)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self._timer.end_step()
+        else:
+            self._timer.abort_step()
+
+
+class StepTimer:
+    """Times phases and steps on the training thread; keeps the last ``capacity`` rows.
+
+    Use :meth:`step` and :meth:`phase` as context managers, or the lower-level
+    :meth:`start_step`/:meth:`end_step` and :meth:`begin`/:meth:`end` (what the hooks call).
+    """
+
+    def __init__(self, capacity: int, *, gpu: GpuTimeline | None = None) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise TypeError(f"StepTimer.capacity: expected an int, got {capacity!r}")
+        if capacity < 2:
+            raise ValueError(f"StepTimer.capacity: must be >= 2, got {capacity!r}")
+        self.capacity = capacity
+        self.ring: NDArray[np.float64] = np.full((capacity, ROW_WIDTH), _NAN)
+        # The ring's memory as one flat run of doubles, and the row ``end_step`` fills: a
+        # row goes in with one buffer-to-buffer slice copy, no numpy call on the hot path
+        # (building a numpy assignment from 16 Python floats costs several microseconds).
+        self._flat = memoryview(self.ring.data).cast("B").cast("d")
+        # The open step's row: a phase's milliseconds accumulate in its column, NaN until it
+        # is first timed (so "not timed" and "took no time" stay apart without a flag).
+        self._blank = array("d", [_NAN] * ROW_WIDTH)
+        self._row = array("d", self._blank)
+        self.written = 0  # rows whose CPU columns are final
+        self.finished = 0  # rows whose GPU columns are final as well
+        self._clock = time.perf_counter_ns
+        self._start = [-1] * _N  # ns at which the phase was entered, -1 when not in it
+        self._step_start = -1  # ns, -1 when no step is open
+        self._inside_wait = 0  # ns of input wait timed inside the open step's bracket
+        self._auto = False  # the open step was opened by a hook, not by ``step()``
+        self._step_id = 0
+        self._last_id = -1
+        self._gpu = gpu
+        # Set by ``watch()`` for a model on an accelerator: its collectives do not block the
+        # host, so the CPU clock of this rank cannot contain a wait for another rank.
+        self.async_collectives = False
+        # A watched loader fetching on the training thread closes hook-opened steps at the
+        # next fetch (so work after the optimizer is in the step); else the optimizer does.
+        self.loader_steps = False
+        self.optimizer_steps = 0  # outermost optimizer steps seen by the hooks
+        self.optimizer_end_ns = -1  # when the hooks last saw an outermost optimizer step end
+        self._phases = {name: _Phase(self, i) for i, name in enumerate(PHASES)}
+        self._step_ctx = _Step(self)
+        self._sync_wait = _SyncWait(self)
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def in_step(self) -> bool:
+        """A step is open."""
+        return self._step_start >= 0
+
+    @property
+    def auto_step(self) -> bool:
+        """The open step was opened by a hook (the optimizer hook may close it)."""
+        return self._step_start >= 0 and self._auto
+
+    @property
+    def step_has_work(self) -> bool:
+        """The open step ran forward, backward or the optimizer (not only a batch fetch)."""
+        row = self._row  # NaN != NaN: a column equal to itself was timed
+        fwd, bwd, opt = row[_FWD_COL], row[_BWD_COL], row[_OPT_COL]
+        return fwd == fwd or bwd == bwd or opt == opt
+
+    @property
+    def last_step_id(self) -> int:
+        """Id of the last step written, -1 before the first."""
+        return self._last_id
+
+    @property
+    def gpu(self) -> GpuTimeline | None:
+        return self._gpu
+
+    def set_gpu(self, gpu: GpuTimeline | None) -> None:
+        """Switch GPU timing on or off (between steps; an open step keeps CPU times only)."""
+        self._gpu = gpu
+
+    def phase_open(self, index: int) -> bool:
+        """Phase ``index`` has been entered and not yet left."""
+        return self._start[index] >= 0
+
+    # ---- context managers ----------------------------------------------------------------
+
+    def phase(self, name: str) -> _Phase:
+        """Context manager timing phase ``name`` (one of ``PHASES``)."""
+        try:
+            return self._phases[name]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"phase: field name: value {name!r} is not one of {', '.join(PHASES)} "
+                "(the step time is measured by step())"
+            ) from None
+
+    def sync_wait(self) -> _SyncWait:
+        """Context manager around a wait at a synchronisation point the hooks do not see (a
+        collective the training loop runs outside the model: a token-count all-gather, an
+        all-reduced metric). Its time is credited to ``forward_wait`` (and to ``forward``
+        when no forward is being timed: a synchronisation before the forward pass), or to
+        ``backward_wait`` inside a timed backward. Blocks do not nest (``RuntimeError``)."""
+        return self._sync_wait
+
+    def step(self, step_id: int | None = None) -> _Step:
+        """Context manager of one step; ``step_id`` defaults to the previous id + 1."""
+        if step_id is not None:
+            self._check_id(step_id)
+        self._step_ctx.next_id = step_id
+        return self._step_ctx
+
+    def _check_id(self, step_id: object) -> int:
+        if isinstance(step_id, bool) or not isinstance(step_id, (int, np.integer)):
+            raise TypeError(f"step: field step_id: expected an int, got {step_id!r}")
+        if step_id <= self._last_id:
+            raise ValueError(
+                f"step: field step_id: value {step_id!r} must be greater than the previous "
+                f"step id {self._last_id}"
+            )
+        return int(step_id)
+
+    # ---- hot path ------------------------------------------------------------------------
+
+    def begin(self, index: int) -> None:
+        """Enter phase ``index`` (``PHASES`` order)."""
+        self._start[index] = self._clock()
+        if self._gpu is not None and index < _NG:
+            self._gpu.begin(index)
+
+    def end(self, index: int) -> bool:
+        """Leave phase ``index``; a leave without an enter is ignored (returns False)."""
+        now = self._clock()
+        start = self._start[index]
+        if start < 0:
+            return False
+        self._start[index] = -1
+        row, col = self._row, _COL[index]
+        before = row[col]
+        row[col] = (now - start) * _MS + (before if before == before else 0.0)
+        if index == 0 and self._step_start >= 0 and start >= self._step_start:
+            self._inside_wait += now - start
+        if self._gpu is not None and index < _NG:
+            self._gpu.end(index)
+        return True
+
+    def add(self, index: int, ns: int) -> None:
+        """Credit ``ns`` to phase ``index`` of the current step (a wait measured by a hook
+        from its own marks, not bracketed by begin/end); CPU clock only."""
+        row, col = self._row, _COL[index]
+        before = row[col]
+        row[col] = ns * _MS + (before if before == before else 0.0)
+
+    def start_step(self, step_id: int | None = None, *, auto: bool = False) -> None:
+        """Open a step (phases timed before it, while no step was open, count toward it)."""
+        if self._step_start >= 0:
+            raise RuntimeError("step: a step is already open; close it before opening the next one")
+        self._step_id = self._last_id + 1 if step_id is None else step_id
+        self._auto = auto
+        self._inside_wait = 0
+        self._step_start = self._clock()
+        if self._gpu is not None:
+            self._gpu.start_step()
+
+    def turn_step(self) -> bool:
+        """A watched loader's fetch on the training thread: close the step a hook opened if it
+        ran work (forward, backward or the optimizer), and open one if none is open.
+
+        True if it opened a step. A step opened by ``step()`` is left to its ``with`` block,
+        and an auto step without work (a batch the loop skipped) stays open.
+        """
+        if self._step_start >= 0:
+            if not (self._auto and self.step_has_work):
+                return False
+            self.end_step()
+        self.start_step(auto=True)
+        return True
+
+    def open_explicit(self, step_id: int | None) -> None:
+        """``step()``'s enter: opens a step, or adopts the one a hook opened for this batch."""
+        if self._step_start >= 0 and self._auto:
+            self._auto = False
+            if step_id is not None:
+                self._step_id = step_id
+            return
+        self.start_step(step_id)
+
+    def end_step(self, end_ns: int | None = None) -> None:
+        """Close the open step and write its row (ending now, or at ``end_ns``)."""
+        now = self._clock() if end_ns is None else end_ns
+        start = self._step_start
+        if start < 0:
+            return
+        row = self._row
+        slot = self.written % self.capacity
+        # Columns never timed in the step are still NaN in ``row`` (the GPU ones are filled
+        # in the ring later, by ``_write_gpu``).
+        row[0] = self._step_id
+        row[_STEP_COL] = (now - start - self._inside_wait) * _MS
+        if self.async_collectives:
+            row[_ASYNC_COL] = 1.0
+        base = slot * ROW_WIDTH
+        self._flat[base : base + ROW_WIDTH] = row
+        row[:] = self._blank
+        self._last_id = self._step_id
+        self._step_start = -1
+        self._auto = False
+        self.written += 1
+        gpu = self._gpu
+        if gpu is None:
+            # (if GPU timing was switched off with steps pending, those stay untimed)
+            self.finished = self.written
+        else:
+            gpu.finish_step(slot)
+            self.finished += gpu.poll(self._write_gpu, 2)
+
+    def finish_open_step(self) -> None:
+        """At shutdown: write a hook-opened step that ran its optimizer (a whole training step
+        no next fetch closed: the loop ended at its step count, or left by ``break``), ending
+        where its optimizer step ended; discard any other open step.
+
+        On the GPU clock it is discarded too: its end marker cannot be placed in the past.
+        """
+        if self._step_start < 0:
+            return
+        opt = self._row[_OPT_COL]
+        done = self._auto and opt == opt and self.optimizer_end_ns >= self._step_start
+        if done and self._gpu is None:
+            self._start = [-1] * _N
+            self.end_step(self.optimizer_end_ns)
+        else:
+            self.abort_step()
+
+    def abort_step(self) -> None:
+        """Discard the open step (no row): an exception inside it, or a loader that ran out."""
+        self._step_start = -1
+        self._auto = False
+        self._inside_wait = 0
+        self._row[:] = self._blank
+        self._start = [-1] * _N
+        if self._gpu is not None:
+            self._gpu.abort_step()
+
+    # ---- GPU columns ---------------------------------------------------------------------
+
+    def _write_gpu(self, slot: int, gpu_ms: list[float]) -> None:
+        self.ring[slot, _GPU0 : _GPU0 + len(SIGNALS)] = gpu_ms
+
+    def poll_gpu(self, max_steps: int = 64) -> int:
+        """Resolve finished GPU markers without blocking (training thread only)."""
+        if self._gpu is None:
+            return 0
+        n = self._gpu.poll(self._write_gpu, max_steps)
+        self.finished += n
+        return n
+
+    def drain_gpu(self, timeout_seconds: float) -> None:
+        """Shutdown: poll pending GPU markers for up to ``timeout_seconds``, then give up on the
+        rest (their GPU columns stay NaN). Polls ``query()``; never synchronizes."""
+        if self._gpu is None:
+            self.finished = self.written
+            return
+        deadline = time.monotonic() + max(0.0, timeout_seconds)
+        while self._gpu.pending and time.monotonic() < deadline:
+            if self.poll_gpu(1 << 30) == 0:
+                time.sleep(0.001)
+        self.finished += self._gpu.drop_all(self._write_gpu)
+
+    # ---- reader side (background thread) -------------------------------------------------
+
+    def read(self, cursor: int) -> tuple[NDArray[np.float64], int, int]:
+        """Finished rows from ``cursor`` on: ``(rows, new_cursor, lost)``.
+
+        ``lost`` counts rows the ring overwrote before they were read. Safe to call from
+        another thread while the training thread keeps writing.
+        """
+        end = self.finished
+        cap = self.capacity
+        lo = max(cursor, end - cap)
+        if end <= lo:
+            return np.empty((0, ROW_WIDTH)), max(cursor, end), lo - cursor
+        a, b = lo % cap, end % cap
+        rows = self.ring[a:b].copy() if a < b else np.concatenate((self.ring[a:], self.ring[:b]))
+        # The writer may be filling absolute row ``written`` (slot of row ``written - cap``)
+        # or may have passed rows we copied: drop every row it could have touched.
+        torn = self.written - cap - lo + 1
+        if torn > 0:
+            rows = rows[torn:]
+            lo += torn
+        return rows, end, lo - cursor
