@@ -10,7 +10,8 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test test-floors lint typecheck unit bench bench-scale accuracy accuracy-deepep clean
+.PHONY: venv backends demo test test-floors lint typecheck unit generate bench bench-scale accuracy \
+	accuracy-deepep clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +66,18 @@ test-floors: backends
 	$(FLOORS_VENV)/bin/python -m pip list --format=freeze | grep -iE 'opentelemetry|prometheus|numpy'
 	$(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_otlp.py \
 		tests/test_prometheus.py tests/test_publish.py tests/test_publish_samples.py
+
+# Rewrites every generated file in place: the dashboards, alert rules and their Kubernetes
+# objects, the metric table in docs/metrics.md and the DeepEP pictures in docs/img (removed first,
+# so a chart that is no longer drawn goes too). tests/test_generated_files.py runs the same
+# generators and fails on a stale file. Accuracy and benchmark tables are measurements: their
+# own targets below.
+generate: venv
+	$(PY) dashboards/generate.py
+	$(PY) -m rankwatch.exporter.publish.catalogue docs/metrics.md
+	rm -f docs/img/deepep-*.png
+	$(PY) -c "from rankwatch.exporter.cli.heatmap import render_phase_gallery; \
+		render_phase_gallery('docs/img')"
 
 bench: venv
 	$(PY) -m bench.run_all

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from rankwatch.diagnosis.deepep.normal import NormalDiagnoser, NormalReport, NormalSimulator
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "diagnosis-deepep.md"

@@ -125,10 +125,11 @@ def _sleeper(seconds: float) -> Any:
 
 def _run_cell(rank: int, row: str, col: str) -> list[list[float | None]]:
     import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     from rankwatch.diagnosis.config import DiagnosisConfig, StepTimeConfig
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.step_time.rank_watch import RankWatch
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     slow = rank == SLOW_RANK
     torch.manual_seed(0)
@@ -243,7 +244,8 @@ def _free_port() -> int:
 def run_matrix(cells: list[tuple[str, str]]) -> list[Cell]:
     """Run ``cells`` (``(row, col)`` pairs) in one spawned Gloo world; their verdicts."""
     import numpy as np
-    from rankwatch.diagnosis.step_time.rules import diagnose_arrays
+
+    from rankwatch.diagnosis.step_time import diagnose_arrays
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:

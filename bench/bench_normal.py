@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from rankwatch.diagnosis.deepep.normal import COMPLETION_PROBES, NormalDiagnoser, NormalSimulator
 
 EP_SIZES = (16, 64, 256, 1024)

@@ -26,13 +26,13 @@ from opentelemetry.metrics import Observation
 from opentelemetry.sdk.metrics import MeterProvider, ObservableGauge
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
+
+from bench.bench_scrape import report
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.catalogue import by_name
 from rankwatch.exporter.publish.hub import PublisherHub
 from rankwatch.exporter.publish.otlp import OtlpPublisher, OtlpSettings
 from rankwatch.exporter.publish.samples import Sample
-
-from bench.bench_scrape import report
 
 SIZES = (16, 64, 256)
 ROUNDS = 5

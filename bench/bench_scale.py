@@ -48,22 +48,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from rankwatch.diagnosis.report import WindowReport
+from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays
 from rankwatch.diagnosis.step_time.artifact import example_window
-from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, diagnose_arrays
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
-from rankwatch.exporter.step_time.collector import (
+from rankwatch.exporter.step_time.collector import IDLE_POLL_SECONDS, WindowCollector, window_arrays
+from rankwatch.exporter.step_time.messages import (
     FLAG_END_OF_ROUND,
-    IDLE_POLL_SECONDS,
-    GroupLayout,
     RowBuffer,
-    WindowCollector,
     encode_message,
     message_buffer,
-    window_arrays,
 )
 from rankwatch.exporter.step_time.timer import StepTimer
+from rankwatch.exporter.step_time.transport import GroupLayout
 
 ROWS_PER_WINDOW = 100
 ROW_BYTES = ROW_WIDTH * 8
@@ -384,22 +383,25 @@ before = sockets()
 result = {}
 if mode in ("eager", "lazy"):
     import numpy as np
-    from rankwatch.exporter.step_time import collector as w
+    from rankwatch.diagnosis.step_time.table import ROW_WIDTH
+    from rankwatch.exporter.gloo import create_gloo_group, dedicated_store
+    from rankwatch.exporter.step_time.messages import FLAG_END_OF_ROUND, encode_message
+    from rankwatch.exporter.step_time.transport import GroupLayout, Transport
     if mode == "eager":
         group = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(seconds=300))
     else:
-        group = w.create_gloo_group(tuple(range(world)), False, timedelta(seconds=300), lazy=True)
-    layout = w.GroupLayout(tuple(range(world)), rank)
-    transport = w.Transport(layout, group, w.dedicated_store(group))
+        group = create_gloo_group(tuple(range(world)), False, timedelta(seconds=300), lazy=True)
+    layout = GroupLayout(tuple(range(world)), rank)
+    transport = Transport(layout, group, dedicated_store(group))
     if layout.is_root:
         got, deadline = 0, time.monotonic() + 300
         while got < world - 1 and time.monotonic() < deadline:
             got += len(transport.poll())
             time.sleep(0.01)
     else:
-        rows = np.zeros((3, w.ROW_WIDTH)); rows[:, 0] = (0, 1, 2)
-        w.encode_message(transport.send_buffer, rows, sender=rank, seq=1,
-                         flags=w.FLAG_END_OF_ROUND, lost=0, strategy=None)
+        rows = np.zeros((3, ROW_WIDTH)); rows[:, 0] = (0, 1, 2)
+        encode_message(transport.send_buffer, rows, sender=rank, seq=1,
+                         flags=FLAG_END_OF_ROUND, lost=0, strategy=None)
         transport.send(transport.send_buffer)
 else:  # "run": the real exporter for a few seconds
     from rankwatch.exporter.config import RankwatchConfig
@@ -534,10 +536,10 @@ def real_run(world: int = 32, seconds: float = 8.0) -> list[dict[str, Any]]:
 def publish_cost(ranks: int = 4096) -> list[dict[str, Any]]:
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from prometheus_client import start_http_server
-    from rankwatch.exporter.publish.otlp import OtlpPublisher, OtlpSettings
 
     from bench.bench_otlp import _baseline, _Sink
     from bench.bench_scrape import _scrape, plain_registry
+    from rankwatch.exporter.publish.otlp import OtlpPublisher, OtlpSettings
 
     root = _Root(ranks, _store())
     root.ship()

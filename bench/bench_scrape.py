@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
 from rankwatch.diagnosis.deepep.low_latency import diagnose_low_latency
 from rankwatch.diagnosis.deepep.normal.diagnoser import NormalDiagnoser
 from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
 from rankwatch.diagnosis.report import RankInfo, WindowReport
-from rankwatch.diagnosis.step_time.rules import diagnose_means
+from rankwatch.diagnosis.step_time import diagnose_means
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.catalogue import by_name
 from rankwatch.exporter.publish.hub import PublisherHub

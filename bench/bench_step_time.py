@@ -21,14 +21,10 @@ from operator import itemgetter
 from typing import Any
 
 import numpy as np
+
+from rankwatch.diagnosis.step_time import SIGNALS, diagnose_arrays, diagnose_means, diagnose_steps
 from rankwatch.diagnosis.step_time.artifact import example_window
 from rankwatch.diagnosis.step_time.row_dicts import _rows_table
-from rankwatch.diagnosis.step_time.rules import (
-    SIGNALS,
-    diagnose_arrays,
-    diagnose_means,
-    diagnose_steps,
-)
 
 TARGET_MS = 50.0
 

@@ -66,6 +66,7 @@ def _worker(rank: int, port: int, queue: Any) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
     import torch
     import torch.distributed as dist
+
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 

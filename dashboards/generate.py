@@ -1,7 +1,8 @@
 """Generate rankwatch's Grafana dashboards and the Kubernetes objects that carry them.
 
-Run ``python dashboards/generate.py`` after editing this file; the JSON and YAML it writes are
-committed, and a test fails when they differ from what this script produces. Outputs:
+Run ``make generate`` (or ``python dashboards/generate.py``) after editing this file; the JSON and
+YAML it writes are committed, and a test fails when they differ from what this script produces.
+Outputs:
 
 - ``dashboards/rankwatch-{overview,step-time,deepep-normal}.json``: importable dashboards. Every
   panel and query reads its data source from the ``datasource`` variable, never from a fixed uid:

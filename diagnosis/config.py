@@ -11,15 +11,16 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, TypeVar, get_type_hints
 
 __all__ = [
+    "DeclaredOption",
     "DiagnosisConfig",
     "LowLatencyConfig",
     "NormalConfig",
     "StepTimeConfig",
-    "env_variables",
+    "declared_options",
     "from_env",
     "option",
     "parse_bool",
@@ -131,14 +132,62 @@ def from_env(cls: type[_C], env: Mapping[str, str] | None = None, **overrides: A
     return cls(**kwargs)
 
 
-def env_variables(*classes: type) -> dict[str, tuple[str, Any]]:
-    """Every environment variable the given config classes read: ``{name: (field, default)}``."""
-    out: dict[str, tuple[str, Any]] = {}
-    for part in classes:
-        for f in fields(part):
+@dataclass(frozen=True)
+class DeclaredOption:
+    """One environment variable and the one config field that declares it."""
+
+    env: str
+    # Declaring class and field, e.g. ``NormalConfig.notify_ratio``: what validation errors,
+    # the docs tables and ``rankwatch config`` name.
+    label: str
+    # Attribute path from the object that was walked, e.g. ``("diagnosis", "normal",
+    # "notify_ratio")`` from a ``RankwatchConfig``.
+    path: tuple[str, ...]
+    default: Any
+
+    def value_in(self, root: Any) -> Any:
+        """This option's value in ``root``, an instance of the class that was walked."""
+        value = root
+        for name in self.path:
+            value = getattr(value, name)
+        return value
+
+
+def declared_options(root: type) -> tuple[DeclaredOption, ...]:
+    """Every option of the config dataclass ``root`` and of the config objects nested in it,
+    in field order (a nested object's options at its field's place).
+
+    A field with :func:`option` metadata declares its variable; a field without it whose type is
+    a dataclass is a nested config object and is walked. A variable declared by two fields (or
+    a config class nested twice) raises ``ValueError`` naming both: each variable must have
+    exactly one field, or one environment would set two settings that can drift apart.
+    """
+    found: list[DeclaredOption] = []
+    owner: dict[str, str] = {}
+
+    def walk(cls: type, prefix: tuple[str, ...]) -> None:
+        # Annotations are strings under ``from __future__ import annotations``; resolve them in
+        # the module that defines ``cls`` to see which fields hold nested config objects.
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            path = (*prefix, f.name)
             if "env" in f.metadata:
-                out[f.metadata["env"]] = (f"{part.__name__}.{f.name}", f.default)
-    return out
+                env, label = f.metadata["env"], f"{cls.__name__}.{f.name}"
+                where = f"{label} (at {'.'.join(path)})"
+                if env in owner:
+                    raise ValueError(
+                        f"{env}: declared by both {owner[env]} and {where}; "
+                        "a variable must have exactly one field"
+                    )
+                owner[env] = where
+                found.append(DeclaredOption(env, label, path, f.default))
+                continue
+            kind = hints.get(f.name)
+            if isinstance(kind, type) and is_dataclass(kind):
+                walk(kind, path)
+
+    walk(root, ())
+    return tuple(found)
 
 
 @dataclass(frozen=True)
@@ -301,5 +350,5 @@ class DiagnosisConfig:
 
     @staticmethod
     def env_variables() -> dict[str, tuple[str, Any]]:
-        """Every environment variable this object reads: ``{name: (field path, default)}``."""
-        return env_variables(StepTimeConfig, NormalConfig, LowLatencyConfig)
+        """Every environment variable this object reads: ``{name: (Class.field, default)}``."""
+        return {o.env: (o.label, o.default) for o in declared_options(DiagnosisConfig)}

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rankwatch.diagnosis.deepep.low_latency import LowLatencyResult
     from rankwatch.diagnosis.deepep.normal.report import NormalReport
-    from rankwatch.diagnosis.step_time.rules import StepTimeReport
+    from rankwatch.diagnosis.step_time import StepTimeReport
 
 __all__ = ["RankInfo", "WindowReport"]
 

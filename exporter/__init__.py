@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from rankwatch.exporter.publish.hub import default_publishers
     from rankwatch.exporter.publish.incidents import IncidentEvent
     from rankwatch.exporter.publish.protocol import Publisher
-    from rankwatch.exporter.publish.summary import RunRecorder
+    from rankwatch.exporter.publish.recorder import RunRecorder
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
 __all__ = [
@@ -41,7 +41,7 @@ _LAZY = {
     "Publisher": "rankwatch.exporter.publish.protocol",
     "RankWatch": "rankwatch.exporter.step_time.rank_watch",
     "RankwatchConfig": "rankwatch.exporter.config",
-    "RunRecorder": "rankwatch.exporter.publish.summary",
+    "RunRecorder": "rankwatch.exporter.publish.recorder",
     "default_publishers": "rankwatch.exporter.publish.hub",
 }
 
@@ -74,17 +74,17 @@ def init(
     :class:`~rankwatch.exporter.publish.hub.PublisherHub`.
     """
     # Imported here: torch and the OTel SDK load only when rankwatch is actually started.
-    import os
-
     from rankwatch.exporter.config import RankwatchConfig
+    from rankwatch.exporter.identity import local_rank_from_env
     from rankwatch.exporter.publish.hub import default_publishers
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     config = RankwatchConfig.from_env(**overrides)
-    raw = os.environ.get("LOCAL_RANK", "0").strip() or "0"
-    if not raw.isdigit():
-        raise ValueError(f"LOCAL_RANK: expected a non-negative integer, got {raw!r}")
-    publishers = default_publishers(config, int(raw), on_incident=on_incident)
+    # Strict: the metrics port is base + LOCAL_RANK, so a bad value must not become a guess.
+    local_rank = local_rank_from_env(strict=True)
+    publishers = default_publishers(
+        config, 0 if local_rank is None else local_rank, on_incident=on_incident
+    )
     try:
         return RankWatch(group, strategy, config, publishers)
     except BaseException:

@@ -2,8 +2,12 @@
 
 ``RankwatchConfig.from_env(**overrides)`` reads environment variables, applies keyword
 overrides, and validates everything on load (``ValueError``/``TypeError`` naming the field, the
-variable and the value). The DeepEP collector also honours DeepXTrace's ``DEEPEP_DIAGNOSE_*``
-names. ``docs/configuration.md`` lists every option; a test keeps it in step with this file.
+variable and the value). Its nested objects hold the diagnosis thresholds
+(``RankwatchConfig.diagnosis``) and the DeepEP collector's settings under DeepXTrace's
+``DEEPEP_DIAGNOSE_*`` names (``RankwatchConfig.deepep``), so the step-time collector and the
+DeepEP collector of one process read the same object. Every variable is declared once, by the
+``option(...)`` metadata of one field; :func:`all_env_variables` walks the object to list them.
+``docs/configuration.md`` lists every option; a test keeps it in step with this file.
 """
 
 from __future__ import annotations
@@ -16,17 +20,52 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rankwatch.diagnosis.config import (
+    DeclaredOption,
     DiagnosisConfig,
-    LowLatencyConfig,
-    NormalConfig,
-    StepTimeConfig,
-    env_variables,
+    declared_options,
     from_env,
     option,
     validate_options,
 )
 
-__all__ = ["DeepEPConfig", "RankwatchConfig", "all_env_variables", "config_fields"]
+__all__ = [
+    "DeepEPConfig",
+    "RankwatchConfig",
+    "all_env_variables",
+    "config_fields",
+    "config_options",
+]
+
+
+@dataclass(frozen=True)
+class DeepEPConfig:
+    """DeepXTrace-compatible settings of the DeepEP collector (``DEEPEP_DIAGNOSE_*``).
+
+    Part of the one configuration object, as ``RankwatchConfig.deepep``;
+    ``Diagnose.create_from_env(config=...)`` reads it from there.
+    """
+
+    enable: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_ENABLE"))
+    async_mode: bool = field(default=True, metadata=option("DEEPEP_DIAGNOSE_ASYNC"))
+    interval_seconds: float = field(
+        default=10.0, metadata=option("DEEPEP_DIAGNOSE_INTERVAL", 0.0, lo_open=True)
+    )
+    sync_step: int = field(default=580, metadata=option("DEEPEP_DIAGNOSE_SYNC_STEP", 1))
+    warmup_seconds: float = field(
+        default=0.0, metadata=option("DEEPEP_DIAGNOSE_WARMUP_SECONDS", 0.0)
+    )
+    log_path: str = field(default=".", metadata=option("DEEPEP_DIAGNOSE_LOG_PATH"))
+    log_details: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_LOG_DETAILS"))
+    export_npz: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_EXPORT_NPZ"))
+    npz_retention: int = field(default=100, metadata=option("DEEPEP_DIAGNOSE_NPZ_RETENTION", 1))
+
+    def __post_init__(self) -> None:
+        validate_options(self)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> DeepEPConfig:
+        """``DEEPEP_DIAGNOSE_*`` variables first, then keyword overrides (validated)."""
+        return from_env(cls, env, **overrides)
 
 
 @dataclass(frozen=True)
@@ -53,7 +92,7 @@ class RankwatchConfig:
         default=20_000, metadata=option("RANKWATCH_MAX_BUFFERED_STEPS", 2)
     )
     # Read from the environment when rankwatch's Gloo group is created (see
-    # ``windows.create_gloo_group``): on, a rank connects to its root only, not to every member
+    # ``gloo.create_gloo_group``): on, a rank connects to its root only, not to every member
     # (a full mesh takes 4,096 sockets per rank at 4,096 ranks, over common fd limits). Off by
     # default until a clean-clone failure seen with it on is explained (docs/benchmarks.md).
     gloo_lazy_connect: bool = field(default=False, metadata=option("RANKWATCH_GLOO_LAZY_CONNECT"))
@@ -100,15 +139,20 @@ class RankwatchConfig:
     artifact_dir: str = field(default="", metadata=option("RANKWATCH_ARTIFACT_DIR"))
     artifact_retention: int = field(default=100, metadata=option("RANKWATCH_ARTIFACT_RETENTION", 0))
     log_json: bool = field(default=True, metadata=option("RANKWATCH_LOG_JSON"))
+    # Nested objects: their fields declare their own variables (walked by all_env_variables).
+    # The DeepEP collector's settings (Diagnose.create_from_env(config=...) reads them here).
+    deepep: DeepEPConfig = field(default_factory=DeepEPConfig)
     diagnosis: DiagnosisConfig = field(default_factory=DiagnosisConfig)
 
     def __post_init__(self) -> None:
         validate_options(self)
         # Read by the collector threads only: a wrong type would otherwise fail there, silently.
-        if not isinstance(self.diagnosis, DiagnosisConfig):
-            raise TypeError(
-                f"RankwatchConfig.diagnosis: expected a DiagnosisConfig, got {self.diagnosis!r}"
-            )
+        for name, kind in (("deepep", DeepEPConfig), ("diagnosis", DiagnosisConfig)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise TypeError(
+                    f"RankwatchConfig.{name}: expected a {kind.__name__}, got {value!r}"
+                )
         if self.incident_open_k > self.incident_open_n:
             raise ValueError(
                 "RankwatchConfig.incident_open_k (RANKWATCH_INCIDENT_OPEN_K): must be <= "
@@ -136,8 +180,15 @@ class RankwatchConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> RankwatchConfig:
-        """Environment first, then keyword overrides; the nested diagnosis config too."""
+        """Environment first, then keyword overrides; the nested objects too.
+
+        ``deepep`` and ``diagnosis`` are read from the same environment unless given as
+        overrides (a ``DeepEPConfig`` / ``DiagnosisConfig``, e.g.
+        ``RankwatchConfig.from_env(deepep=DeepEPConfig(enable=True))``).
+        """
         source = os.environ if env is None else env
+        if "deepep" not in overrides:
+            overrides["deepep"] = DeepEPConfig.from_env(source)
         if "diagnosis" not in overrides:
             overrides["diagnosis"] = DiagnosisConfig.from_env(source)
         interval = _otel_metric_export_interval(source)
@@ -168,37 +219,18 @@ def _otel_metric_export_interval(env: Mapping[str, str]) -> float | None:
     return millis / 1000.0
 
 
-@dataclass(frozen=True)
-class DeepEPConfig:
-    """DeepXTrace-compatible settings of the DeepEP collector (``DEEPEP_DIAGNOSE_*``)."""
-
-    enable: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_ENABLE"))
-    async_mode: bool = field(default=True, metadata=option("DEEPEP_DIAGNOSE_ASYNC"))
-    interval_seconds: float = field(
-        default=10.0, metadata=option("DEEPEP_DIAGNOSE_INTERVAL", 0.0, lo_open=True)
-    )
-    sync_step: int = field(default=580, metadata=option("DEEPEP_DIAGNOSE_SYNC_STEP", 1))
-    warmup_seconds: float = field(
-        default=0.0, metadata=option("DEEPEP_DIAGNOSE_WARMUP_SECONDS", 0.0)
-    )
-    log_path: str = field(default=".", metadata=option("DEEPEP_DIAGNOSE_LOG_PATH"))
-    log_details: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_LOG_DETAILS"))
-    export_npz: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_EXPORT_NPZ"))
-    npz_retention: int = field(default=100, metadata=option("DEEPEP_DIAGNOSE_NPZ_RETENTION", 1))
-
-    def __post_init__(self) -> None:
-        validate_options(self)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> DeepEPConfig:
-        return from_env(cls, env, **overrides)
+def config_options() -> tuple[DeclaredOption, ...]:
+    """Every option of ``RankwatchConfig``, its nested objects included, in field order: each
+    environment variable once, with the field that declares it and its path in the object
+    (``option.value_in(config)``). Raises ``ValueError`` if a variable is declared twice."""
+    return declared_options(RankwatchConfig)
 
 
 def all_env_variables() -> dict[str, tuple[str, Any]]:
-    """Every environment variable rankwatch reads, for the configuration docs and their test."""
-    return env_variables(
-        RankwatchConfig, DeepEPConfig, StepTimeConfig, NormalConfig, LowLatencyConfig
-    )
+    """Every environment variable rankwatch reads: ``{name: (Class.field, default)}``, walked
+    from ``RankwatchConfig`` (see :func:`config_options`); for the docs, their test and
+    ``rankwatch config``."""
+    return {o.env: (o.label, o.default) for o in config_options()}
 
 
 def config_fields() -> list[str]:

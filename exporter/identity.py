@@ -15,11 +15,15 @@
   from ``POD_NAME`` / ``POD_NAMESPACE`` (downward API), else the pod's hostname and the service
   account's namespace file when running in a cluster.
 * **Build.** The versions of rankwatch, Python and torch (``rankwatch_build_info``).
+* **Ranks.** ``LOCAL_RANK`` and ``RANK`` as torchrun sets them are read here only
+  (:func:`local_rank_from_env`, :func:`rank_from_env`), so every collector agrees on what a
+  bad value means.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
 import socket
@@ -37,8 +41,13 @@ __all__ = [
     "current_gpu",
     "gpu_labels",
     "k8s_attributes",
+    "local_identity",
+    "local_rank_from_env",
     "node_hostname",
+    "rank_from_env",
 ]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_NODE_NAME_ENV = "NODE_NAME"
 # Mounted into every pod that has a service account token: the pod's namespace.
@@ -128,3 +137,52 @@ def build_labels() -> tuple[str, str, str]:
         except PackageNotFoundError:
             torch_version = ""
     return rankwatch.__version__, platform.python_version(), torch_version
+
+
+def _rank_variable(name: str, env: Mapping[str, str] | None, strict: bool) -> int | None:
+    raw = _env(env).get(name, "").strip()
+    if not raw:
+        return None
+    # ASCII digits only: int() would also take "+3", "3_0" and other scripts' digits, which no
+    # launcher writes, so they are mistakes to report rather than ranks to guess.
+    if raw.isascii() and raw.isdigit():
+        return int(raw)
+    if strict:
+        raise ValueError(f"{name}: expected a non-negative integer, got {raw!r}")
+    log.warning("%s: expected a non-negative integer, got %r; treating it as unset", name, raw)
+    return None
+
+
+def local_rank_from_env(
+    env: Mapping[str, str] | None = None, *, strict: bool = False
+) -> int | None:
+    """This process's rank on its node, ``LOCAL_RANK`` (torchrun); None when unset or empty.
+
+    A value that is not a non-negative integer raises ``ValueError`` naming ``LOCAL_RANK`` and
+    the value when ``strict`` (``init()``: the metrics port is base + local rank, so a guess
+    could collide with another rank's), else logs a warning and counts as unset (labels and
+    layouts: each caller documents its fallback).
+    """
+    return _rank_variable("LOCAL_RANK", env, strict)
+
+
+def rank_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """This process's global rank, ``RANK`` (torchrun); None when unset or empty.
+
+    Strict: a value that is not a non-negative integer raises ``ValueError`` naming ``RANK`` and
+    the value, since it identifies the process in OTLP resources and a wrong one would merge two
+    ranks' series.
+    """
+    return _rank_variable("RANK", env, True)
+
+
+def local_identity(node_name_env: str = DEFAULT_NODE_NAME_ENV) -> tuple[str, int, str, str]:
+    """(hostname, local rank, GPU index, GPU UUID) of this process: the hostname is the node
+    name from ``node_name_env`` when set (Kubernetes), else the machine's, in lowercase; the
+    local rank is ``LOCAL_RANK`` (0 when unset; a bad value is logged and counts as unset, see
+    :func:`local_rank_from_env`: a label must not stop training); the GPU fields are those of
+    the current CUDA device as dcgm-exporter labels them, empty on CPU (see
+    :func:`current_gpu`)."""
+    local_rank = local_rank_from_env()
+    gpu, uuid = current_gpu()
+    return node_hostname(node_name_env), 0 if local_rank is None else local_rank, gpu, uuid

@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import numpy as np
+
 from rankwatch.diagnosis.deepep.low_latency import LowLatencyResult, diagnose_low_latency
 from rankwatch.diagnosis.deepep.normal.diagnoser import NormalDiagnoser
 from rankwatch.diagnosis.deepep.normal.report import NormalReport
 from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
 from rankwatch.diagnosis.report import RankInfo, WindowReport
-from rankwatch.diagnosis.step_time.rules import StepTimeReport, diagnose_means
+from rankwatch.diagnosis.step_time import StepTimeReport, diagnose_means
 
 T0 = 1_800_000_000.0  # a fixed "now" for reports: the clock is an input of the samples
 

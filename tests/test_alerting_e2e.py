@@ -49,8 +49,8 @@ import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
-from rankwatch.exporter.cli.demo import SIM_EP_SIZE
 
+from rankwatch.exporter.cli.demo_plan import SIM_EP_SIZE
 from tests.servers import (
     REPO,
     Server,

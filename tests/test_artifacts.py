@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from rankwatch.diagnosis.deepep.artifact import (
     ARTIFACT_PREFIX,
     MAX_EP_SIZE,

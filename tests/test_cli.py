@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from rankwatch.diagnosis.deepep.artifact import ArtifactStore
 from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
 from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator, phase_timeline
 from rankwatch.diagnosis.step_time.artifact import example_window, save_window
 from rankwatch.exporter.config import all_env_variables
-
 from tests.servers import free_port
 
 CLI = Path(sys.executable).with_name("rankwatch")

@@ -2,44 +2,46 @@
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import fields
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import pytest
+
+import rankwatch.diagnosis.config as diagnosis_config
+import rankwatch.exporter.config as exporter_config
 from rankwatch.diagnosis.config import (
     DiagnosisConfig,
     LowLatencyConfig,
     NormalConfig,
     StepTimeConfig,
+    declared_options,
+    option,
     parse_bool,
 )
-from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig, all_env_variables
+from rankwatch.exporter.config import (
+    DeepEPConfig,
+    RankwatchConfig,
+    all_env_variables,
+    config_options,
+)
+from rankwatch.exporter.identity import local_identity, local_rank_from_env, rank_from_env
 
-OWNER_CLASSES = {
-    "RankwatchConfig": RankwatchConfig,
-    "DeepEPConfig": DeepEPConfig,
-    "StepTimeConfig": StepTimeConfig,
-    "NormalConfig": NormalConfig,
-    "LowLatencyConfig": LowLatencyConfig,
-}
+# Each option's class, by its label (``Class.field``): the type of the object holding it.
+OWNER_CLASSES: dict[str, type] = {}
+for _opt in config_options():
+    _holder: Any = RankwatchConfig()
+    for _name in _opt.path[:-1]:
+        _holder = getattr(_holder, _name)
+    OWNER_CLASSES[_opt.label.partition(".")[0]] = type(_holder)
 
 
 def _load(env: dict[str, str]) -> dict[str, Any]:
-    """Load every config object from ``env``; keyed like ``all_env_variables()`` values."""
+    """Load the one config object from ``env``; every option's value keyed by its label."""
     cfg = RankwatchConfig.from_env(env)
-    objs: dict[str, Any] = {
-        "RankwatchConfig": cfg,
-        "DeepEPConfig": DeepEPConfig.from_env(env),
-        "StepTimeConfig": cfg.diagnosis.step_time,
-        "NormalConfig": cfg.diagnosis.normal,
-        "LowLatencyConfig": cfg.diagnosis.low_latency,
-    }
-    out = {}
-    for path in (p for p, _ in all_env_variables().values()):
-        owner, _, name = path.partition(".")
-        out[path] = getattr(objs[owner], name)
-    return out
+    return {opt.label: opt.value_in(cfg) for opt in config_options()}
 
 
 def _field_type(path: str) -> str:
@@ -285,3 +287,125 @@ def test_metrics_port_per_local_rank() -> None:
     cfg = RankwatchConfig.from_env({"RANKWATCH_METRICS_PORT": "9500"})
     assert [cfg.metrics_port_for(r) for r in range(3)] == [9500, 9501, 9502]
     assert RankwatchConfig.from_env({}, metrics_port=0).metrics_port_for(5) == 0
+
+
+# --------------------------------------------------------------------------- one object
+
+
+def test_no_variable_is_declared_twice() -> None:
+    options = config_options()
+    names = [o.env for o in options]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+    assert len({o.label for o in options}) == len(options)
+    assert len({o.path for o in options}) == len(options)
+    assert all_env_variables() == {o.env: (o.label, o.default) for o in options}
+
+
+def test_every_settings_class_is_part_of_the_one_object() -> None:
+    # A settings class RankwatchConfig does not nest would be read by a from_env of its own: a
+    # second object that can disagree with the first, and variables left out of the docs.
+    declared = {o.label for o in config_options()}
+    option_fields = 0
+    for module in (diagnosis_config, exporter_config):
+        for name in dir(module):
+            cls = getattr(module, name)
+            if not (isinstance(cls, type) and is_dataclass(cls)):
+                continue
+            for f in fields(cls):
+                if "env" in f.metadata:
+                    assert f"{cls.__name__}.{f.name}" in declared, f"{module.__name__}.{name}"
+                    option_fields += 1
+    assert option_fields == len(declared)
+
+
+@dataclass(frozen=True)
+class _NestedTwice:
+    first: NormalConfig = field(default_factory=NormalConfig)
+    second: NormalConfig = field(default_factory=NormalConfig)
+
+
+@dataclass(frozen=True)
+class _SameVariable:
+    port: int = field(default=1, metadata=option("RANKWATCH_METRICS_PORT"))
+    inner: RankwatchConfig = field(default_factory=RankwatchConfig)
+
+
+def test_a_variable_declared_twice_is_refused_naming_both_fields() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"DEEPEP_DIAGNOSE_NOTIFY_RATIO: declared by both NormalConfig\.notify_ratio "
+        r"\(at first\.notify_ratio\) and NormalConfig\.notify_ratio \(at second\.notify_ratio\)",
+    ):
+        declared_options(_NestedTwice)
+    with pytest.raises(
+        ValueError,
+        match=r"RANKWATCH_METRICS_PORT: declared by both _SameVariable\.port \(at port\) and "
+        r"RankwatchConfig\.metrics_port \(at inner\.metrics_port\)",
+    ):
+        declared_options(_SameVariable)
+
+
+def test_deepep_settings_are_part_of_the_one_object() -> None:
+    env = {
+        "DEEPEP_DIAGNOSE_ENABLE": "1",
+        "DEEPEP_DIAGNOSE_SYNC_STEP": "7",
+        "DEEPEP_DIAGNOSE_NOTIFY_RATIO": "0.3",
+    }
+    cfg = RankwatchConfig.from_env(env)
+    assert cfg.deepep == DeepEPConfig(enable=True, sync_step=7) == DeepEPConfig.from_env(env)
+    assert cfg.diagnosis.normal.notify_ratio == 0.3
+    assert RankwatchConfig().deepep == DeepEPConfig()
+    # An override replaces the nested object whole: the environment's DeepEP values are unused.
+    mine = DeepEPConfig(enable=True, async_mode=False, sync_step=3)
+    assert RankwatchConfig.from_env(env, deepep=mine).deepep is mine
+    # A bad DeepEP value fails the load of the one object, by name.
+    with pytest.raises(
+        ValueError, match=r"DeepEPConfig\.sync_step \(DEEPEP_DIAGNOSE_SYNC_STEP\).*'soon'"
+    ):
+        RankwatchConfig.from_env({"DEEPEP_DIAGNOSE_SYNC_STEP": "soon"})
+
+
+@pytest.mark.parametrize("bad", [None, {"enable": True}, DiagnosisConfig(), "deepep"])
+def test_deepep_must_be_a_deepep_config(bad: Any) -> None:
+    message = rf"RankwatchConfig\.deepep: expected a DeepEPConfig, got {re.escape(repr(bad))}"
+    with pytest.raises(TypeError, match=message):
+        RankwatchConfig.from_env({}, deepep=bad)
+    with pytest.raises(TypeError, match=message):
+        RankwatchConfig(deepep=bad)
+
+
+# --------------------------------------------------------------------------- launcher variables
+
+
+@pytest.mark.parametrize("bad", ["one", "-1", "+2", "1_0", "1.0", "٣"])
+def test_local_rank_is_strict_for_init_and_lenient_elsewhere(
+    bad: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"LOCAL_RANK: expected a non-negative integer, got {re.escape(repr(bad))}",
+    ):
+        local_rank_from_env({"LOCAL_RANK": bad}, strict=True)
+    with caplog.at_level(logging.WARNING, logger="rankwatch.exporter.identity"):
+        assert local_rank_from_env({"LOCAL_RANK": bad}) is None
+    assert f"LOCAL_RANK: expected a non-negative integer, got {bad!r}" in caplog.text
+
+
+def test_local_rank_and_rank_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for strict in (False, True):
+        assert local_rank_from_env({}, strict=strict) is None
+        assert local_rank_from_env({"LOCAL_RANK": " "}, strict=strict) is None
+        assert local_rank_from_env({"LOCAL_RANK": " 3 "}, strict=strict) == 3
+        assert local_rank_from_env({"LOCAL_RANK": "0"}, strict=strict) == 0
+    # The process environment by default; the labels' reader falls back to local rank 0.
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert local_rank_from_env() == 5 == local_identity()[1]
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    assert local_identity()[1] == 0
+    assert rank_from_env({}) is None
+    assert rank_from_env({"RANK": "12"}) == 12
+    for bad in ("x", "-1", "1e3"):
+        with pytest.raises(
+            ValueError, match=rf"RANK: expected a non-negative integer, got '{bad}'"
+        ):
+            rank_from_env({"RANK": bad})

@@ -6,8 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
+
+from rankwatch.exporter.cli.demo_plan import SCENARIOS
 from rankwatch.exporter.cli.main import build_parser, format_value
-from rankwatch.exporter.cli.demo import SCENARIOS
 from rankwatch.exporter.config import all_env_variables
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"

@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+
 from rankwatch.diagnosis.deepep.normal import NormalSimulator, snapshot_counters
 from rankwatch.diagnosis.deepep.normal.schema import (
     COMBINE_BUNDLE,

@@ -22,12 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from rankwatch.diagnosis.deepep.artifact import load_window_artifact
 from rankwatch.diagnosis.deepep.log_lines import parse_log_line
 from rankwatch.diagnosis.deepep.normal import NormalSimulator, NormalWindow, snapshot_counters
 from rankwatch.diagnosis.deepep.normal.schema import COMBINE_BUNDLE, DISPATCH_BUNDLE, counter_slots
 from rankwatch.diagnosis.report import WindowReport
-
 from tests.servers import free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -620,3 +620,106 @@ def test_bad_settings_and_arguments_fail_on_every_rank(tmp_path: Path) -> None:
     assert (
         "not a member" in results[2]["non_member"] and "global rank 2" in results[2]["non_member"]
     )
+
+
+def _explicit_config(rank: int, world: int) -> dict[str, Any]:
+    """``create_from_env(config=...)``: every setting comes from the one object passed in."""
+    from rankwatch import exporter
+    from rankwatch.diagnosis.config import DiagnosisConfig, LowLatencyConfig, NormalConfig
+    from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig
+    from rankwatch.exporter.deepep.diagnose import Diagnose
+
+    group = dist.group.WORLD
+    out: dict[str, Any] = {}
+    config = RankwatchConfig.from_env(
+        {},
+        run_id="explicit-run",
+        node_name_env="RW_TEST_NODE",
+        deepep=DeepEPConfig(enable=True, async_mode=False, sync_step=2),
+        diagnosis=DiagnosisConfig(
+            normal=NormalConfig(notify_ratio=0.4, axis_slowdown=1.6),
+            low_latency=LowLatencyConfig(thres_col=4.5),
+        ),
+    )
+    # The environment disagrees on every setting, one of them invalid: none of it is read. It
+    # still holds the node name, in the variable the object names.
+    env = {
+        "DEEPEP_DIAGNOSE_ENABLE": "0",
+        "DEEPEP_DIAGNOSE_SYNC_STEP": "9",
+        "DEEPEP_DIAGNOSE_NOTIFY_RATIO": "0.9",
+        "DEEPEP_DIAGNOSE_THRESHOLD_COL": "-1",
+        "RANKWATCH_NODE_NAME_ENV": "NOT_THIS_ONE",
+        "RANKWATCH_RUN_ID": "env-run",
+        "RW_TEST_NODE": f"Node-{rank}",
+    }
+    pub = Collect()
+    diag = _create(group, env, config=config, enable_normal_diagnose=True, publishers=[pub])
+    out["deepep"] = diag.config
+    out["normal_config"] = diag.normal_config
+    out["low_latency_config"] = diag.low_latency_config
+    out["sync_step"] = diag.sync_step
+    out["async"] = diag.enable_async
+    out["layout"] = (diag.ranks_per_node, [(i.rank, i.hostname, i.local_rank) for i in diag.ranks])
+    diag.start()
+    sim = NormalSimulator(ep_size=world, ranks_per_node=world, seed=3, slow_rank=1)
+    write_normal(diag, sim.window("baseline", 0), dist.get_rank(group))
+    for _ in range(2):  # sync_step = 2 from the object (the environment says 9)
+        diag.diagnose_normal_sync()
+    diag.stop()
+    out["runs"] = [r.run for r in pub.reports]
+
+    # Bad config arguments fail on every rank: the rank that passed one names the argument, the
+    # others name that rank.
+    def create(config: Any) -> Any:
+        return _create(group, BASE_ENV, config=config, enable_normal_diagnose=True)
+
+    out["bad_type"] = _expect_error(lambda: create({"deepep": config.deepep}), TypeError)
+    out["bad_on_one"] = _expect_error(
+        lambda: create(config if rank == 0 else config.deepep),
+        ValueError if rank == 0 else TypeError,
+    )
+    # Objects that disagree across the group are refused like environments that do.
+    other = RankwatchConfig.from_env({}, deepep=DeepEPConfig(enable=True, sync_step=2 + rank))
+    out["mixed"] = _expect_error(lambda: create(other), ValueError)
+
+    # The issue's use: the RankWatch that init() returned shares its one object with DeepEP.
+    rw = exporter.init(
+        metrics_enabled=False,
+        otlp_enabled=False,
+        deepep=DeepEPConfig(enable=True, async_mode=False, sync_step=5),
+    )
+    try:
+        shared = Diagnose.create_from_env(group, config=rw.config)
+        assert shared is not None
+        out["shared"] = shared.config is rw.config.deepep and shared.sync_step == 5
+        out["shared_thresholds"] = shared.normal_config is rw.config.diagnosis.normal
+        shared.stop()
+    finally:
+        rw.close(10.0)
+    return out
+
+
+def test_explicit_config_is_the_only_source_of_settings(tmp_path: Path) -> None:
+    from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
+    from rankwatch.exporter.config import DeepEPConfig
+
+    results = run_world(_explicit_config, 2, tmp_path)
+    for rank, out in enumerate(results):
+        assert out["deepep"] == DeepEPConfig(enable=True, async_mode=False, sync_step=2)
+        assert out["normal_config"] == NormalConfig(notify_ratio=0.4, axis_slowdown=1.6)
+        assert out["low_latency_config"] == LowLatencyConfig(thres_col=4.5)
+        assert out["sync_step"] == 2 and out["async"] is False
+        # Hostnames from the variable the object names: one rank per node, local rank 0 each.
+        assert out["layout"] == (1, [(0, "node-0", 0), (1, "node-1", 0)])
+        assert out["runs"] == (["explicit-run"] if rank == 0 else [])
+        assert "config: expected a RankwatchConfig" in out["bad_type"]
+        assert "dict" in out["bad_type"]
+        if rank == 0:
+            assert "global rank 1" in out["bad_on_one"]
+            assert "config: expected a RankwatchConfig" in out["bad_on_one"]
+        else:
+            assert "config: expected a RankwatchConfig" in out["bad_on_one"]
+            assert "DeepEPConfig" in out["bad_on_one"]
+        assert "DEEPEP_DIAGNOSE_SYNC_STEP differs" in out["mixed"]
+        assert "2 on global ranks [0]" in out["mixed"] and "3 on global ranks [1]" in out["mixed"]
+        assert out["shared"] is True and out["shared_thresholds"] is True

@@ -264,7 +264,7 @@ VALIDATION_DIAGNOSES: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {
 
 def test_deepep_phases_show_the_validation_diagnoses_at_ep16(demo_run: DemoRun) -> None:
     from rankwatch.diagnosis.deepep.artifact import load_window_artifact
-    from rankwatch.exporter.cli.demo import DEEPEP_PHASES
+    from rankwatch.exporter.cli.demo_plan import DEEPEP_PHASES
 
     run = _summary(demo_run)["run"]
     assert run["deepep_group"]["simulated"] is True

@@ -8,33 +8,31 @@ import math
 from pathlib import Path
 
 import pytest
+from rich.console import Console
+
 from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
 from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
 from rankwatch.diagnosis.report import RankInfo, WindowReport
-from rankwatch.diagnosis.step_time.rules import StepTimeReport, diagnose_means
-from rankwatch.exporter.cli.demo import (
+from rankwatch.diagnosis.step_time import StepTimeReport, diagnose_means
+from rankwatch.exporter.cli.demo_plan import (
     DEEPEP_PHASES,
     DemoOptions,
     Segment,
-    SimulatedDeepEP,
     Timeline,
     deepep_phase_at,
     parse_timeline,
     scenario_timeline,
 )
+from rankwatch.exporter.cli.demo_rank import SimulatedDeepEP
 from rankwatch.exporter.cli.live_table import LiveView, Progress
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.publish.summary import (
-    RunRecorder,
+from rankwatch.exporter.publish.recorder import RunRecorder, summary_text, write_summary
+from rankwatch.exporter.publish.verdicts import (
     describe_step,
     incident_label,
     normal_verdict,
     step_verdict,
-    summary_text,
-    write_summary,
 )
-from rich.console import Console
-
 from tests.test_deepep_gloo import Collect
 
 # --- timelines -------------------------------------------------------------------------------

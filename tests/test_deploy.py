@@ -27,8 +27,8 @@ import kubernetes_validate
 import pytest
 import yaml
 from cloudcoil.models.prometheus_operator.v1 import PodMonitor, PrometheusRule
-from rankwatch.exporter.config import RankwatchConfig
 
+from rankwatch.exporter.config import RankwatchConfig
 from tests.servers import REPO, require_binary
 
 COMPOSE_DIR = REPO / "deploy" / "compose"

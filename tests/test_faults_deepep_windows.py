@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
 from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
 from rankwatch.diagnosis.deepep.normal.window import (

@@ -27,12 +27,12 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
 from rankwatch.exporter.publish.otlp import EVENTS_PER_TURN, MAX_PENDING_EVENTS
 from rankwatch.exporter.step_time.rank_watch import RankWatch
-
 from tests.otlp_receiver import HttpReceiver
 from tests.publish_reports import step_report, window
 from tests.servers import free_port, http_get, wait_until

@@ -123,6 +123,7 @@ def scenario_kill_and_freeze(
     """World 4, async windows every 0.25 s: the parent SIGKILLs rank 3, then freezes rank 2
     for 3 s with SIGSTOP and lets it go with SIGCONT."""
     import torch.distributed as dist
+
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     rec = Recorder()
@@ -142,6 +143,7 @@ def scenario_deepep(rank: int, world: int, out: str, extra: dict, result: dict[s
     for 1.5 s (shorter than the gather timeout), later killed."""
     import torch
     import torch.distributed as dist
+
     from rankwatch.diagnosis.deepep.normal.schema import (
         COMBINE_BUNDLE,
         DISPATCH_BUNDLE,
@@ -224,6 +226,7 @@ def scenario_root_restart(
     trains on, then closes. ``phase`` 2 (a new world, same metrics port): the RankWatch is
     closed and created again halfway, as after an in-job restart of the monitoring."""
     import torch.distributed as dist
+
     from rankwatch.exporter.publish.hub import PublisherHub
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 

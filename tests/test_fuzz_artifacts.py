@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rankwatch.diagnosis.deepep.artifact import (
     MAX_JSON_CHARS,
     MAX_MEMBERS,

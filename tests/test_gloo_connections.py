@@ -37,12 +37,9 @@ def _lazy_transport(
     """Join the job (then call ``on_joined``), then rankwatch's lazily connected group:
     ``(layout, transport)``."""
     import torch.distributed as dist
-    from rankwatch.exporter.step_time.collector import (
-        GroupLayout,
-        Transport,
-        create_gloo_group,
-        dedicated_store,
-    )
+
+    from rankwatch.exporter.gloo import create_gloo_group, dedicated_store
+    from rankwatch.exporter.step_time.transport import GroupLayout, Transport
 
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
@@ -58,8 +55,9 @@ def _lazy_transport(
 def _send_one(transport: Any, rank: int) -> None:
     """Ship one message of three rows to the root."""
     import numpy as np
+
     from rankwatch.diagnosis.step_time.table import ROW_WIDTH
-    from rankwatch.exporter.step_time.collector import FLAG_END_OF_ROUND, encode_message
+    from rankwatch.exporter.step_time.messages import FLAG_END_OF_ROUND, encode_message
 
     rows = np.zeros((3, ROW_WIDTH))
     rows[:, 0] = (0, 1, 2)
@@ -131,6 +129,7 @@ def test_a_rank_opens_one_monitoring_connection_not_a_mesh(tmp_path: Path) -> No
 def _rankwatch_rank(rank: int, world: int, port: int, out: str) -> None:
     try:
         import torch.distributed as dist
+
         from rankwatch.exporter.config import RankwatchConfig
         from rankwatch.exporter.step_time.rank_watch import RankWatch
 

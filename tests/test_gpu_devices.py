@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from rankwatch.diagnosis.step_time.rules import SIGNALS
+
+from rankwatch.diagnosis.step_time import SIGNALS
 from rankwatch.exporter.step_time.gpu_events import EventPool, GpuTimeline
 from rankwatch.exporter.step_time.hooks import model_device
 from rankwatch.exporter.step_time.timer import BACKWARD, FORWARD, PHASES, StepTimer

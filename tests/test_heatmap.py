@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from matplotlib.image import imread
+
 from rankwatch.diagnosis.deepep.artifact import ArtifactError, save_window_artifact
 from rankwatch.diagnosis.deepep.normal import (
     SIMULATOR_PHASES,

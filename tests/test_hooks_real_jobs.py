@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from rankwatch.diagnosis.step_time.rules import SIGNALS
+
+from rankwatch.diagnosis.step_time import SIGNALS
 from rankwatch.diagnosis.step_time.table import BASE_WIDTH
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.step_time.hooks import OPTIMIZER_SILENT_BATCHES, move_to_device

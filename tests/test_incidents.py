@@ -1,4 +1,4 @@
-"""Incidents: k-of-n opening, m-clean closing, identities, events (``exporter/publish/incidents.py``)."""
+"""Incidents: k-of-n opening, m-clean closing, identities, events (``publish/incidents.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.events import (
     event_attributes,
@@ -19,7 +20,6 @@ from rankwatch.exporter.publish.incidents import (
     IncidentTracker,
     signals_from_report,
 )
-
 from tests.publish_reports import normal_reports, step_report, window
 
 

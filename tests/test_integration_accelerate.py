@@ -30,6 +30,7 @@ pytestmark = pytest.mark.multiproc
 def scenario_accelerate(rank: int, world: int, out: str) -> dict[str, Any]:
     import torch
     from accelerate import Accelerator
+
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.integrations import unwrap_optimizer
     from rankwatch.exporter.step_time.rank_watch import RankWatch

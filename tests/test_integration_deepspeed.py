@@ -33,6 +33,7 @@ def scenario_deepspeed(rank: int, world: int, out: str) -> dict[str, Any]:
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
     import torch
+
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.integrations import unwrap_optimizer
     from rankwatch.exporter.step_time.rank_watch import RankWatch

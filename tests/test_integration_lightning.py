@@ -53,6 +53,7 @@ def make_module() -> Any:
 def scenario_lightning(rank: int, world: int, out: str) -> dict[str, Any]:
     """Fit with DDP and the callback; the root records every window report."""
     import lightning.pytorch as lp
+
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.integrations.lightning import RankwatchCallback
     from rankwatch.exporter.step_time.rank_watch import RankWatch

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rankwatch.diagnosis.step_time.table import column
 
+from rankwatch.diagnosis.step_time.table import column
 from tests.framework_world import (
     SLEEP_S,
     SLOW_RANK,
@@ -113,8 +113,9 @@ def train_with_callback(rank: int, world: int, out: str, **extra: Any) -> dict[s
     """Train under ``Trainer`` with the callback as a user writes it: ``init()`` with overrides
     and an ``on_incident`` function (the root records the incident events)."""
     import torch.distributed as dist
-    from rankwatch.exporter.integrations.transformers import RankwatchCallback
     from transformers import Trainer
+
+    from rankwatch.exporter.integrations.transformers import RankwatchCallback
 
     args = training_args(out, STEPS, **extra)
     events: list[dict[str, Any]] = []
@@ -201,8 +202,9 @@ def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
 
 
 def test_attach_adds_the_callback_once_and_refuses_what_is_not_a_trainer(tmp_path: Path) -> None:
-    from rankwatch.exporter.integrations.transformers import RankwatchCallback
     from transformers import Trainer
+
+    from rankwatch.exporter.integrations.transformers import RankwatchCallback
 
     callback = RankwatchCallback()
     with pytest.raises(TypeError, match=r"field trainer: expected a transformers\.Trainer"):

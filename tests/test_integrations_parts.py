@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.integrations import unwrap_optimizer, watch_loader_in_place
 from rankwatch.exporter.publish.hub import PublisherHub
@@ -75,7 +76,6 @@ def test_hub_calls_on_incident_with_each_event_and_survives_its_errors(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from rankwatch.exporter.publish.incidents import IncidentEvent
-
     from tests.publish_reports import step_window
 
     with pytest.raises(TypeError, match="on_incident"):
@@ -122,8 +122,8 @@ def test_lightning_callback_makes_one_row_per_optimizer_step_when_accumulating(
     tmp_path: Any,
 ) -> None:
     import lightning.pytorch as lp
-    from rankwatch.exporter.integrations.lightning import RankwatchCallback
 
+    from rankwatch.exporter.integrations.lightning import RankwatchCallback
     from tests.framework_world import pairs_loader
     from tests.test_integration_lightning import make_module
 
@@ -152,9 +152,9 @@ def test_lightning_callback_makes_one_row_per_optimizer_step_when_accumulating(
 def test_trainer_callback_makes_one_row_per_optimizer_step_when_accumulating(
     tmp_path: Any,
 ) -> None:
-    from rankwatch.exporter.integrations.transformers import RankwatchCallback
     from transformers import Trainer
 
+    from rankwatch.exporter.integrations.transformers import RankwatchCallback
     from tests.test_integration_transformers import (
         SlowCollator,
         TokenDataset,

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
 from rankwatch.diagnosis.config import LowLatencyConfig
 from rankwatch.diagnosis.deepep.low_latency import (
     DENOMINATOR_EPSILON,

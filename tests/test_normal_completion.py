@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from rankwatch.diagnosis.config import NormalConfig
 from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
 from rankwatch.diagnosis.deepep.normal.completion import cost_per_sample, diagnose_completion

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from rankwatch.diagnosis.deepep.normal import Anomaly, NormalDiagnoser, ProbeResult
 from rankwatch.diagnosis.deepep.normal.correlate import correlate
 

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+
 from rankwatch.diagnosis.deepep.log_lines import (
     NormalLogLine,
     invalid_window_line,
@@ -14,7 +15,6 @@ from rankwatch.diagnosis.deepep.log_lines import (
 )
 from rankwatch.diagnosis.deepep.normal.report import NormalReport, ProbeResult
 from rankwatch.diagnosis.deepep.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES, PROBES
-
 from tests.test_artifacts import _report, _window
 
 

@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+
 from rankwatch.diagnosis.deepep.normal import NormalDiagnoser, NormalSimulator, NormalWindow
 
 DF, RD, CB = "dispatch_final", "dispatch_rdma_recv", "combine_logical_recv"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+
 from rankwatch.diagnosis.deepep.normal import COMPLETION_PROBES, NOTIFY_PROBES, NormalWindow
 
 SAMPLES = 64.0

@@ -7,6 +7,7 @@ Every window comes from the simulator with its default 2 % lognormal per-window 
 from __future__ import annotations
 
 import numpy as np
+
 from rankwatch.diagnosis.config import NormalConfig
 from rankwatch.diagnosis.deepep.normal import NormalDiagnoser, NormalSimulator
 from rankwatch.diagnosis.deepep.normal.completion import diagnose_completion
@@ -155,7 +156,7 @@ def test_6_one_node_late_rank_before_dispatch_is_a_pre_stage_skew():
 
 def test_hot_expert_is_said_to_be_a_hot_spot_in_the_summary():
     """A hot expert is localized on its rank, with load context, and the summary says so."""
-    from rankwatch.exporter.publish.summary import normal_verdict
+    from rankwatch.exporter.publish.verdicts import normal_verdict
 
     sim, d = _bootstrapped(seed=4, hot_rank=10)
     report = d.diagnose(sim.window("hot_expert"))

@@ -27,6 +27,7 @@ COMPUTE_S = 0.005
 def scenario_react(rank: int, world: int, out: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
+
     from rankwatch.exporter import init
     from rankwatch.exporter.publish.incidents import IncidentEvent
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+import rankwatch
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.identity import build_labels, k8s_attributes
 from rankwatch.exporter.publish.catalogue import CATALOGUE
@@ -33,8 +35,6 @@ from rankwatch.exporter.publish.otlp import (
     otel_resource,
     otlp_settings,
 )
-
-import rankwatch
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver
 from tests.publish_reports import (
     T0,

@@ -17,6 +17,7 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from prometheus_client.registry import CollectorRegistry
+
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
 from rankwatch.exporter.publish.prometheus import (
@@ -26,7 +27,6 @@ from rankwatch.exporter.publish.prometheus import (
     start_metrics_server,
 )
 from rankwatch.exporter.publish.samples import Sample
-
 from tests.publish_reports import T0, full_report, rank_infos, step_report, window
 from tests.servers import free_port, prom_query, prometheus, self_signed_cert, wait_until
 

@@ -9,7 +9,6 @@ import time
 
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
-
 from tests.publish_reports import full_report
 
 SCRAPERS = 50

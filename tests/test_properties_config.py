@@ -2,7 +2,8 @@
 variable (or its field); a loaded config always holds values its own validation accepts.
 
 Covers ``DiagnosisConfig.from_env``, ``RankwatchConfig.from_env`` (environment and keyword
-overrides) and ``DeepEPConfig.from_env``, over every variable they read, with the kinds of text
+overrides; its nested ``deepep`` and ``diagnosis`` objects included) and
+``DeepEPConfig.from_env``, over every variable they read, with the kinds of text
 people put in environment variables (spaces, signs, exponents, underscores, other digit scripts,
 ``nan``/``inf``, very long numbers, control characters).
 """
@@ -15,28 +16,26 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankwatch.diagnosis.config import (
-    DiagnosisConfig,
-    LowLatencyConfig,
-    NormalConfig,
-    StepTimeConfig,
-    env_variables,
-    validate_options,
+
+from rankwatch.diagnosis.config import DiagnosisConfig, declared_options, validate_options
+from rankwatch.exporter.config import (
+    DeepEPConfig,
+    RankwatchConfig,
+    all_env_variables,
+    config_options,
 )
-from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig, all_env_variables
 
 VARIABLES = all_env_variables()  # {env name: (Class.field, default)}
+# Each loader with the variables it reads, found by walking the object it builds.
 LOADERS = {
-    "diagnosis": (
-        DiagnosisConfig.from_env,
-        env_variables(StepTimeConfig, NormalConfig, LowLatencyConfig),
-    ),
-    "exporter": (
-        RankwatchConfig.from_env,
-        env_variables(RankwatchConfig, StepTimeConfig, NormalConfig, LowLatencyConfig),
-    ),
-    "deepep": (DeepEPConfig.from_env, env_variables(DeepEPConfig)),
+    name: (cls.from_env, {o.env for o in declared_options(cls)})
+    for name, cls in (
+        ("diagnosis", DiagnosisConfig),
+        ("exporter", RankwatchConfig),
+        ("deepep", DeepEPConfig),
+    )
 }
+OPTIONS = {o.env: o for o in config_options()}
 
 number_like = st.one_of(
     st.integers(-(10**6), 10**6).map(str),
@@ -127,26 +126,15 @@ def test_any_environment_gives_a_valid_config_or_names_the_variable(loader: str,
     raw=env_values,
 )
 def test_every_variable_alone_loads_or_is_refused_by_name(name: str, raw: str) -> None:
-    """One variable at a time, through the loader that owns it; a value that loads is the
-    value the loader parsed (no silent default)."""
-    owner = VARIABLES[name][0].split(".", 1)[0]
-    load = DeepEPConfig.from_env if owner == "DeepEPConfig" else RankwatchConfig.from_env
+    """One variable at a time, through the one object that holds every option; a value that
+    loads is the value the loader parsed (no silent default)."""
     try:
-        config = load({name: raw})
+        config = RankwatchConfig.from_env({name: raw})
     except Exception as exc:
         names_variable(exc, {name})
         return
     check_valid(config)
-    field_name = VARIABLES[name][0].split(".", 1)[1]
-    holder: Any = config
-    if owner in ("StepTimeConfig", "NormalConfig", "LowLatencyConfig"):
-        part = {
-            "StepTimeConfig": "step_time",
-            "NormalConfig": "normal",
-            "LowLatencyConfig": "low_latency",
-        }
-        holder = getattr(config.diagnosis, part[owner])
-    value = getattr(holder, field_name)
+    value = OPTIONS[name].value_in(config)
     if isinstance(value, bool):
         assert raw.strip().lower() in ("1", "0", "true", "false", "on", "off", "yes", "no", "")
     elif isinstance(value, (int, float)):
@@ -186,6 +174,7 @@ def test_any_keyword_overrides_give_a_valid_config_or_name_the_field(
         return
     check_valid(config)
     assert isinstance(config.diagnosis, DiagnosisConfig)
+    assert isinstance(config.deepep, DeepEPConfig)
 
 
 @settings(max_examples=100, deadline=None)

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
 from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
 from rankwatch.diagnosis.deepep.log_lines import (
     invalid_window_line,

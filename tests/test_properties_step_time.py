@@ -18,14 +18,10 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
 from rankwatch.diagnosis.report import RankInfo, WindowReport
+from rankwatch.diagnosis.step_time import SIGNALS, diagnose_arrays, diagnose_means, diagnose_steps
 from rankwatch.diagnosis.step_time.artifact import example_window, load_window, window_from_dict
-from rankwatch.diagnosis.step_time.rules import (
-    SIGNALS,
-    diagnose_arrays,
-    diagnose_means,
-    diagnose_steps,
-)
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.samples import report_samples
 

@@ -6,6 +6,7 @@ import logging
 import time
 
 import pytest
+
 import rankwatch.exporter as exporter
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.exporter.config import RankwatchConfig
@@ -19,7 +20,6 @@ from rankwatch.exporter.publish.hub import (
 )
 from rankwatch.exporter.publish.incidents import IncidentSnapshot
 from rankwatch.exporter.publish.protocol import Publisher
-
 from tests.publish_reports import T0, full_report, rank_infos, step_report, window
 from tests.servers import http_get
 from tests.test_otlp import OTEL_VARS

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families as parse_text
+
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
-
 from tests.publish_reports import full_report, step_report, window
 from tests.servers import free_port, http_get, wait_until
 from tests.test_otlp import OTEL_VARS

@@ -15,11 +15,11 @@ from collections import Counter
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families as parse_text
+
 from rankwatch.diagnosis.report import RankInfo
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import MAX_GROUPS, PublisherHub
 from rankwatch.exporter.publish.samples import Sample
-
 from tests.publish_reports import (
     T0,
     deepep_window,

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rankwatch.diagnosis.report import RankInfo
-from rankwatch.diagnosis.step_time.rules import diagnose_means
+from rankwatch.diagnosis.step_time import diagnose_means
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.identity import current_gpu, gpu_labels
 from rankwatch.exporter.publish.catalogue import CATALOGUE, COMMON_LABELS, by_name
@@ -23,7 +24,6 @@ from rankwatch.exporter.publish.samples import (
     report_samples,
     state_samples,
 )
-
 from tests.publish_reports import (
     BALANCED_MS,
     T0,

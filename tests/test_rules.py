@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import yaml
-from rankwatch.exporter.publish.catalogue import CATALOGUE, COMMON_LABELS
 
+from rankwatch.exporter.publish.catalogue import CATALOGUE, COMMON_LABELS
 from tests.servers import REPO, alertmanager, http_get, http_post, require_binary, wait_until
 from tests.test_dashboards import generator
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rankwatch.diagnosis.deepep.artifact import (
     ARTIFACT_PREFIX,
     ArtifactStore,

@@ -22,10 +22,10 @@ from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as parse_openmetrics,
 )
 from prometheus_client.parser import text_string_to_metric_families as parse_text
+
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
 from rankwatch.exporter.publish.prometheus import start_metrics_server
-
 from tests.publish_reports import rank_infos, step_report, window
 from tests.servers import self_signed_cert
 

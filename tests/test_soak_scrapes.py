@@ -39,6 +39,7 @@ def _job(rank: int, world: int, port: int, metrics_port: int, out: str) -> None:
     try:
         import torch
         import torch.distributed as dist
+
         from rankwatch.diagnosis.config import DiagnosisConfig, StepTimeConfig
         from rankwatch.exporter.config import RankwatchConfig
         from rankwatch.exporter.publish.hub import PublisherHub

@@ -22,11 +22,12 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
 from rankwatch.diagnosis.deepep.artifact import ArtifactStore
 from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
 from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
 from rankwatch.diagnosis.report import RankInfo, WindowReport
-from rankwatch.diagnosis.step_time.rules import diagnose_means
+from rankwatch.diagnosis.step_time import diagnose_means
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
 from rankwatch.exporter.publish.prometheus import RankwatchCollector

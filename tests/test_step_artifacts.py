@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time.artifact import diagnose_file, load_window
 from rankwatch.exporter.config import RankwatchConfig

@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from rankwatch.diagnosis.config import StepTimeConfig
+from rankwatch.diagnosis.step_time import diagnose_arrays, diagnose_window
 from rankwatch.diagnosis.step_time.artifact import example_window
 from rankwatch.diagnosis.step_time.blocks import StepBlocks, every_step_keys
-from rankwatch.diagnosis.step_time.rules import diagnose_arrays, diagnose_window
 from rankwatch.diagnosis.step_time.table import (
     BASE_WIDTH,
     EXTRA_COLUMNS,
@@ -20,13 +21,9 @@ from rankwatch.diagnosis.step_time.table import (
     reduce_window,
 )
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.step_time.collector import (
-    GroupLayout,
-    WindowCollector,
-    root_tail_rows,
-    window_arrays,
-)
+from rankwatch.exporter.step_time.collector import WindowCollector, root_tail_rows, window_arrays
 from rankwatch.exporter.step_time.timer import StepTimer
+from rankwatch.exporter.step_time.transport import GroupLayout
 
 TAIL = 216
 ASYNC_COL = BASE_WIDTH + EXTRA_COLUMNS.index("async_collectives")

@@ -7,8 +7,9 @@ from typing import Any
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from rankwatch.diagnosis.step_time import SIGNALS, diagnose_arrays, diagnose_steps
 from rankwatch.diagnosis.step_time.row_dicts import _rows_table, _strict_rows
-from rankwatch.diagnosis.step_time.rules import SIGNALS, diagnose_arrays, diagnose_steps
 from rankwatch.diagnosis.step_time.table import BASE_WIDTH, ROW_WIDTH
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,8 +14,9 @@ import math
 from typing import Any
 
 import pytest
+
 from rankwatch.diagnosis.config import StepTimeConfig
-from rankwatch.diagnosis.step_time.rules import (
+from rankwatch.diagnosis.step_time import (
     KINDS,
     SIGNALS,
     Finding,

@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from rankwatch.diagnosis.config import StepTimeConfig
+from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays
 from rankwatch.diagnosis.step_time.artifact import (
     FORMAT,
     VERSION,
@@ -22,7 +24,6 @@ from rankwatch.diagnosis.step_time.artifact import (
     window_from_dict,
     window_to_dict,
 )
-from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, diagnose_arrays
 from rankwatch.diagnosis.step_time.table import column
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from rankwatch.diagnosis.step_time.rules import (
+
+from rankwatch.diagnosis.step_time import (
     KINDS,
     SIGNALS,
     STATUS_KINDS,

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, diagnose_arrays, diagnose_means
+
+from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays, diagnose_means
 from rankwatch.diagnosis.step_time.table import BASE_WIDTH, EXTRA_COLUMNS, column
 
 Means = dict[str, float | None]

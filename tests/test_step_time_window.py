@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from rankwatch.diagnosis.config import StepTimeConfig
-from rankwatch.diagnosis.step_time.rules import (
+from rankwatch.diagnosis.step_time import (
     ROW_WIDTH,
     SIGNALS,
     diagnose_arrays,

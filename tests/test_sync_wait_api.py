@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
+
 from rankwatch.diagnosis.step_time.table import column
 from rankwatch.exporter.step_time.rank_watch import RankWatch
 from rankwatch.exporter.step_time.timer import StepTimer
-
 from tests.test_timer import rows_of, single_config
 
 FWD, BWD = column("cpu", "forward"), column("cpu", "backward")

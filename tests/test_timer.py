@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from rankwatch.diagnosis.report import WindowReport
-from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, SIGNALS
+from rankwatch.diagnosis.step_time import ROW_WIDTH, SIGNALS
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.step_time.gpu_events import EventPool, GpuTimeline
 from rankwatch.exporter.step_time.hooks import WatchedLoader, detect_strategy, move_to_device

@@ -6,19 +6,20 @@ import math
 
 import numpy as np
 import pytest
-from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, diagnose_arrays
-from rankwatch.exporter.step_time.collector import (
+
+from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays
+from rankwatch.exporter.identity import local_identity
+from rankwatch.exporter.step_time.collector import window_arrays
+from rankwatch.exporter.step_time.messages import (
     CHUNK_ROWS,
     FLAG_END_OF_ROUND,
     FLAG_FINAL,
-    GroupLayout,
     RowBuffer,
     decode_message,
     encode_message,
-    local_identity,
     message_buffer,
-    window_arrays,
 )
+from rankwatch.exporter.step_time.transport import GroupLayout
 
 
 def rows(first: int, n: int, value: float = 1.0) -> np.ndarray:

@@ -158,6 +158,7 @@ BULK_STEPS = 1300  # more than two messages' worth of rows
 def scenario_kinds(rank: int, world: int, result: dict[str, Any]) -> None:
     """DDP, watch(), sync mode: warm-up, then an input, a compute and an H2D straggler."""
     import torch
+
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     phases = ["warmup", "input", "compute", "h2d"]
@@ -197,6 +198,7 @@ def scenario_kinds(rank: int, world: int, result: dict[str, Any]) -> None:
 def scenario_equivalence(rank: int, world: int, result: dict[str, Any]) -> None:
     """Explicit API vs watch() on the same DDP model; then FSDP detection."""
     import torch
+
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     # Bad groups fail before any collective call, naming the field and the value.
@@ -278,6 +280,7 @@ def scenario_world4(rank: int, world: int, result: dict[str, Any]) -> None:
     Part 2: the whole world, async, explicit API, rank 2 killed and rank 3 stalled mid-run."""
     import torch
     import torch.distributed as dist
+
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     # ---- part 1
@@ -457,7 +460,7 @@ def test_watch_gives_the_explicit_rows_and_detects_ddp_and_fsdp(tmp_path: Path) 
         assert len(summaries) == 1, key
         st = summaries[0]["step_time"]
         assert st["strategy"] == strategy and st["step_range"] == [0, 7], (key, st)
-    from rankwatch.exporter.step_time.collector import CHUNK_ROWS
+    from rankwatch.exporter.step_time.messages import CHUNK_ROWS
 
     assert BULK_STEPS > 2 * CHUNK_ROWS
     (bulk,) = res[0]["bulk_reports"]  # no round before close: only the summary

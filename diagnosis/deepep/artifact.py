@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+
 from rankwatch.diagnosis.deepep.normal.notify import notify_ratios
 from rankwatch.diagnosis.deepep.normal.report import NormalReport, json_ready
 from rankwatch.diagnosis.deepep.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES, PROBES
 from rankwatch.diagnosis.deepep.normal.window import NormalWindow
+from rankwatch.diagnosis.retention import files_oldest_first, prune_oldest
 
 __all__ = [
     "ARTIFACT_KIND",
@@ -565,21 +567,7 @@ class ArtifactStore:
 
     def paths(self) -> list[Path]:
         """The artifacts in the folder, oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found: list[tuple[int, str, Path]] = []
-        for entry in os.scandir(self.directory):
-            if (
-                entry.name.startswith(ARTIFACT_PREFIX)
-                and entry.name.endswith(".npz")
-                and entry.is_file(follow_symlinks=False)
-            ):
-                try:
-                    found.append((entry.stat().st_mtime_ns, entry.name, Path(entry.path)))
-                except FileNotFoundError:  # removed meanwhile by someone else
-                    continue
-        found.sort()
-        return [p for _, _, p in found]
+        return files_oldest_first(self.directory, ARTIFACT_PREFIX, ".npz")
 
     def prune(self) -> list[Path]:
         """Delete the oldest artifacts beyond the retention; return what was deleted."""
@@ -587,8 +575,4 @@ class ArtifactStore:
             return self._prune()
 
     def _prune(self) -> list[Path]:
-        existing = self.paths()
-        doomed = existing[: max(0, len(existing) - self.retention)]
-        for path in doomed:
-            path.unlink(missing_ok=True)
-        return doomed
+        return prune_oldest(self.directory, ARTIFACT_PREFIX, ".npz", self.retention)

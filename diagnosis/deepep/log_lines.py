@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from rankwatch.diagnosis.deepep.normal.report import Anomaly, NormalReport, ProbeResult
 from rankwatch.diagnosis.deepep.normal.schema import NOTIFY_PROBES, PROBES
 from rankwatch.diagnosis.deepep.normal.window import NormalWindow

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+
 from rankwatch.diagnosis.config import LowLatencyConfig
 
 __all__ = [

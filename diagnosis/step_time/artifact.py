@@ -1,6 +1,6 @@
 """Step-time windows saved as versioned JSON, so a window can be diagnosed again offline.
 
-An artifact holds exactly what :func:`~.step_time.diagnose_arrays` needs (the per-rank rows,
+An artifact holds exactly what :func:`~.rules.diagnose_arrays` needs (the per-rank rows,
 the strategy, the window size and the thresholds in force) plus free-form metadata and,
 optionally, the report given live. Replaying it gives the same report: the diagnosis is pure.
 
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from rankwatch.diagnosis.config import StepTimeConfig
 from rankwatch.diagnosis.step_time.rules import StepTimeReport, diagnose_arrays, normalize_strategy
 from rankwatch.diagnosis.step_time.table import (
@@ -77,7 +78,7 @@ _TOP_KEYS = frozenset(
     ("format", "version", "strategy", "window", "ranks", "config", "meta", "report")
 )
 # Per rank: the step ids, each clock's signals (the CPU clock also carries the sync waits),
-# and the async-collectives flag (rankwatch's extension of the row layout, see step_window).
+# and the async-collectives flag (rankwatch's extension of the row layout, see table).
 _ASYNC = EXTRA_COLUMNS[-1]
 _ASYNC_COL = ROW_WIDTH - 1
 _CLOCK_SIGNALS = {"cpu": (*SIGNALS, *SYNC_SIGNALS), "gpu": SIGNALS}

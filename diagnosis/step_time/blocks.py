@@ -8,15 +8,15 @@ need every row of a 10,000-step summary: it keeps, per rank,
 * for older steps, one *block* per ``block_steps`` consecutive step ids (step id //
   ``block_steps``): for each clock the sums of the window means' keys over the block's steps
   (the per-step clamped residual is summed per step, so it stays exact), which keys were
-  measured on every step / on any step (the rules of :mod:`.step_window`), whether every step
+  measured on every step / on any step (the rules of :mod:`.table`), whether every step
   could be read on the GPU clock, and which step ids of the block the rank sent (a bitmask).
 
 Memory is ``ranks x (tail_rows + summary_window / block_steps)`` small records instead of
-``ranks x buffered steps`` rows. Everything is derived from :mod:`.step_window` (its columns,
+``ranks x buffered steps`` rows. Everything is derived from :mod:`.table` (its columns,
 its per-step reduction and its clock rule), so columns added there are carried here unchanged.
 
-Exactness. :meth:`StepBlocks.reduce` returns the same :class:`~.step_window.WindowMeans` as
-:func:`~.step_window.reduce_window` on the full rows (up to floating-point summation order)
+Exactness. :meth:`StepBlocks.reduce` returns the same :class:`~.table.WindowMeans` as
+:func:`~.table.reduce_window` on the full rows (up to floating-point summation order)
 when the window's aligned steps all lie in the kept rows, or when the older part covers whole
 blocks in which every present rank sent the same step ids. Two cases are approximate, and
 :attr:`StepBlocks.approximate` says so: the window start, which is rounded to a whole block
@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from itertools import groupby
 
 import numpy as np
+
 from rankwatch.diagnosis.step_time.table import (
     _ASYNC_COL,
     CLOCKS,
@@ -57,7 +58,7 @@ BLOCK_STEPS = 100  # default step ids per block
 def every_step_keys() -> BoolArray:
     """``[MEAN_KEYS]``: True where a key is measured only when present on *every* step.
 
-    Probed from :func:`~.step_window._reduce_cube` itself (a two-step rank on which one signal
+    Probed from :func:`~.table._reduce_cube` itself (a two-step rank on which one signal
     is absent on the second step), so the rule follows the reduction wherever it changes.
     Derived keys (the residual) depend on every-step keys, so they combine the same way.
     """

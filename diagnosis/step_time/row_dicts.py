@@ -1,4 +1,4 @@
-"""Row dictionaries -> the columnar step-time array (see :mod:`.step_window`).
+"""Row dictionaries -> the columnar step-time array (see :mod:`.table`).
 
 A row is ``{"step_id": int, "cpu": {signal: ms, ...}, "gpu": {signal: ms, ...}}``; a missing
 clock, a missing signal or ``None`` means absent. Reading a hundred thousand such dictionaries
@@ -20,6 +20,7 @@ from operator import itemgetter
 from typing import Any, cast
 
 import numpy as np
+
 from rankwatch.diagnosis.step_time.table import (
     BASE_WIDTH,
     CLOCKS,

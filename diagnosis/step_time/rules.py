@@ -1,6 +1,6 @@
 """Step-time diagnosis: is one rank of a DDP/FSDP job a straggler, which one, why, how sure.
 
-The policy runs on one window of per-rank means on one clock (see :mod:`.step_window` for how
+The policy runs on one window of per-rank means on one clock (see :mod:`.table` for how
 rows become means). In short:
 
 * **Straggler.** Each eligible rank has a *visible* synchronisation phase: ``backward``
@@ -29,9 +29,9 @@ Strategy: ``None`` or ``""`` means ``"ddp"``; ``"ddp"``/``"fsdp"`` (any case) ar
 other string or type is a ``ValueError``. Lenient mapping of advisory runtime metadata
 (where an unrecognised value means DDP) is :func:`strategy_from_metadata`'s job.
 
-Thresholds come from :class:`~.config.StepTimeConfig`. Comparisons with a threshold allow
-``1e-9`` of floating-point slack, so a score that is 0.10 up to rounding of window means counts
-as 0.10.
+Thresholds come from :class:`~rankwatch.diagnosis.config.StepTimeConfig`. Comparisons with a
+threshold allow ``1e-9`` of floating-point slack, so a score that is 0.10 up to rounding of
+window means counts as 0.10.
 """
 
 from __future__ import annotations
@@ -41,13 +41,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
 from rankwatch.diagnosis.config import StepTimeConfig
 from rankwatch.diagnosis.step_time.report import (
     COMPONENTS,
     GPU_TIMING,
-    KINDS,
     RANK_MEAN_KEYS,
-    SEVERITIES,
     STATUS_KINDS,
     STRAGGLER_KINDS,
     UNATTRIBUTED,
@@ -59,7 +58,7 @@ from rankwatch.diagnosis.step_time.report import (
     StepTimeReport,
     StragglerEvidence,
 )
-from rankwatch.diagnosis.step_time.row_dicts import _rows_table, rows_to_array
+from rankwatch.diagnosis.step_time.row_dicts import _rows_table
 from rankwatch.diagnosis.step_time.table import (
     BWD,
     BWW,
@@ -83,25 +82,12 @@ from rankwatch.diagnosis.step_time.table import (
 from rankwatch.diagnosis.vocabulary import SEVERITY_LEVELS
 
 __all__ = [
-    "CLOCKS",
-    "COMPONENTS",
-    "KINDS",
-    "RANK_MEAN_KEYS",
-    "ROW_WIDTH",
-    "SEVERITIES",
-    "SIGNALS",
-    "STATUS_KINDS",
-    "STRAGGLER_KINDS",
     "STRATEGIES",
-    "Finding",
-    "StepTimeReport",
-    "StragglerEvidence",
     "diagnose_arrays",
     "diagnose_means",
     "diagnose_steps",
     "diagnose_window",
     "normalize_strategy",
-    "rows_to_array",
     "strategy_from_metadata",
 ]
 

@@ -9,7 +9,7 @@ clocks (CUDA events and the CPU). One rank's steps travel as a float64 array of
               cpu forward_wait, backward_wait, async_collectives]
 
 NaN means *absent* (the signal was not timed on that step); a measured zero is ``0.0``.
-:func:`.step_rows.rows_to_array` builds that array from row dictionaries (which carry the
+:func:`.row_dicts.rows_to_array` builds that array from row dictionaries (which carry the
 twelve clock columns only; the trailing columns stay absent).
 
 The trailing ``EXTRA_COLUMNS`` are rankwatch's extension of the seed layout, timed by the

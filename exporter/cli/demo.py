@@ -1,166 +1,39 @@
 """The demo job behind ``rankwatch demo``: a small DDP world with scripted stragglers.
 
-The parent process spawns ``ranks`` workers (Gloo on CPU). Every worker trains a tiny model
-under :class:`~rankwatch.exporter.RankWatch`. The DeepEP group is simulated: whatever
-the number of training ranks, the root keeps the cumulative counters of 16 simulated EP ranks
-on two simulated nodes (:class:`SimulatedDeepEP`) and feeds them to the real root pipeline of
-the DeepEP collector (windows, validation, normal-mode diagnosis, log lines, NPZ artifacts), so
-the five DeepEP phases show the diagnoses of the DeepEP validation run. The root (rank 0)
-publishes both engines' windows to ``/metrics``, OTLP (when an endpoint is set), log lines and
-NPZ artifacts, and forwards every report through a channel to the parent, which draws the live
-table, keeps the run's incidents, draws the heatmaps and writes the step-time window files and
-the final summary.
-
-The timeline is owned by the root: at the start of every step it broadcasts which phase the
-world is in and whether to stop, so all ranks agree on both without a shared clock.
+This module is the parent process: it spawns ``ranks`` workers (Gloo on CPU; what each runs
+is :mod:`.demo_rank`, what the run is told is :mod:`.demo_plan`), receives every report the
+root publishes through a channel, draws the live table, keeps the run's incidents, draws the
+heatmaps and writes the step-time window files and the final summary. Every worker trains a
+tiny model under :class:`~rankwatch.exporter.RankWatch`; the root also runs the DeepEP
+collector's real root pipeline on a simulated EP 16 group, and publishes both engines' windows
+to ``/metrics``, OTLP (when an endpoint is set), log lines and NPZ artifacts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import logging
-import math
-import os
 import queue
 import signal
 import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-__all__ = [
-    "DEEPEP_PHASES",
-    "SCENARIOS",
-    "SIM_EP_SIZE",
-    "SIM_LATE_RANK",
-    "SIM_RANKS_PER_NODE",
-    "STEP_PHASES",
-    "DemoOptions",
-    "Segment",
-    "SimulatedDeepEP",
-    "Timeline",
-    "parse_timeline",
-    "preflight",
-    "run_demo",
-    "scenario_timeline",
-]
-
-# What the straggler rank does in each step-time phase.
-STEP_PHASES: dict[str, str] = {
-    "balanced": "every rank does the same work",
-    "input": "the straggler rank sleeps in its data loading",
-    "compute": "the straggler rank's forward pass is slowed",
-}
-# The simulator's five DeepEP normal-mode phases, in the order of the DeepEP validation run.
-DEEPEP_PHASES: tuple[str, ...] = (
-    "baseline",
-    "pre_dispatch_delay",
-    "pre_combine_delay",
-    "all_hca_pressure",
-    "single_hca_pressure",
+from rankwatch.exporter.cli.demo_plan import (
+    DEEPEP_PHASES,
+    SIM_EP_SIZE,
+    SIM_LATE_RANK,
+    SIM_RANKS_PER_NODE,
+    DemoOptions,
 )
-# The simulated DeepEP group, whatever the number of training ranks: EP 16 over two nodes of
-# eight, the layout of the DeepEP validation run, whose rank 9 is the late one.
-SIM_EP_SIZE = 16
-SIM_RANKS_PER_NODE = 8
-SIM_LATE_RANK = 9
-# Named timelines as shares of the duration.
-SCENARIOS: dict[str, tuple[tuple[str, float], ...]] = {
-    "full": (("balanced", 0.2), ("input", 0.3), ("compute", 0.3), ("balanced", 0.2)),
-    "critical-straggler": (("input", 0.6), ("balanced", 0.4)),
-    "balanced": (("balanced", 1.0),),
-}
+from rankwatch.exporter.cli.demo_rank import rank_config, run_worker
 
-
-@dataclass(frozen=True)
-class Segment:
-    """One stretch of the timeline: a step-time phase held for ``seconds``."""
-
-    phase: str
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """The scripted step-time phases in order, plus where each one starts."""
-
-    segments: tuple[Segment, ...]
-
-    def __post_init__(self) -> None:
-        if not self.segments:
-            raise ValueError("timeline: needs at least one segment")
-        for seg in self.segments:
-            if seg.phase not in STEP_PHASES:
-                raise ValueError(
-                    f"timeline: unknown phase {seg.phase!r}, expected one of {list(STEP_PHASES)}"
-                )
-            if not (math.isfinite(seg.seconds) and seg.seconds > 0):
-                raise ValueError(
-                    f"timeline: phase {seg.phase!r} needs a duration > 0 s, got {seg.seconds!r}"
-                )
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(s.seconds for s in self.segments)
-
-    def index_at(self, elapsed_s: float) -> int:
-        """Index of the segment running ``elapsed_s`` seconds in (the last one after the end)."""
-        end = 0.0
-        for i, seg in enumerate(self.segments):
-            end += seg.seconds
-            if elapsed_s < end:
-                return i
-        return len(self.segments) - 1
-
-    def scaled(self, total_seconds: float) -> Timeline:
-        """The same proportions stretched or squeezed to last ``total_seconds``."""
-        factor = total_seconds / self.total_seconds
-        return Timeline(tuple(Segment(s.phase, s.seconds * factor) for s in self.segments))
-
-    def spec(self) -> str:
-        """The timeline written back in ``phase:seconds`` form."""
-        return ",".join(f"{s.phase}:{s.seconds:g}" for s in self.segments)
-
-
-def parse_timeline(spec: str) -> Timeline:
-    """Parse ``"balanced:10,input:30,balanced:20"`` (phase:seconds, comma separated)."""
-    segments = []
-    for part in spec.split(","):
-        part = part.strip()
-        phase, sep, seconds = part.partition(":")
-        if not sep or not phase.strip():
-            raise ValueError(f"timeline: expected phase:seconds, got {part!r} in {spec!r}")
-        try:
-            value = float(seconds)
-        except ValueError:
-            raise ValueError(
-                f"timeline: seconds of {phase.strip()!r} must be a number, got {seconds!r}"
-            ) from None
-        segments.append(Segment(phase.strip(), value))
-    return Timeline(tuple(segments))
-
-
-def scenario_timeline(name: str, duration_s: float) -> Timeline:
-    """A named scenario laid out over ``duration_s`` seconds."""
-    if name not in SCENARIOS:
-        raise ValueError(f"scenario: unknown scenario {name!r}, expected one of {list(SCENARIOS)}")
-    return Timeline(tuple(Segment(p, share * duration_s) for p, share in SCENARIOS[name]))
-
-
-def deepep_phase_at(elapsed_s: float, total_s: float) -> int:
-    """Index into :data:`DEEPEP_PHASES`: the five phases share the run equally."""
-    share = total_s / len(DEEPEP_PHASES)
-    return min(int(elapsed_s // share), len(DEEPEP_PHASES) - 1)
-
-
-# --- options ---------------------------------------------------------------------------------
+__all__ = ["preflight", "run_demo"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 130
 # Spawning the ranks and importing torch can take long on a busy two-core machine.
@@ -169,384 +42,6 @@ STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 # From "done" to every process having exited.
 JOIN_TIMEOUT_S = 15.0
-
-
-@dataclass(frozen=True)
-class DemoOptions:
-    """Everything ``rankwatch demo`` can be told; validated when built."""
-
-    ranks: int = 4
-    timeline: Timeline = field(default_factory=lambda: scenario_timeline("full", 60.0))
-    port: int = 9464
-    addr: str = "127.0.0.1"
-    out: Path = Path("rankwatch-out")
-    straggler_rank: int = 1
-    straggler_ms: float = 40.0
-    interval_seconds: float = 1.0
-    live: bool | None = None
-    # Pause after every step, outside the timed step: keeps a few ranks on two cores polite.
-    step_pause_ms: float = 25.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int):
-            raise TypeError(f"DemoOptions.ranks: expected an int, got {self.ranks!r}")
-        if not 2 <= self.ranks <= 8:
-            raise ValueError(f"DemoOptions.ranks: must be in 2..8, got {self.ranks}")
-        if not 0 <= self.straggler_rank < self.ranks:
-            raise ValueError(
-                f"DemoOptions.straggler_rank: must be below ranks ({self.ranks}), "
-                f"got {self.straggler_rank}"
-            )
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"DemoOptions.port: must be in 0..65535, got {self.port}")
-        for name in ("straggler_ms", "interval_seconds"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"DemoOptions.{name}: must be a finite number > 0, got {value!r}")
-        if not (math.isfinite(self.step_pause_ms) and self.step_pause_ms >= 0):
-            raise ValueError(f"DemoOptions.step_pause_ms: must be >= 0, got {self.step_pause_ms!r}")
-
-
-def _rank_config(options: DemoOptions, run_id: str) -> Any:
-    """The RankwatchConfig every rank runs with: the environment, then the demo's settings."""
-    from rankwatch.exporter.config import RankwatchConfig
-
-    return RankwatchConfig.from_env(
-        run_id=run_id,
-        interval_seconds=options.interval_seconds,
-        metrics_addr=options.addr,
-        metrics_port=options.port,
-    )
-
-
-# --- what every rank runs ----------------------------------------------------------------------
-
-
-class _Batches:
-    """An endless loader of random regression batches; ``delay_s`` makes fetching slow."""
-
-    def __init__(self, rank: int, seed: int, batch: int = 64, features: int = 64) -> None:
-        import torch
-
-        self._torch = torch
-        self._gen = torch.Generator().manual_seed(seed * 1000 + rank)
-        self.batch, self.features = batch, features
-        self.delay_s = 0.0
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        if self.delay_s:
-            time.sleep(self.delay_s)  # the scripted input-pipeline straggler
-        x = self._torch.randn(self.batch, self.features, generator=self._gen)
-        return x, x.sum(dim=1, keepdim=True)
-
-
-def _tiny_model(features: int = 64, hidden: int = 256) -> Any:
-    """A small MLP that returns its own loss; ``model.delay_s`` slows its forward pass.
-
-    The loss is computed inside ``forward`` and the layers are big enough that forward and
-    backward dominate the step, so the untimed rest of the loop stays a small residual.
-    """
-    import torch
-
-    class TinyModel(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(
-                torch.nn.Linear(features, hidden),
-                torch.nn.ReLU(),
-                torch.nn.Linear(hidden, hidden),
-                torch.nn.ReLU(),
-                torch.nn.Linear(hidden, 1),
-            )
-            self.delay_s = 0.0
-
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if self.delay_s:
-                time.sleep(self.delay_s)  # the scripted compute straggler
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-    return TinyModel()
-
-
-class SimulatedDeepEP:
-    """The demo's DeepEP group: :data:`SIM_EP_SIZE` simulated ranks on two simulated nodes.
-
-    Real DeepEP needs GPUs, and the validation run's five diagnoses need an EP group of 16 over
-    two nodes (an NVLink domain per node, RDMA between them), whatever number of training ranks
-    the demo spawns. So the root keeps the group's cumulative counter block itself: every
-    ``interval_seconds`` a thread adds one simulated window (of the phase that covers most of
-    it) to the block and hands a copy, as the gather would, to a real
-    :class:`~rankwatch.exporter.deepep.root.DeepEPRoot`, which forms and validates the windows,
-    diagnoses them, writes the log lines and NPZ artifacts and publishes through the hub.
-    """
-
-    def __init__(
-        self,
-        options: DemoOptions,
-        publishers: list[Any],
-        phase_at: Callable[[float], str],
-        run_id: str,
-    ) -> None:
-        import uuid
-
-        import numpy as np
-        from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
-        from rankwatch.diagnosis.deepep.normal.schema import counter_length
-        from rankwatch.diagnosis.deepep.normal.simulator import NormalSimulator
-        from rankwatch.diagnosis.report import RankInfo
-        from rankwatch.exporter.config import DeepEPConfig
-        from rankwatch.exporter.deepep.root import DeepEPRoot
-
-        self.interval_s = options.interval_seconds
-        self.phase_at = phase_at  # wall-clock time -> DeepEP phase
-        self.sim = NormalSimulator(
-            SIM_EP_SIZE, SIM_RANKS_PER_NODE, seed=options.seed, slow_rank=SIM_LATE_RANK
-        )
-        self.counters = np.zeros((SIM_EP_SIZE, counter_length(SIM_EP_SIZE)), dtype=np.int64)
-        rpn = SIM_RANKS_PER_NODE
-        members = [
-            RankInfo(rank=r, hostname=f"sim-node{r // rpn}", local_rank=r % rpn)
-            for r in range(SIM_EP_SIZE)
-        ]
-        config = DeepEPConfig.from_env()
-        self.root = DeepEPRoot(
-            members=members,
-            ranks_per_node=SIM_RANKS_PER_NODE,
-            config=config,
-            normal_config=NormalConfig.from_env(),
-            low_latency_config=LowLatencyConfig.from_env(),
-            normal=True,
-            low_latency=False,
-            instance_id=uuid.uuid4().hex,
-            group_name="ep",
-            publishers=publishers,
-            log_to_file=True,
-            log_rank=0,
-            run=run_id,
-        )
-        self._last_s = time.time()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rankwatch-demo-deepep", daemon=True)
-
-    def start(self) -> None:
-        now = time.time()
-        self.root.start(now)
-        self._last_s = now
-        self._thread.start()
-
-    def snapshot(self) -> None:
-        """Add the window since the last snapshot and submit the cumulative block."""
-        import torch
-        from rankwatch.diagnosis.deepep.normal.window import snapshot_counters
-        from rankwatch.exporter.deepep.snapshot import PendingSnapshot
-
-        now = time.time()
-        phase = self.phase_at((self._last_s + now) / 2)
-        self.counters += snapshot_counters(self.sim.window(phase))
-        self._last_s = now
-        rows = torch.from_numpy(self.counters.copy())
-        self.root.submit(("normal",), PendingSnapshot(rows=rows, taken_at_s=now))
-
-    def _run(self) -> None:
-        while not self._stop.wait(max(0.0, self._last_s + self.interval_s - time.time())):
-            self.snapshot()
-
-    def stop(self, timeout_seconds: float) -> None:
-        """Take one last snapshot (nothing since the last interval is lost), then let the root
-        finish what it was given."""
-        self._stop.set()
-        self._thread.join(timeout_seconds)
-        if time.time() - self._last_s >= self.interval_s / 2:
-            self.snapshot()
-        self.root.stop(timeout_seconds)
-
-
-class ChannelPublisher:
-    """Forwards every window report from the root to the demo's parent process.
-
-    Never blocks the collectors: when the parent falls behind, reports are dropped and counted.
-    """
-
-    def __init__(self, channel: Any) -> None:
-        self.channel = channel
-        self.dropped = 0
-
-    def publish(self, report: Any) -> None:
-        try:
-            self.channel.put_nowait(("report", report))
-        except queue.Full:
-            self.dropped += 1
-
-    def close(self, timeout_seconds: float) -> None:
-        """Nothing to flush: the queue's own thread delivers what was put."""
-
-
-def _route_logs(path: Path) -> None:
-    # The exporter logs incident events (JSON lines) and DeepEP windows; in the demo they go
-    # to a file per rank instead of through the live table.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    logger = logging.getLogger("rankwatch")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-
-
-def _worker(
-    rank: int,
-    options: DemoOptions,
-    channel: Any,
-    stop_event: Any,
-    master_port: int,
-    run_id: str,
-) -> None:
-    """Entry point of one spawned rank: report any failure to the parent, then exit.
-
-    The rank leaves with ``os._exit`` once its messages are in the pipe and its logs are
-    flushed: the process group is already destroyed, and the interpreter's own finalisation
-    (a full garbage collection over everything torch loaded) can take seconds on a busy machine.
-    """
-    code = 0
-    try:
-        _run_rank(rank, options, channel, stop_event, master_port, run_id)
-    except BaseException:
-        code = 1
-        with contextlib.suppress(Exception):
-            channel.put(("error", rank, traceback.format_exc()), timeout=5.0)
-    with contextlib.suppress(Exception):
-        channel.close()
-        channel.join_thread()
-    logging.shutdown()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
-
-
-def _run_rank(
-    rank: int,
-    options: DemoOptions,
-    channel: Any,
-    stop_event: Any,
-    master_port: int,
-    run_id: str,
-) -> None:
-    import torch
-    import torch.distributed as dist
-    from rankwatch.exporter.cli.live_table import Progress
-    from rankwatch.exporter.publish.hub import PublisherHub
-    from rankwatch.exporter.step_time.rank_watch import RankWatch
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.set_num_threads(1)
-    _route_logs(options.out / "logs" / f"rank{rank}.log")
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(master_port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(options.ranks),
-        DEEPEP_DIAGNOSE_ENABLE="1",
-        DEEPEP_DIAGNOSE_INTERVAL=str(options.interval_seconds),
-        DEEPEP_DIAGNOSE_EXPORT_NPZ="1",
-        DEEPEP_DIAGNOSE_LOG_PATH=str(options.out / "deepep"),
-    )
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=options.ranks, timeout=datetime.timedelta(seconds=60)
-    )
-    config = _rank_config(options, run_id)
-    publishers: list[Any] = []
-    if rank == 0:
-        # Only the root publishes; /metrics lives on the root's port. Both collectors hand
-        # their windows to the same hub, which keeps the series of each group side by side.
-        hub = PublisherHub(config, local_rank=0, rank=0)
-        publishers = [hub, ChannelPublisher(channel)]
-        channel.put(("ready", hub.metrics_url))
-    model = DistributedDataParallel(_tiny_model())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batches = _Batches(rank, options.seed)
-    rw = RankWatch(None, None, config, publishers)
-    loader = iter(rw.watch(model, optimizer, batches))
-    timeline = options.timeline
-    total = timeline.total_seconds
-    delay_s = options.straggler_ms / 1000.0
-    pause_s = options.step_pause_ms / 1000.0
-    # [stop, step-time phase, DeepEP phase], decided by the root and broadcast every step.
-    control = torch.zeros(3, dtype=torch.int64)
-    steps = 0
-    # The root's record of which timeline segment each step id ran in.
-    segment_of_step: list[tuple[int, int]] = []
-    t0 = time.monotonic()
-    deepep: SimulatedDeepEP | None = None
-    if rank == 0:
-        started_at = time.time()
-        channel.put(("started", started_at))
-        deepep = SimulatedDeepEP(
-            options,
-            publishers,
-            lambda at: DEEPEP_PHASES[deepep_phase_at(at - started_at, total)],
-            run_id,
-        )
-        deepep.start()
-    last_progress = -1.0
-    while True:
-        if rank == 0:
-            elapsed = time.monotonic() - t0
-            control[0] = int(elapsed >= total or stop_event.is_set())
-            control[1] = timeline.index_at(elapsed)
-            control[2] = deepep_phase_at(elapsed, total)
-            if elapsed - last_progress >= 0.25:
-                last_progress = elapsed
-                progress = Progress(elapsed, int(control[1]), int(control[2]), steps)
-                with contextlib.suppress(queue.Full):
-                    channel.put_nowait(("progress", progress))
-        # Outside the timed step: the with block below closed it, the loader opens the next.
-        dist.broadcast(control, src=0)
-        if int(control[0]):
-            break
-        phase = timeline.segments[int(control[1])].phase
-        slow = rank == options.straggler_rank
-        batches.delay_s = delay_s if slow and phase == "input" else 0.0
-        model.module.delay_s = delay_s if slow and phase == "compute" else 0.0
-        x, y = next(loader)
-        # The demo's control traffic and pause after the step are not training work: an
-        # explicit step adopts the one the fetch opened and ends it here (without it a step
-        # runs from one fetch to the next).
-        with rw.step():
-            loss = model(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        rw.collect()  # ships rows every sync_step calls in sync mode; a no-op when async
-        steps += 1
-        if rw.timer is not None:
-            segment_of_step.append((rw.timer.last_step_id, int(control[1])))
-        time.sleep(pause_s)
-
-    elapsed = time.monotonic() - t0
-    stopping = time.monotonic()
-    # This rank's step rows, for the step-time window files the parent writes.
-    if rw.timer is not None:
-        channel.put(("rows", rank, rw.timer.read(0)[0]))
-    if rank == 0:
-        channel.put(("segments", segment_of_step))
-    # Stop DeepEP first (its last window goes through the hub), then the step collector, which
-    # publishes the final long-window summary on the root and closes the publishers.
-    if deepep is not None:
-        deepep.stop(config.shutdown_timeout_seconds + options.interval_seconds)
-    rw.close(config.shutdown_timeout_seconds)
-    dist.destroy_process_group()
-    if rank == 0:
-        shutdown = time.monotonic() - stopping
-        channel.put(("done", {"steps": steps, "elapsed_s": elapsed, "shutdown_s": shutdown}))
-
-
-# --- the parent: spawn, watch, stop, summarise -----------------------------------------------
 
 
 class _Interrupts:
@@ -619,22 +114,20 @@ def preflight(options: DemoOptions) -> None:
     """Refuse, before spawning anything, what would make the demo fail at once: a bad
     ``RANKWATCH_*``/``DEEPEP_*`` environment (``ValueError``/``TypeError``) or a ``/metrics``
     port already taken (``OSError``)."""
-    from rankwatch.exporter.config import DeepEPConfig
-
-    _rank_config(options, "preflight")
-    DeepEPConfig.from_env()
+    rank_config(options, "preflight")  # the one config object: DeepEP settings included
     check_port(options.addr, options.port)
 
 
 def run_demo(options: DemoOptions) -> int:
     """Run the demo end to end; returns the exit code (0, 1, or 130 after Ctrl-C)."""
     import torch.multiprocessing as mp
+
     from rankwatch.exporter.cli.live_table import LiveView
-    from rankwatch.exporter.publish.summary import RunRecorder, summary_text, write_summary
+    from rankwatch.exporter.publish.recorder import RunRecorder, summary_text, write_summary
 
     preflight(options)
     run_id = "demo-" + time.strftime("%Y%m%d-%H%M%S")
-    config = _rank_config(options, run_id)
+    config = rank_config(options, run_id)
     options.out.mkdir(parents=True, exist_ok=True)
     _clear_previous_run(options.out)
     recorder = RunRecorder(config)
@@ -654,7 +147,7 @@ def run_demo(options: DemoOptions) -> int:
     with interrupts.ignored():
         for rank in range(options.ranks):
             proc = ctx.Process(
-                target=_worker,
+                target=run_worker,
                 args=(rank, options, channel, stop_event, master_port, run_id),
                 name=f"rankwatch-demo-rank{rank}",
             )
@@ -972,8 +465,9 @@ def _write_step_windows(
     it had when written, so a replay shows whether the engine still agrees.
     """
     import numpy as np
+
+    from rankwatch.diagnosis.step_time import diagnose_arrays
     from rankwatch.diagnosis.step_time.artifact import save_window
-    from rankwatch.diagnosis.step_time.rules import diagnose_arrays
 
     if not state.rows or not state.segment_of_step:
         return []

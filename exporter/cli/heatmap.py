@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from rankwatch.diagnosis.deepep.artifact import (
     ArtifactMeta,
     load_window_artifact,

@@ -3,7 +3,7 @@
 On a terminal it is a ``rich`` live table redrawn a few times a second; anywhere else (a pipe,
 a CI log) it prints one plain line per event instead, because cursor tricks in a log file are
 noise. Both read the same state: the latest report of each engine, the timeline position, and
-the incidents the :class:`~rankwatch.exporter.publish.summary.RunRecorder` follows.
+the incidents the :class:`~rankwatch.exporter.RunRecorder` follows.
 """
 
 from __future__ import annotations
@@ -14,21 +14,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from rankwatch.diagnosis.report import WindowReport
-from rankwatch.exporter.publish.summary import (
-    RunRecorder,
-    describe_normal,
-    describe_step,
-    incident_label,
-    normal_verdict,
-    step_verdict,
-)
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
+
+from rankwatch.diagnosis.report import WindowReport
+from rankwatch.exporter.publish.recorder import RunRecorder
+from rankwatch.exporter.publish.verdicts import (
+    describe_normal,
+    describe_step,
+    incident_label,
+    normal_verdict,
+    step_verdict,
+)
 
 __all__ = ["LiveView", "Progress"]
 

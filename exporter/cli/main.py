@@ -103,7 +103,7 @@ def _int_in(lo: int, hi: int) -> Callable[[str], int]:
 
 
 def _timeline(raw: str) -> Any:
-    from rankwatch.exporter.cli.demo import parse_timeline
+    from rankwatch.exporter.cli.demo_plan import parse_timeline
 
     try:
         return parse_timeline(raw)
@@ -132,7 +132,7 @@ def _existing_dir(raw: str) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``rankwatch`` argument parser (also used to document the options)."""
-    from rankwatch.exporter.cli.demo import SCENARIOS
+    from rankwatch.exporter.cli.demo_plan import SCENARIOS
 
     parser = argparse.ArgumentParser(
         prog="rankwatch",
@@ -307,32 +307,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig, all_env_variables
+    from rankwatch.exporter.config import RankwatchConfig, config_options
 
     try:
+        # The one object the collectors read (DeepEP settings included, as cfg.deepep).
         cfg = RankwatchConfig.from_env()
-        deepep = DeepEPConfig.from_env()
     except (ValueError, TypeError) as exc:
         raise UsageError(f"invalid configuration: {exc}") from None
-    owners: dict[str, Any] = {
-        "RankwatchConfig": cfg,
-        "DeepEPConfig": deepep,
-        "StepTimeConfig": cfg.diagnosis.step_time,
-        "NormalConfig": cfg.diagnosis.normal,
-        "LowLatencyConfig": cfg.diagnosis.low_latency,
-    }
-    rows = []
-    for env_name, (path, default) in all_env_variables().items():
-        owner, _, name = path.partition(".")
-        rows.append(
-            {
-                "variable": env_name,
-                "option": path,
-                "value": getattr(owners[owner], name),
-                "default": default,
-                "set": env_name in os.environ,
-            }
-        )
+    rows = [
+        {
+            "variable": opt.env,
+            "option": opt.label,
+            "value": opt.value_in(cfg),
+            "default": opt.default,
+            "set": opt.env in os.environ,
+        }
+        for opt in config_options()
+    ]
     if args.json:
         print(json.dumps({"version": _version(), "variables": rows}, indent=2))
         return EXIT_OK
@@ -379,7 +370,8 @@ def _cmd_assets_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from rankwatch.exporter.cli.demo import DemoOptions, preflight, run_demo, scenario_timeline
+    from rankwatch.exporter.cli.demo import preflight, run_demo
+    from rankwatch.exporter.cli.demo_plan import DemoOptions, scenario_timeline
 
     require_extra("demo")
     if args.straggler_rank >= args.ranks:
@@ -464,7 +456,7 @@ def _diagnose_npz(path: Path) -> tuple[dict[str, Any], str]:
     from rankwatch.diagnosis.config import NormalConfig
     from rankwatch.diagnosis.deepep.artifact import load_window_artifact
     from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
-    from rankwatch.exporter.publish.summary import normal_verdict
+    from rankwatch.exporter.publish.verdicts import normal_verdict
 
     window, saved, meta = load_window_artifact(path)
     report = NormalDiagnoser(NormalConfig.from_env()).diagnose(window)
@@ -499,7 +491,7 @@ def _diagnose_npz(path: Path) -> tuple[dict[str, Any], str]:
 
 def _diagnose_step_json(path: Path) -> tuple[dict[str, Any], str]:
     from rankwatch.diagnosis.step_time.artifact import load_window
-    from rankwatch.exporter.publish.summary import step_verdict
+    from rankwatch.exporter.publish.verdicts import step_verdict
 
     saved = load_window(path)
     report = saved.diagnose()
@@ -536,7 +528,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from rankwatch.diagnosis.deepep.artifact import load_window_artifact
     from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
     from rankwatch.diagnosis.step_time.artifact import is_step_time_artifact, load_window
-    from rankwatch.exporter.publish.summary import describe_normal, describe_step
+    from rankwatch.exporter.publish.verdicts import describe_normal, describe_step
 
     npz_files = sorted(p for p in args.dir.rglob("*.npz") if p.is_file())
     step_files = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from rankwatch.diagnosis.deepep.normal.schema import (
     COMBINE_BUNDLE,
     DISPATCH_BUNDLE,

@@ -1,11 +1,13 @@
 """DeepEP diagnosis inside every EP rank: a drop-in for DeepXTrace's ``Diagnose`` factory.
 
-Every EP rank calls :meth:`Diagnose.create_from_env`. The factory reads the
-``DEEPEP_DIAGNOSE_*`` variables on every rank, compares them across the group with one
+Every EP rank calls :meth:`Diagnose.create_from_env`. The factory takes its settings from the
+process's one :class:`RankwatchConfig` (``config=rw.config``, or read from the environment:
+``DEEPEP_DIAGNOSE_*`` in ``RankwatchConfig.deepep``, the thresholds in
+``RankwatchConfig.diagnosis``) on every rank, compares them across the group with one
 all-gather, and fails on *every* rank with the same message when they disagree or one rank's
 value is invalid; when diagnosis is disabled it returns None everywhere. The object it returns
-owns the counter block DeepEP writes (:mod:`.deepep_counters`), takes stream-ordered snapshots
-(:mod:`.deepep_snapshot`), and gathers them to the group's root, which forms windows, runs the
+owns the counter block DeepEP writes (:mod:`.counters`), takes stream-ordered snapshots
+(:mod:`.snapshot`), and gathers them to the group's root, which forms windows, runs the
 normal-mode and low-latency diagnosis, and hands a :class:`WindowReport` to each publisher.
 
 Collection runs either on a background thread every ``DEEPEP_DIAGNOSE_INTERVAL`` seconds over
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
 from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig
@@ -42,14 +45,16 @@ from rankwatch.exporter.deepep.snapshot import (
     PendingSnapshot,
     gather_rows,
 )
-from rankwatch.exporter.identity import DEFAULT_NODE_NAME_ENV, node_hostname
+from rankwatch.exporter.gloo import create_gloo_group
+from rankwatch.exporter.identity import DEFAULT_NODE_NAME_ENV, local_rank_from_env, node_hostname
 from rankwatch.exporter.publish.protocol import Publisher
-from rankwatch.exporter.step_time.collector import create_gloo_group
 
 __all__ = ["HISTORY_WINDOWS", "Diagnose", "infer_ranks_per_node"]
 
 log = logging.getLogger(__name__)
 
+
+_DEFAULT_LOG_PATH = DeepEPConfig().log_path
 
 # Settings every member must agree on, in the order they are reported when they differ.
 _SETTING_NAMES: tuple[str, ...] = (
@@ -117,13 +122,11 @@ def _counter_device(group: dist.ProcessGroup, stream: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _local_rank(env: Mapping[str, str]) -> int | None:
-    raw = env.get("LOCAL_RANK", "")
-    try:
-        value = int(raw)
-    except ValueError:
-        return None
-    return value if value >= 0 else None
+def _log_to_file(deepep: DeepEPConfig, env: Mapping[str, str]) -> bool:
+    # DeepXTrace writes its per-rank log file only when a log path is given. An object cannot
+    # tell "set to the default" from "not set", so: the variable is present (whatever its value;
+    # as before) or the object holds another path than the default (a programmatic override).
+    return "DEEPEP_DIAGNOSE_LOG_PATH" in env or deepep.log_path != _DEFAULT_LOG_PATH
 
 
 def infer_ranks_per_node(hostnames: Sequence[str]) -> int:
@@ -236,6 +239,7 @@ class Diagnose:
         group_name: str = "ep",
         gather_timeout_seconds: float = 60.0,
         env: Mapping[str, str] | None = None,
+        config: RankwatchConfig | None = None,
     ) -> Diagnose | None:
         """Build the diagnosis for ``group`` from ``DEEPEP_DIAGNOSE_*``; None when disabled.
 
@@ -244,18 +248,28 @@ class Diagnose:
         what the members' hostnames show. ``publishers`` receive every window's report on the
         root. Bad settings or arguments on any rank raise on every rank (``ValueError`` or
         ``TypeError`` naming the setting, the value and the rank).
+
+        ``config`` is the process's one configuration object, e.g. ``rw.config`` of the
+        ``RankWatch`` that ``init()`` returned: every setting comes from it (``config.deepep``,
+        ``config.diagnosis.normal``, ``config.diagnosis.low_latency``, ``config.node_name_env``,
+        ``config.run_id``). When None, ``RankwatchConfig.from_env(env)`` builds it. ``env``
+        (default: ``os.environ``) still gives what is not a setting: the node name held by the
+        variable ``node_name_env`` names, and ``LOCAL_RANK``.
         """
         group = _check_group(group)
         source = os.environ if env is None else env
         global_rank = dist.get_rank()
         local_error: BaseException | None = None
         settings: tuple[Any, ...] = ()
-        config: DeepEPConfig | None = None
-        normal_config: NormalConfig | None = None
-        ll_config: LowLatencyConfig | None = None
+        rw_config: RankwatchConfig | None = None
         node_name_env = DEFAULT_NODE_NAME_ENV
         stream: Any = None
         try:
+            if config is not None and not isinstance(config, RankwatchConfig):
+                raise TypeError(
+                    "config: expected a RankwatchConfig (e.g. rw.config) or None, "
+                    f"got {type(config).__name__}: {config!r}"
+                )
             for name, flag in (
                 ("enable_ll_diagnose", enable_ll_diagnose),
                 ("enable_normal_diagnose", enable_normal_diagnose),
@@ -291,16 +305,16 @@ class Diagnose:
                         f"publishers[{i}]: expected a Publisher (publish, close), got {pub!r}"
                     )
             stream = _as_cuda_stream(snapshot_stream)
-            config = DeepEPConfig.from_env(source)
-            node_name_env = RankwatchConfig.from_env(source).node_name_env
-            normal_config = NormalConfig.from_env(source)
-            ll_config = LowLatencyConfig.from_env(source)
+            # One object for every setting: the same one init() built when it is passed in.
+            rw_config = RankwatchConfig.from_env(source) if config is None else config
+            node_name_env = rw_config.node_name_env
+            deepep = rw_config.deepep
             settings = (
-                config.enable,
-                config.async_mode,
-                config.interval_seconds,
-                config.sync_step,
-                config.warmup_seconds,
+                deepep.enable,
+                deepep.async_mode,
+                deepep.interval_seconds,
+                deepep.sync_step,
+                deepep.warmup_seconds,
                 enable_ll_diagnose,
                 enable_normal_diagnose,
                 ranks_per_node,
@@ -311,7 +325,9 @@ class Diagnose:
         me = _Member(
             rank=global_rank,
             hostname=node_hostname(node_name_env, source),
-            local_rank=_local_rank(source),
+            # Lenient: unset or bad, the layout below falls back to the rank's position on its
+            # host (a bad value is logged), since a label must not stop training.
+            local_rank=local_rank_from_env(source),
             settings=settings,
             error=None if local_error is None else _exception_text(local_error),
             instance_id=uuid.uuid4().hex if dist.get_rank(group) == 0 else "",
@@ -327,8 +343,9 @@ class Diagnose:
             detail = "; ".join(f"global rank {m.rank}: {m.error}" for m in failed)
             raise ValueError(f"DeepEP diagnosis settings are invalid on another rank: {detail}")
         _check_consistent(members)
-        assert config is not None and normal_config is not None and ll_config is not None
-        if not config.enable or not (enable_ll_diagnose or enable_normal_diagnose):
+        assert rw_config is not None
+        deepep = rw_config.deepep
+        if not deepep.enable or not (enable_ll_diagnose or enable_normal_diagnose):
             return None
         hostnames = [m.hostname for m in members]
         rpn = ranks_per_node if ranks_per_node is not None else infer_ranks_per_node(hostnames)
@@ -345,7 +362,7 @@ class Diagnose:
         )
         return cls(
             group=group,
-            config=config,
+            config=deepep,
             members=infos,
             ranks_per_node=rpn,
             counters=counters,
@@ -353,11 +370,11 @@ class Diagnose:
             publishers=publishers,
             instance_id=members[0].instance_id,
             group_name=group_name,
-            normal_config=normal_config,
-            low_latency_config=ll_config,
+            normal_config=rw_config.diagnosis.normal,
+            low_latency_config=rw_config.diagnosis.low_latency,
             gather_timeout_seconds=float(gather_timeout_seconds),
-            log_to_file="DEEPEP_DIAGNOSE_LOG_PATH" in source,
-            run=source.get("RANKWATCH_RUN_ID", ""),
+            log_to_file=_log_to_file(deepep, source),
+            run=rw_config.run_id,
         )
 
     def _make_cpu_group(self) -> None:

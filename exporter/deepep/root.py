@@ -1,10 +1,10 @@
 """The root side of one EP group's DeepEP diagnosis: cumulative snapshots in, reports out.
 
 :class:`DeepEPRoot` forms windows from consecutive gathered snapshots
-(:class:`~.deepep_snapshot.CounterWindows`), validates them, runs the normal-mode and
+(:class:`~.snapshot.CounterWindows`), validates them, runs the normal-mode and
 low-latency diagnosis, writes the log lines and NPZ artifacts, and hands each
 :class:`WindowReport` to the publishers, all on a worker thread of its own so whoever feeds it
-(the collection thread or the training thread) never waits. :class:`~.deepep.Diagnose` runs one
+(the collection thread or the training thread) never waits. :class:`~.diagnose.Diagnose` runs one
 on the group's root and feeds it the gathered snapshots; anything else that holds cumulative
 counter blocks of a whole EP group (the demo's simulated group) can feed one directly.
 """
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
 from rankwatch.diagnosis.deepep.artifact import ArtifactStore
 from rankwatch.diagnosis.deepep.log_lines import LINE_PREFIX, invalid_window_line, normal_log_lines
@@ -33,12 +34,12 @@ from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.config import DeepEPConfig
 from rankwatch.exporter.deepep.counters import LOW_LATENCY_PHASES
 from rankwatch.exporter.deepep.snapshot import CounterWindows, DeepEPWindow, PendingSnapshot
-from rankwatch.exporter.publish.protocol import Publisher
+from rankwatch.exporter.publish.protocol import Publisher, publish_to_all
 
 __all__ = ["HISTORY_WINDOWS", "DeepEPRoot"]
 
 # The log lines keep the logger name they always had, so existing log routing still applies.
-log = logging.getLogger("rankwatch.exporter.deepep.diagnose")
+log = logging.getLogger("rankwatch.exporter.deepep")
 
 # Windows the root keeps for inspection and artifacts; bounded like every other history.
 HISTORY_WINDOWS = 16
@@ -237,11 +238,7 @@ class DeepEPRoot:
     def _publish(self, report: WindowReport) -> None:
         with self._lock:
             self._latest = report
-        for pub in self.publishers:
-            try:
-                pub.publish(report)
-            except Exception as exc:  # a broken publisher must not starve the others
-                log.exception("publisher %r failed on window %d: %s", pub, report.window_index, exc)
+        publish_to_all(self.publishers, report, log)
 
     # ------------------------------------------------------------------ log lines
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from rankwatch.diagnosis.deepep.normal.schema import counter_length
 from rankwatch.diagnosis.deepep.normal.window import (
     CounterSnapshot,

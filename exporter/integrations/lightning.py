@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+
 from rankwatch.exporter.integrations import RankwatchStarter, unwrap_optimizer
 from rankwatch.exporter.step_time.rank_watch import RankWatch
 

@@ -39,13 +39,14 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from transformers import TrainerCallback
+
 from rankwatch.exporter.integrations import (
     RankwatchStarter,
     unwrap_optimizer,
     watch_loader_in_place,
 )
 from rankwatch.exporter.step_time.rank_watch import RankWatch
-from transformers import TrainerCallback
 
 __all__ = ["RankwatchCallback"]
 

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry._logs import LogRecord, SeverityNumber
+
 from rankwatch.diagnosis.deepep.normal.report import json_ready
 from rankwatch.exporter.publish.incidents import IncidentEvent
 

@@ -33,8 +33,6 @@ last export within what is left of the budget, and stops the HTTP server.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 import time
 from collections import deque
@@ -44,7 +42,7 @@ from typing import Any
 
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.identity import node_hostname
+from rankwatch.exporter.identity import node_hostname, rank_from_env
 from rankwatch.exporter.publish.events import event_json, event_message
 from rankwatch.exporter.publish.incidents import IncidentEvent, IncidentSnapshot, IncidentTracker
 from rankwatch.exporter.publish.otlp import (
@@ -57,7 +55,7 @@ from rankwatch.exporter.publish.otlp import (
     otlp_settings,
 )
 from rankwatch.exporter.publish.prometheus import MetricsServer, SampleParts, start_metrics_server
-from rankwatch.exporter.publish.protocol import Publisher
+from rankwatch.exporter.publish.protocol import Publisher, check_timeout_seconds
 from rankwatch.exporter.publish.samples import (
     ENGINES,
     ExporterHealth,
@@ -373,7 +371,7 @@ class PublisherHub:
         if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
             raise ValueError(f"local_rank: expected an int >= 0, got {local_rank!r}")
         if rank is None:
-            rank = _env_int("RANK", 0)
+            rank = rank_from_env() or 0
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank: expected an int >= 0, got {rank!r}")
         if not callable(clock):
@@ -466,7 +464,7 @@ class PublisherHub:
         """Stop within ``timeout_seconds`` (default ``config.shutdown_timeout_seconds``)."""
         if timeout_seconds is None:
             timeout_seconds = self.config.shutdown_timeout_seconds
-        _check_timeout(timeout_seconds)
+        check_timeout_seconds(timeout_seconds)
         if self._closed:
             return
         self._closed = True
@@ -494,7 +492,7 @@ class PublisherHub:
 
         For tests and for a final export before shutdown; True if done within the timeout.
         """
-        _check_timeout(timeout_seconds)
+        check_timeout_seconds(timeout_seconds)
         deadline = time.monotonic() + timeout_seconds
         with self._cond:
             target = self._received
@@ -591,26 +589,3 @@ def default_publishers(
     if not config.enabled:
         return []
     return [PublisherHub(config, local_rank=local_rank, on_incident=on_incident)]
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}: expected a non-negative integer, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{name}: expected a non-negative integer, got {raw!r}")
-    return value
-
-
-def _check_timeout(timeout_seconds: Any) -> None:
-    if (
-        isinstance(timeout_seconds, bool)
-        or not isinstance(timeout_seconds, (int, float))
-        or not math.isfinite(timeout_seconds)
-        or timeout_seconds < 0
-    ):
-        raise ValueError(f"timeout_seconds: expected a finite number >= 0, got {timeout_seconds!r}")

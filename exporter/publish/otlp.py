@@ -79,14 +79,15 @@ from opentelemetry.sdk.metrics.export import (
     PeriodicExportingMetricReader,
 )
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+import rankwatch
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.identity import k8s_attributes, node_hostname
 from rankwatch.exporter.publish.catalogue import CATALOGUE, MetricSpec
 from rankwatch.exporter.publish.events import event_log_record
 from rankwatch.exporter.publish.incidents import IncidentEvent
+from rankwatch.exporter.publish.protocol import check_timeout_seconds
 from rankwatch.exporter.publish.samples import Sample
-
-import rankwatch
 
 __all__ = [
     "OTLP_LOGS",
@@ -505,7 +506,7 @@ class OtlpPublisher:
 
     def flush(self, timeout_seconds: float = 10.0) -> bool:
         """Export pending events and the current metrics now; True if done within the timeout."""
-        _check_timeout(timeout_seconds)
+        check_timeout_seconds(timeout_seconds)
         deadline = time.monotonic() + timeout_seconds
         generation = self.request_export()
         with self._cond:
@@ -518,7 +519,7 @@ class OtlpPublisher:
 
     def close(self, timeout_seconds: float = 5.0) -> None:
         """One last export if time allows, then shut the providers down; bounded."""
-        _check_timeout(timeout_seconds)
+        check_timeout_seconds(timeout_seconds)
         if self._closed:
             return
         self._closed = True
@@ -652,13 +653,3 @@ def global_logger_provider() -> Any:
 
     provider = _logs.get_logger_provider()
     return provider if _is_set(provider, "ProxyLoggerProvider", "NoOpLoggerProvider") else None
-
-
-def _check_timeout(timeout_seconds: Any) -> None:
-    if (
-        isinstance(timeout_seconds, bool)
-        or not isinstance(timeout_seconds, (int, float))
-        or not math.isfinite(timeout_seconds)
-        or timeout_seconds < 0
-    ):
-        raise ValueError(f"timeout_seconds: expected a finite number >= 0, got {timeout_seconds!r}")

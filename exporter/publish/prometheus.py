@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
+
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.catalogue import CATALOGUE, MetricSpec
 from rankwatch.exporter.publish.samples import Sample

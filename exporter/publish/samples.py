@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
+
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.vocabulary import INCIDENT_CLASSES, INCIDENT_SEVERITIES, SEVERITY_LEVELS
 from rankwatch.exporter.config import RankwatchConfig

@@ -15,13 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+
 from rankwatch.diagnosis.report import WindowReport
+from rankwatch.diagnosis.retention import prune_oldest
 from rankwatch.diagnosis.step_time.artifact import save_window
 from rankwatch.exporter.config import RankwatchConfig
 
 __all__ = ["StepArtifactWriter", "safe_name"]
 
-log = logging.getLogger("rankwatch.exporter.step_time.artifacts")
+log = logging.getLogger(__name__)
 
 
 def safe_name(text: str) -> str:
@@ -81,7 +83,5 @@ class StepArtifactWriter:
         return path
 
     def prune(self) -> None:
-        """Delete this group's oldest files beyond the retention (names sort by window index)."""
-        files = sorted(self.directory.glob(f"{self.prefix}*.json"))
-        for old in files[: max(0, len(files) - self.retention)]:
-            old.unlink(missing_ok=True)
+        """Delete this group's oldest files beyond the retention (newest: latest written)."""
+        prune_oldest(self.directory, self.prefix, ".json", self.retention)

@@ -1,25 +1,8 @@
 """Cross-rank windows: every rank ships its finished step rows to the group's root, which
 aligns them, diagnoses the window and hands the report to the publishers.
 
-Transport
----------
-Rows travel over a Gloo process group created for rankwatch alone (never the training group),
-point to point: each rank ``isend``s fixed-size messages (a header row plus ``CHUNK_ROWS`` rows
-of ``ROW_WIDTH`` float64, NaN-padded) to the root, which keeps one ``irecv`` posted per peer.
-
-Gloo cannot abandon a wait: ``work.wait(timeout)`` that times out closes *every* connection of
-the group, and a posted receive cannot be polled (``is_completed()`` stays False until waited
-on). So the root never waits on a receive that has not arrived. After a sender's send
-completed (the data is in the root's posted buffer or on the wire to it) the sender increments
-its *doorbell*, a counter in the job's c10d store, then the group's doorbell total; the root
-reads the total per poll, all doorbells with one ``multi_get`` when it moved, and waits only
-on receives whose doorbell moved, which return at once. With ``gloo_lazy_connect`` the group
-connects lazily, so a rank opens a connection to the root only, never a full mesh; the
-root's first receives, which make those connections, are posted by connector threads (Gloo
-waits inside them for a peer that never connects).
-A rank that dies or stalls simply stops ringing: the root's round times out on its own clock
-(``gather_timeout_seconds``), the window names the rank missing, and later rounds do not wait
-for it again until it rings. A dead peer's connection failing never affects the others'.
+How rows travel is :mod:`.transport`'s business (Gloo point to point, store doorbells); this
+module decides when, and what the root makes of them.
 
 Rounds
 ------
@@ -39,60 +22,41 @@ shutdown budget is spent.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+
 from rankwatch.diagnosis.report import RankInfo, WindowReport
+from rankwatch.diagnosis.step_time import StepTimeReport, diagnose_arrays, diagnose_window
 from rankwatch.diagnosis.step_time.blocks import BLOCK_STEPS, StepBlocks
-from rankwatch.diagnosis.step_time.rules import (
-    ROW_WIDTH,
-    StepTimeReport,
-    diagnose_arrays,
-    diagnose_window,
-)
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.identity import DEFAULT_NODE_NAME_ENV, current_gpu, node_hostname
-from rankwatch.exporter.publish.protocol import Publisher
+from rankwatch.exporter.identity import (
+    local_identity,
+)
+from rankwatch.exporter.publish.protocol import Publisher, publish_to_all
 from rankwatch.exporter.step_time.artifacts import StepArtifactWriter
+from rankwatch.exporter.step_time.messages import (
+    CHUNK_ROWS,
+    FLAG_END_OF_ROUND,
+    FLAG_FINAL,
+    RowBuffer,
+    decode_message,
+    encode_message,
+)
 from rankwatch.exporter.step_time.timer import StepTimer
+from rankwatch.exporter.step_time.transport import GroupLayout, Transport
 
-__all__ = [
-    "CHUNK_ROWS",
-    "GroupLayout",
-    "Message",
-    "RowBuffer",
-    "Transport",
-    "WindowCollector",
-    "decode_message",
-    "encode_message",
-    "local_identity",
-    "root_tail_rows",
-    "window_arrays",
-]
+__all__ = ["WindowCollector", "root_tail_rows", "window_arrays"]
 
-log = logging.getLogger("rankwatch.exporter.step_time.collector")
+log = logging.getLogger(__name__)
 
-CHUNK_ROWS = 512  # rows per message; a message is (1 + CHUNK_ROWS) x ROW_WIDTH float64
-TAG = 5277  # Gloo tag of rankwatch messages (the group is ours alone; any fixed tag works)
-MAGIC = 52770.0
-VERSION = 1.0
-FLAG_END_OF_ROUND = 1
-FLAG_FINAL = 2
-STRATEGY_CODES: dict[str | None, int] = {None: 0, "ddp": 1, "fsdp": 2}
-_CODE_STRATEGY = {v: k for k, v in STRATEGY_CODES.items()}
-# Header columns.
-_H_MAGIC, _H_VERSION, _H_SENDER, _H_SEQ, _H_ROWS, _H_FLAGS, _H_LOST, _H_STRATEGY = range(8)
 POLL_SECONDS = 0.02  # root: doorbell poll period while a round or shutdown is waiting
 # Root: doorbell poll period otherwise (each poll is one store request, answered by a thread
 # of the store's host, usually rank 0: polling fast costs that process CPU time).
@@ -103,213 +67,6 @@ _TAIL_SLACK = 2
 # The root's rows per rank, at least: a live window aligns ranks up to about this many steps
 # apart (a rank further behind leaves the others no common steps to align on).
 ROOT_TAIL_MIN_ROWS = 1024
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """Who is in the group and who this process is (all global ranks)."""
-
-    ranks: tuple[int, ...]  # ascending
-    rank: int
-
-    def __post_init__(self) -> None:
-        if not self.ranks:
-            raise ValueError("GroupLayout.ranks: value () is empty")
-        if list(self.ranks) != sorted(set(self.ranks)):
-            raise ValueError(
-                f"GroupLayout.ranks: value {self.ranks!r} must be ascending without duplicates"
-            )
-
-    @property
-    def root(self) -> int:
-        """The group's root: its lowest global rank."""
-        return self.ranks[0]
-
-    @property
-    def is_member(self) -> bool:
-        return self.rank in self.ranks
-
-    @property
-    def is_root(self) -> bool:
-        return self.rank == self.root
-
-    @property
-    def peers(self) -> tuple[int, ...]:
-        """Every member except the root."""
-        return self.ranks[1:]
-
-
-def local_identity(node_name_env: str = DEFAULT_NODE_NAME_ENV) -> tuple[str, int, str, str]:
-    """(hostname, local rank, GPU index, GPU UUID) of this process: the hostname is the node
-    name from ``node_name_env`` when set (Kubernetes), else the machine's, in lowercase; the
-    local rank is ``LOCAL_RANK`` (0 when unset or not a number); the GPU fields are those of the
-    current CUDA device as dcgm-exporter labels them, empty on CPU (see
-    :mod:`rankwatch.exporter.identity`)."""
-    raw = os.environ.get("LOCAL_RANK", "0")
-    try:
-        local_rank = int(raw)
-    except ValueError:
-        log.warning("LOCAL_RANK=%r is not an integer; reporting local rank 0", raw)
-        local_rank = 0
-    gpu, uuid = current_gpu()
-    return node_hostname(node_name_env), local_rank, gpu, uuid
-
-
-# ---- messages ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Message:
-    """One decoded shipment chunk."""
-
-    sender: int
-    seq: int
-    flags: int
-    lost: int
-    strategy: str | None
-    rows: NDArray[np.float64]
-
-    @property
-    def end_of_round(self) -> bool:
-        return bool(self.flags & FLAG_END_OF_ROUND)
-
-    @property
-    def final(self) -> bool:
-        return bool(self.flags & FLAG_FINAL)
-
-
-def message_buffer() -> NDArray[np.float64]:
-    """A message-sized float64 array."""
-    return np.full((1 + CHUNK_ROWS, ROW_WIDTH), math.nan)
-
-
-def encode_message(
-    out: NDArray[np.float64],
-    rows: NDArray[np.float64],
-    *,
-    sender: int,
-    seq: int,
-    flags: int,
-    lost: int,
-    strategy: str | None,
-) -> None:
-    """Fill ``out`` (from :func:`message_buffer`) with a header and up to ``CHUNK_ROWS`` rows."""
-    n = len(rows)
-    if n > CHUNK_ROWS:
-        raise ValueError(f"encode_message: field rows: {n} rows exceed CHUNK_ROWS={CHUNK_ROWS}")
-    if rows.ndim != 2 or rows.shape[1] != ROW_WIDTH:
-        raise ValueError(
-            f"encode_message: field rows: shape {rows.shape}, expected [n, {ROW_WIDTH}]"
-        )
-    out[0] = 0.0
-    out[0, :8] = (
-        MAGIC,
-        VERSION,
-        sender,
-        seq,
-        n,
-        flags,
-        lost,
-        STRATEGY_CODES.get(strategy, 0),
-    )
-    out[1 : 1 + n] = rows
-    out[1 + n :] = math.nan
-
-
-def decode_message(buf: NDArray[np.float64]) -> Message:
-    """Parse a received message; ``ValueError`` if it is not one of ours."""
-    head = buf[0]
-    if head[_H_MAGIC] != MAGIC or head[_H_VERSION] != VERSION:
-        raise ValueError(
-            f"decode_message: field header: magic/version {head[_H_MAGIC]!r}/"
-            f"{head[_H_VERSION]!r} is not a rankwatch v1 message"
-        )
-    n = int(head[_H_ROWS])
-    if not 0 <= n <= CHUNK_ROWS:
-        raise ValueError(f"decode_message: field rows: value {n} out of 0..{CHUNK_ROWS}")
-    return Message(
-        sender=int(head[_H_SENDER]),
-        seq=int(head[_H_SEQ]),
-        flags=int(head[_H_FLAGS]),
-        lost=int(head[_H_LOST]),
-        strategy=_CODE_STRATEGY.get(int(head[_H_STRATEGY])),
-        rows=buf[1 : 1 + n].copy(),
-    )
-
-
-# ---- root-side row buffers -----------------------------------------------------------------
-
-
-class RowBuffer:
-    """The root's bounded copy of one rank's rows, in step order.
-
-    Rows whose step id is not above the last one kept are dropped (resent or out of order).
-    ``progress_at`` is the monotonic time the rank's last step id last increased. Memory grows
-    with the rows received, up to ``capacity`` rows (``ROW_WIDTH`` float64 each).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"RowBuffer.capacity: must be >= 1, got {capacity!r}")
-        self.capacity = capacity
-        self._data = np.empty((0, ROW_WIDTH))
-        self.count = 0  # rows ever appended
-        self.last_step = -1.0
-        self.progress_at = time.monotonic()
-        self.rejected = 0
-
-    def __len__(self) -> int:
-        return min(self.count, self.capacity)
-
-    def append(self, rows: NDArray[np.float64], now: float | None = None) -> int:
-        """Append rows (ascending step ids expected); returns how many were kept."""
-        if len(rows) == 0:
-            return 0
-        ids = rows[:, 0]
-        keep = ids > np.maximum.accumulate(np.concatenate(([self.last_step], ids[:-1])))
-        if not keep.all():
-            self.rejected += int((~keep).sum())
-            rows = rows[keep]
-        kept = len(rows)
-        if kept == 0:
-            return 0
-        cap = self.capacity
-        if kept > cap:  # only the newest ``cap`` rows can stay; count the rest as passed by
-            self.count += kept - cap
-            rows = rows[-cap:]
-        n = len(rows)
-        if len(self._data) < cap:
-            # Still filling for the first time, so rows sit in slots 0..count-1: grow in order
-            # (or start at full size when this batch overwrites every slot anyway).
-            if n == cap:
-                self._data = np.empty((cap, ROW_WIDTH))
-            elif len(self._data) < self.count + n:
-                size = min(cap, max(self.count + n, 2 * len(self._data), 256))
-                grown = np.empty((size, ROW_WIDTH))
-                grown[: self.count] = self._data[: self.count]
-                self._data = grown
-        a = self.count % cap
-        split = min(n, cap - a)
-        self._data[a : a + split] = rows[:split]
-        self._data[: n - split] = rows[split:]
-        self.count += n
-        self.last_step = float(rows[-1, 0])
-        self.progress_at = time.monotonic() if now is None else now
-        return kept
-
-    def tail(self, n: int, max_step: float | None = None) -> NDArray[np.float64]:
-        """Copy of the last ``n`` rows (ascending), only rows with step id <= ``max_step``."""
-        size = len(self)
-        if size == 0 or n <= 0:
-            return np.empty((0, ROW_WIDTH))
-        end = self.count
-        start = end - size
-        cap = self.capacity
-        a, b = start % cap, end % cap
-        rows = self._data[a:b] if a < b else np.concatenate((self._data[a:], self._data[:b]))
-        if max_step is not None:
-            rows = rows[: int(np.searchsorted(rows[:, 0], max_step, side="right"))]
-        return rows[-n:].copy()
 
 
 def root_tail_rows(config: RankwatchConfig) -> int:
@@ -345,220 +102,6 @@ def window_arrays(
             continue
         out[rank] = buf.tail(rows, top)
     return out
-
-
-# ---- transport -----------------------------------------------------------------------------
-
-
-def create_gloo_group(
-    ranks: Sequence[int], members_only: bool, timeout: timedelta, lazy: bool | None = None
-) -> Any:
-    """The dedicated Gloo group over ``ranks`` (global).
-
-    ``members_only=False`` is the ordinary ``new_group``: every process of the job calls it,
-    in the same order as its other ``new_group`` calls. ``members_only=True`` lets only the
-    members call it (for a group given as a process group handle, which non-members lack).
-
-    ``lazy`` (None: ``RankwatchConfig.gloo_lazy_connect`` from the environment) makes the
-    group connect lazily (Gloo's ``TORCH_GLOO_LAZY_INIT``, set only while it is created): a
-    pair connects on its first message, and only rank-to-root pairs ever carry one, so a rank
-    holds one monitoring connection instead of one per member (a full mesh: thousands of
-    sockets per rank in a 4,096-rank job). ``new_group`` ignores Gloo options, so the
-    variable is the only switch; other groups are created as they would be without it.
-    """
-    import torch.distributed as dist
-
-    if lazy is None:
-        lazy = _lazy_from_env()
-    with _env(_GLOO_LAZY_INIT, "1") if lazy else contextlib.nullcontext():
-        return dist.new_group(
-            list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=members_only
-        )
-
-
-def _lazy_from_env() -> bool:
-    """``gloo_lazy_connect`` as the environment sets it (validated like the config)."""
-    name = "RANKWATCH_GLOO_LAZY_CONNECT"
-    env = {name: os.environ[name]} if name in os.environ else {}
-    return RankwatchConfig.from_env(env=env).gloo_lazy_connect
-
-
-_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
-# Threads posting first receives on a lazily connected group: each rank that died before
-# its connection was made holds one for the group's timeout; the others keep connecting.
-_CONNECTOR_THREADS = 8
-_ANY_DOORBELL = "db/any"
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    """``os.environ[name] = value`` for the block, then the previous value (or none)."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-class Transport:
-    """Point-to-point messages to the root on the dedicated Gloo group, with store doorbells.
-
-    Non-root: :meth:`send` (blocking; background thread only). Root: :meth:`poll` (returns the
-    messages that have arrived; never waits on one that has not).
-    """
-
-    def __init__(self, layout: GroupLayout, group: Any, store: Any, *, lazy: bool = False) -> None:
-        self.layout = layout
-        self.group = group
-        self.store = store
-        self._db = {r: f"db/{r}" for r in layout.ranks}
-        self.send_buffer = message_buffer()
-        self._recv: dict[int, tuple[Any, Any]] = {}
-        self._consumed: dict[int, int] = {}
-        # The group's doorbell total: every send rings it after its own doorbell, so an idle
-        # poll reads one key instead of one per peer (4,096 at a time in a large group).
-        self._rung = -1
-        self.broken: set[int] = set()  # peers whose connection failed
-        # Peers that hung up after their last message arrived (the next receive could not be
-        # posted): a rank that shipped its final rows and exited, or one that crashed.
-        self.closed: set[int] = set()
-        self.failed = False  # the store or the root is gone: nothing more will move
-        # Peers whose receive is not posted yet: the group connects lazily, and posting a
-        # receive connects to the peer, so the root posts one only once the peer says its end
-        # of the group exists (its hello key); a connection to a peer that has not created the
-        # group yet would be refused.
-        self._hello = {r: f"hello/{r}" for r in layout.ranks}
-        self._unposted: list[int] = []
-        # A lazily connected pair is connected by the root's first receive, and Gloo waits for
-        # the connection inside that call, up to the group's timeout: for a rank that died
-        # before connecting, that long. First receives are then posted by a few connector
-        # threads, so a dead rank holds one of them, never the window thread.
-        self._connect_queue: queue.SimpleQueue[int] | None = None
-        if lazy and layout.is_root and layout.peers:
-            self._connect_queue = queue.SimpleQueue()
-            for k in range(min(_CONNECTOR_THREADS, len(layout.peers))):
-                threading.Thread(
-                    target=self._connector, name=f"rankwatch-connect-{k}", daemon=True
-                ).start()
-        if layout.is_root:
-            for peer in layout.peers:
-                # Create every key so one multi_get never waits for one.
-                self._consumed[peer] = int(store.add(self._db[peer], 0))
-                store.add(self._hello[peer], 0)
-                self._unposted.append(peer)
-        else:
-            store.add(self._hello[layout.rank], 1)
-
-    def publish_identity(
-        self, hostname: str, local_rank: int, gpu: str = "", gpu_uuid: str = ""
-    ) -> None:
-        """Tell the root where this rank runs (once, at start-up)."""
-        self.store.set(
-            f"info/{self.layout.rank}", "\n".join((hostname, str(local_rank), gpu, gpu_uuid))
-        )
-
-    def identity(self, rank: int) -> tuple[str, int, str, str] | None:
-        """(hostname, local rank, GPU index, GPU UUID) a rank published, or None if it has not
-        (yet)."""
-        key = f"info/{rank}"
-        if not self.store.check([key]):
-            return None
-        host, local, gpu, gpu_uuid = [*self.store.get(key).decode().split("\n"), "", "", ""][:4]
-        try:
-            return host, int(local), gpu, gpu_uuid
-        except ValueError:
-            return host, 0, gpu, gpu_uuid
-
-    def _post(self, peer: int) -> None:
-        import torch
-        import torch.distributed as dist
-
-        buf = torch.empty((1 + CHUNK_ROWS, ROW_WIDTH), dtype=torch.float64)
-        work = dist.irecv(buf, src=peer, group=self.group, tag=TAG)
-        self._recv[peer] = (work, buf)
-
-    def send(self, message: NDArray[np.float64]) -> None:
-        """Ship one message to the root and ring the doorbell (blocks until the root's posted
-        receive has taken it; raises if the root's connection failed)."""
-        import torch
-        import torch.distributed as dist
-
-        tensor = torch.from_numpy(message)
-        work = dist.isend(tensor, dst=self.layout.root, group=self.group, tag=TAG)
-        if work is not None:  # None only for a process outside the group
-            work.wait()
-        self.store.add(self._db[self.layout.rank], 1)
-        self.store.add(_ANY_DOORBELL, 1)
-
-    def _admit(self) -> None:
-        """Post the first receive of every peer that has created its end of the group."""
-        said = self.store.multi_get([self._hello[p] for p in self._unposted])
-        waiting = []
-        for peer, value in zip(self._unposted, said, strict=True):
-            if int(value) < 1:
-                waiting.append(peer)
-            elif self._connect_queue is not None:
-                self._connect_queue.put(peer)
-            else:
-                self._post_first(peer)
-        self._unposted = waiting
-
-    def _post_first(self, peer: int) -> None:
-        try:
-            self._post(peer)
-        except RuntimeError as exc:
-            log.warning("rankwatch: cannot connect to rank %d: %s", peer, exc)
-            self.broken.add(peer)
-
-    def _connector(self) -> None:
-        """Connector thread: posts first receives (``poll`` reads a peer once it is posted)."""
-        assert self._connect_queue is not None
-        while True:
-            self._post_first(self._connect_queue.get())
-
-    def poll(self) -> list[NDArray[np.float64]]:
-        """Messages that arrived since the last poll (root only; never blocks on a peer)."""
-        if self._unposted:
-            self._admit()
-        peers = [
-            p
-            for p in self.layout.peers
-            if p not in self.broken and p not in self.closed and p in self._recv
-        ]
-        if not peers:
-            return []
-        # Read the total first: every doorbell it counts has already moved (a sender rings
-        # its own before the total), so nothing it counts can be missed below.
-        total = int(self.store.add(_ANY_DOORBELL, 0))
-        if total == self._rung:
-            return []
-        raw = self.store.multi_get([self._db[p] for p in peers])
-        out: list[NDArray[np.float64]] = []
-        for peer, value in zip(peers, raw, strict=True):
-            rung = int(value)
-            while self._consumed[peer] < rung:
-                work, buf = self._recv[peer]
-                try:
-                    work.wait()  # the doorbell says it has arrived: returns at once
-                except RuntimeError as exc:
-                    log.warning("rankwatch: connection to rank %d failed: %s", peer, exc)
-                    self.broken.add(peer)
-                    break
-                self._consumed[peer] += 1
-                out.append(buf.numpy())  # a fresh buffer is posted next: no copy needed
-                try:
-                    self._post(peer)
-                except RuntimeError:
-                    # The peer closed its end after this message: keep what arrived (its
-                    # final rows, when it is done) instead of failing the whole poll.
-                    self.closed.add(peer)
-                    break
-        self._rung = total
-        return out
 
 
 # ---- the collector thread ------------------------------------------------------------------
@@ -964,11 +507,7 @@ class WindowCollector:
         self.reports_published += 1
         if self._artifacts is not None:
             self._artifacts.save(report, per_rank, window)
-        for pub in self.publishers:
-            try:
-                pub.publish(report)
-            except Exception:  # one failing publisher must not starve the others
-                log.exception("rankwatch: publisher %r failed", pub)
+        publish_to_all(self.publishers, report, log)
 
     def _diagnose(
         self, kind: str, present: list[int], window: int
@@ -992,21 +531,3 @@ class WindowCollector:
         complete = [r for r, b in self._buffers.items() if b.count <= b.capacity]
         means = self._blocks.reduce(tails, window, complete=complete)
         return tails, diagnose_window(means, strategy=strategy, config=cfg)
-
-
-def dedicated_store(group: Any) -> Any:
-    """A prefix of the job's c10d store private to rankwatch's group (doorbells, identities)."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return dist.PrefixStore(f"rankwatch/{group.group_name}/", _get_default_store())
-
-
-def group_timeout(config: RankwatchConfig) -> timedelta:
-    """Timeout of the dedicated group's blocking operations.
-
-    Only a sender waits on Gloo (its send completes when the root's posted receive takes it);
-    the root never waits on anything that has not arrived. A long timeout keeps a slow root
-    from tearing down the senders' connections.
-    """
-    return timedelta(seconds=max(600.0, 20 * config.gather_timeout_seconds))

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 __all__ = ["EventLike", "EventPool", "GpuTimeline", "cuda_event_factory", "cuda_stream_of"]
 
 NAN = math.nan
-log = logging.getLogger("rankwatch.exporter.step_time.gpu_events")
+log = logging.getLogger(__name__)
 
 
 class EventLike(Protocol):

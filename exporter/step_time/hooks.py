@@ -39,6 +39,8 @@ from threading import get_ident
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
+
 from rankwatch.exporter.step_time.timer import (
     BACKWARD,
     BACKWARD_WAIT,
@@ -49,7 +51,6 @@ from rankwatch.exporter.step_time.timer import (
     OPTIMIZER,
     StepTimer,
 )
-from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "WatchedLoader",
@@ -60,7 +61,7 @@ __all__ = [
     "unwrap_optimizer",
 ]
 
-log = logging.getLogger("rankwatch.exporter.step_time.hooks")
+log = logging.getLogger(__name__)
 _is_compiling = torch.compiler.is_compiling
 
 

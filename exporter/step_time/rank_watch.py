@@ -13,7 +13,7 @@ Construction is collective when ``torch.distributed`` is initialised: for the wo
 (``group=None``) or a list of global ranks, every process of the job constructs a
 ``RankWatch`` with the same ``group`` (processes outside a list get an object that times
 nothing and ships nothing); for a process-group handle, only its members do. Each member then
-runs one background thread (see :mod:`.windows`); the group's lowest rank is its root, builds
+runs one background thread (see :mod:`.collector`); the group's lowest rank is its root, builds
 the windows and publishes them. Without ``torch.distributed`` the process is a group of one.
 """
 
@@ -23,22 +23,15 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from types import TracebackType
 from typing import Any
 
 from rankwatch.diagnosis.report import WindowReport
-from rankwatch.diagnosis.step_time.rules import normalize_strategy
+from rankwatch.diagnosis.step_time import normalize_strategy
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.publish.protocol import Publisher
-from rankwatch.exporter.step_time.collector import (
-    GroupLayout,
-    Transport,
-    WindowCollector,
-    create_gloo_group,
-    dedicated_store,
-    group_timeout,
-    local_identity,
-)
+from rankwatch.exporter.gloo import create_gloo_group, dedicated_store, group_timeout
+from rankwatch.exporter.identity import local_identity
+from rankwatch.exporter.publish.protocol import Publisher, check_publishers
+from rankwatch.exporter.step_time.collector import WindowCollector
 from rankwatch.exporter.step_time.gpu_events import (
     EventPool,
     GpuTimeline,
@@ -53,10 +46,11 @@ from rankwatch.exporter.step_time.hooks import (
     unwrap_optimizer,
 )
 from rankwatch.exporter.step_time.timer import PHASES, StepTimer
+from rankwatch.exporter.step_time.transport import GroupLayout, Transport
 
 __all__ = ["RankWatch"]
 
-log = logging.getLogger("rankwatch.exporter.step_time.rank_watch")
+log = logging.getLogger(__name__)
 
 # Events per step on the GPU clock: two per phase occurrence plus the step's own pair; the
 # pool holds enough for this many steps in flight before a step goes untimed.
@@ -173,25 +167,13 @@ class RankWatch:
         )
         if self._explicit_strategy is None and config.strategy:
             self._explicit_strategy = config.strategy
-        if isinstance(publishers, (str, bytes)) or not isinstance(publishers, Sequence):
-            raise TypeError(
-                f"RankWatch: field publishers: expected a sequence of publishers, got "
-                f"{publishers!r}"
-            )
-        for pub in publishers:
-            if not (
-                callable(getattr(pub, "publish", None)) and callable(getattr(pub, "close", None))
-            ):
-                raise TypeError(
-                    f"RankWatch: field publishers: {pub!r} has no publish(report) and "
-                    "close(timeout_seconds) methods"
-                )
+        checked_publishers = check_publishers(publishers, "RankWatch")
         if gpu_timing is not None and not isinstance(gpu_timing, bool):
             raise TypeError(
                 f"RankWatch: field gpu_timing: expected True, False or None, got {gpu_timing!r}"
             )
         self.config = config
-        self.publishers: tuple[Publisher, ...] = tuple(publishers)
+        self.publishers: tuple[Publisher, ...] = checked_publishers
         self._gpu_timing = gpu_timing
         self._detected_strategy: str | None = None
         self._handles: list[Any] = []
@@ -425,12 +407,7 @@ class RankWatch:
     def __enter__(self) -> RankWatch:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # ---- internals -----------------------------------------------------------------------

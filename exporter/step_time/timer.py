@@ -18,7 +18,7 @@ How the columns are defined:
   fetched before the step opens) is credited to the next step.
 
 The CPU clock is ``time.perf_counter_ns``. The GPU clock (CUDA events, see
-:mod:`.event_pool`) is optional; its columns are filled later, when the device has passed the
+:mod:`.gpu_events`) is optional; its columns are filled later, when the device has passed the
 step's markers, which is why the ring has two cursors: ``written`` (CPU columns final) and
 ``finished`` (GPU columns final too). On CPU both advance together.
 
@@ -37,12 +37,12 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
-from rankwatch.diagnosis.step_time.rules import ROW_WIDTH, SIGNALS
+
+from rankwatch.diagnosis.step_time import ROW_WIDTH, SIGNALS
 from rankwatch.diagnosis.step_time.table import SYNC_SIGNALS
 
 if TYPE_CHECKING:
@@ -87,12 +87,7 @@ class _Phase:
             timer._gpu.begin(self._i)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._end(self._i)
 
 
@@ -112,12 +107,7 @@ class _SyncWait:
         self._start = self._timer._clock()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         timer = self._timer
         ns = timer._clock() - self._start
         self._start = -1
@@ -147,12 +137,7 @@ class _Step:
         self._timer.open_explicit(step_id)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         if exc_type is None:
             self._timer.end_step()
         else:

@@ -33,6 +33,7 @@ import dataclasses
 import math
 
 import numpy as np
+
 from rankwatch.diagnosis.config import NormalConfig
 from rankwatch.diagnosis.deepep.normal.report import Anomaly, ProbeResult
 from rankwatch.diagnosis.deepep.normal.robust import (

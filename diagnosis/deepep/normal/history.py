@@ -15,6 +15,7 @@ import math
 from collections import deque
 
 import numpy as np
+
 from rankwatch.diagnosis.config import NormalConfig
 
 __all__ = ["GlobalHistory", "GlobalVerdict"]

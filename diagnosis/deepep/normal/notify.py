@@ -9,6 +9,7 @@ a ratio at or below ``NormalConfig.notify_ratio`` (0.25) is late-arrival evidenc
 from __future__ import annotations
 
 import numpy as np
+
 from rankwatch.diagnosis.config import NormalConfig
 from rankwatch.diagnosis.deepep.normal.report import Anomaly, ProbeResult
 from rankwatch.diagnosis.deepep.normal.robust import median_excluding_self

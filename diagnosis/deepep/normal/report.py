@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from rankwatch.diagnosis.vocabulary import INCIDENT_SEVERITIES, NORMAL_INCIDENT_CLASSES
 
 __all__ = [

@@ -58,6 +58,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
+
 from rankwatch.diagnosis.deepep.normal.schema import (
     COMPLETION_PROBES,
     NOTIFY_PROBES,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from rankwatch.diagnosis.deepep.normal.schema import (
     COMPLETION_PROBES,
     NOTIFY_PROBES,

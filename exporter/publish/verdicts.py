@@ -1,53 +1,31 @@
-"""The run's final summary, and the words rankwatch uses to explain a diagnosis.
+"""The words rankwatch uses to explain a diagnosis.
 
 A diagnosis is only useful if a person can act on it, so every report can be turned into a
 :class:`Verdict`: *what* is wrong, *which rank*, *why* rankwatch thinks so (the numbers behind
 it), and *what to do*. The same wording serves the live table, ``rankwatch diagnose``,
-``rankwatch replay`` and the final summary.
-
-:class:`RunRecorder` is a publisher for the root: it follows every window (incidents with the
-same k-of-n / m-clean rules as the exporter), keeps the final long-window report the collectors
-publish at shutdown, and writes ``summary.json`` plus a short ``summary.txt`` verdict.
+``rankwatch replay`` and the run's summary (:mod:`.recorder`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
-import threading
-import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from rankwatch.diagnosis.deepep.normal.report import NormalReport
 from rankwatch.diagnosis.report import WindowReport
-from rankwatch.diagnosis.step_time.rules import Finding, StepTimeReport
+from rankwatch.diagnosis.step_time import Finding, StepTimeReport
 from rankwatch.diagnosis.vocabulary import SEVERITY_LEVELS
-from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.publish.incidents import IncidentEvent, IncidentTracker, OpenIncident
 
 __all__ = [
-    "SUMMARY_JSON",
-    "SUMMARY_TEXT",
-    "IncidentRecord",
-    "RunRecorder",
     "Verdict",
     "describe_normal",
     "describe_step",
     "incident_label",
     "normal_verdict",
     "step_verdict",
-    "summary_text",
-    "write_summary",
 ]
-
-SUMMARY_JSON = "summary.json"
-SUMMARY_TEXT = "summary.txt"
 
 
 @dataclass(frozen=True)
@@ -412,266 +390,3 @@ def incident_label(cls: str, cause: str, probe: str) -> str:
     if cls.startswith("step_time") or not probe:
         return cause
     return probe if cause == "rank" else f"{cause}: {probe}"
-
-
-@dataclass(frozen=True)
-class IncidentRecord:
-    """One incident of the run: when it opened, when (if) it closed, and its last evidence."""
-
-    incident_id: str
-    cls: str
-    severity: str
-    probe: str
-    cause: str
-    ranks: tuple[int, ...]
-    hostnames: tuple[str, ...]
-    score: float | None
-    opened_window: int
-    opened_at_s: float
-    closed_window: int | None = None
-    closed_at_s: float | None = None
-    causes: tuple[str, ...] = ()  # every cause seen while open, in order (e.g. input, compute)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["class"] = out.pop("cls")
-        out["ranks"] = list(self.ranks)
-        out["hostnames"] = list(self.hostnames)
-        out["causes"] = list(self.causes)
-        if self.score is not None and not math.isfinite(self.score):
-            out["score"] = None
-        return out
-
-
-class RunRecorder:
-    """A root-side publisher that remembers what the final summary needs.
-
-    It follows incidents with its own :class:`IncidentTracker` (the exporter's rules and
-    thresholds, so it agrees with ``rankwatch_incident_active``), keeps the latest live report of
-    each engine and the final ``summary`` window, and counts windows. :meth:`summary` returns the
-    final summary at any time. With ``out_dir``, ``close`` writes it there (``summary.json`` and
-    ``summary.txt``): ``RankWatch.close`` publishes the long window first, then closes its
-    publishers, so a recorder among them writes the run's summary at shutdown. A recorder that
-    never received a report (a rank other than the root) writes nothing.
-    """
-
-    def __init__(
-        self,
-        config: RankwatchConfig | None = None,
-        out_dir: str | os.PathLike[str] | None = None,
-        run: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.config = config if config is not None else RankwatchConfig()
-        self.out_dir = None if out_dir is None else Path(out_dir)
-        self.run = dict(run or {})
-        self.written: tuple[Path, Path] | None = None
-        self._tracker = IncidentTracker.from_config(self.config)
-        self._lock = threading.Lock()
-        self._incidents: dict[str, IncidentRecord] = {}
-        self.latest_step: WindowReport | None = None
-        self.latest_normal: WindowReport | None = None
-        self.final_step: WindowReport | None = None
-        self.windows: Counter[str] = Counter()
-        self.step_kinds: Counter[str] = Counter()
-        self.normal_classes: Counter[str] = Counter()
-
-    def publish(self, report: WindowReport) -> None:
-        """Follow one window (any engine, live or summary)."""
-        with self._lock:
-            if report.window_kind == "summary":
-                if report.step_time is not None:
-                    self.final_step = report
-                return
-            if report.step_time is not None:
-                self.latest_step = report
-                self.windows["step_time"] += 1
-                self.step_kinds[report.step_time.kind] += 1
-            if report.normal is not None:
-                self.latest_normal = report
-                self.windows["normal"] += 1
-                for inc in report.normal.incidents:
-                    self.normal_classes[inc.cls] += 1
-            if report.normal_invalid_reason:
-                self.windows["normal_invalid"] += 1
-            for event in self._tracker.update(report):
-                self._record(event)
-            for inc in self._tracker.snapshot().open:
-                self._follow(inc)
-
-    def _record(self, event: IncidentEvent) -> None:
-        inc = event.incident
-        known = self._incidents.get(inc.incident_id)
-        causes = known.causes if known is not None else ()
-        record = IncidentRecord(
-            incident_id=inc.incident_id,
-            cls=inc.cls,
-            severity=inc.severity,
-            probe=inc.probe,
-            cause=inc.cause,
-            ranks=tuple(inc.ranks),
-            hostnames=tuple(inc.hostnames),
-            score=inc.score,
-            opened_window=inc.opened_window,
-            opened_at_s=inc.opened_at_s,
-            causes=causes if inc.cause in causes else (*causes, inc.cause),
-        )
-        if event.action == "close":
-            record = _closed(record, event)
-        self._incidents[inc.incident_id] = record
-
-    def _follow(self, inc: OpenIncident) -> None:
-        # An open incident's severity escalates and its cause follows the latest window.
-        record = self._incidents.get(inc.incident_id)
-        if record is None or record.closed_at_s is not None:
-            return
-        causes = record.causes if inc.cause in record.causes else (*record.causes, inc.cause)
-        self._incidents[inc.incident_id] = replace(
-            record, severity=inc.severity, cause=inc.cause, score=inc.score, causes=causes
-        )
-
-    def close(self, timeout_seconds: float) -> None:
-        """Write the summary into ``out_dir`` (when given and a report was received)."""
-        with self._lock:
-            received = bool(self.windows) or self.final_step is not None
-        if self.out_dir is not None and received:
-            self.written = write_summary(self.out_dir, self.summary(self.run))
-
-    def incidents(self) -> list[IncidentRecord]:
-        """Every incident of the run so far, in opening order; open ones have no close time."""
-        with self._lock:
-            return sorted(self._incidents.values(), key=lambda r: (r.opened_at_s, r.incident_id))
-
-    def summary(self, run: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The final summary as JSON-ready data (see :func:`write_summary`)."""
-        with self._lock:
-            step_window = self.final_step or self.latest_step
-            normal_window = self.latest_normal
-            windows = dict(self.windows)
-            step_kinds = dict(self.step_kinds)
-            normal_classes = dict(self.normal_classes)
-        incidents = self.incidents()
-        out: dict[str, Any] = {
-            "run": dict(run or {}),
-            "written_at_s": time.time(),
-            "windows": windows,
-            "step_time": None,
-            "deepep_normal": None,
-            "incidents": [i.to_dict() for i in incidents],
-        }
-        if step_window is not None and step_window.step_time is not None:
-            st = step_window.step_time
-            out["step_time"] = {
-                "window_kind": step_window.window_kind,
-                "verdict": step_verdict(st, step_window).to_dict(),
-                "live_kinds_seen": step_kinds,
-                "report": st.to_dict(),
-                "ranks": [
-                    {"rank": r.rank, "hostname": r.hostname, "local_rank": r.local_rank}
-                    for r in step_window.ranks
-                ],
-            }
-        if normal_window is not None and normal_window.normal is not None:
-            nr = normal_window.normal
-            out["deepep_normal"] = {
-                "window_index": nr.window_index,
-                "verdict": normal_verdict(nr, normal_window).to_dict(),
-                "incident_classes_seen": normal_classes,
-                "last_window": nr.to_dict(include_arrays=False),
-            }
-        out["verdict"] = _headline(out)
-        return out
-
-
-def _closed(record: IncidentRecord, event: IncidentEvent) -> IncidentRecord:
-    return replace(record, closed_window=event.window_index, closed_at_s=event.time_s)
-
-
-def _headline(summary: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The one verdict the run ends on: the long step-time window, unless it found nothing and
-    DeepEP did (then the DeepEP one)."""
-    candidates = [
-        part["verdict"]
-        for part in (summary.get("step_time"), summary.get("deepep_normal"))
-        if part is not None
-    ]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda v: SEVERITY_LEVELS.get(v["severity"], 0))
-
-
-def _clock(t: float | None, start: float | None) -> str:
-    if t is None:
-        return "still open"
-    if start is None:
-        return time.strftime("%H:%M:%S", time.localtime(t))
-    return f"{t - start:+.0f} s"
-
-
-def summary_text(summary: Mapping[str, Any]) -> str:
-    """The short human verdict: what, which rank, why, what to do; then incidents and files."""
-    run = summary.get("run") or {}
-    start = run.get("started_at_s")
-    lines = ["rankwatch summary"]
-    facts = [f"{k}={run[k]}" for k in ("run_id", "ranks", "steps", "duration_s") if k in run]
-    if run.get("interrupted"):
-        facts.append("interrupted")
-    if facts:
-        lines.append("  " + ", ".join(str(f) for f in facts))
-    lines.append("")
-    sections = (
-        ("Step time (long window)", summary.get("step_time")),
-        ("DeepEP normal mode (last window)", summary.get("deepep_normal")),
-    )
-    for title, part in sections:
-        if part is None:
-            lines.append(f"{title}: no window was diagnosed.")
-            lines.append("")
-            continue
-        v = part["verdict"]
-        sev = f" [{v['severity']}]" if v.get("severity") else ""
-        lines.append(f"{title}: {v['what']}{sev}")
-        lines.append(f"  Why: {v['why']}")
-        lines.append(f"  What to do: {v['action']}")
-        lines.append("")
-    incidents = summary.get("incidents") or []
-    lines.append(f"Incidents of the run: {len(incidents)}")
-    for inc in incidents:
-        ranks = ",".join(str(r) for r in inc["ranks"]) or "-"
-        score = "" if inc.get("score") is None else f" score {inc['score']:.2f}"
-        causes = " then ".join(
-            incident_label(inc["class"], c, inc.get("probe") or "")
-            for c in inc.get("causes") or [inc["cause"]]
-        )
-        opened, closed = _clock(inc["opened_at_s"], start), _clock(inc["closed_at_s"], start)
-        lines.append(
-            f"  {inc['class']} {inc['severity']} ranks {ranks} ({causes}){score}: "
-            f"opened {opened}, closed {closed}"
-        )
-    files = summary.get("files") or {}
-    if files:
-        lines.append("")
-        lines.append("Files:")
-        for name, value in files.items():
-            lines.append(f"  {name}: {value}")
-    return "\n".join(lines) + "\n"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_summary(out_dir: str | os.PathLike[str], summary: Mapping[str, Any]) -> tuple[Path, Path]:
-    """Write ``summary.json`` and ``summary.txt`` into ``out_dir`` (atomically); return both."""
-    folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    json_path, text_path = folder / SUMMARY_JSON, folder / SUMMARY_TEXT
-    _atomic_write(json_path, json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    _atomic_write(text_path, summary_text(summary))
-    return json_path, text_path

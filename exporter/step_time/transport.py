@@ -1,0 +1,232 @@
+"""Point-to-point shipping of step rows to the group's root, over the dedicated Gloo group.
+
+Each rank ``isend``s fixed-size messages (:mod:`.messages`) to the root, which keeps one
+``irecv`` posted per peer.
+
+Gloo cannot abandon a wait: ``work.wait(timeout)`` that times out closes *every* connection of
+the group, and a posted receive cannot be polled (``is_completed()`` stays False until waited
+on). So the root never waits on a receive that has not arrived. After a sender's send
+completed (the data is in the root's posted buffer or on the wire to it) the sender increments
+its *doorbell*, a counter in the job's c10d store, then the group's doorbell total; the root
+reads the total per poll, all doorbells with one ``multi_get`` when it moved, and waits only
+on receives whose doorbell moved, which return at once. With ``gloo_lazy_connect`` the group
+connects lazily, so a rank opens a connection to the root only, never a full mesh; the
+root's first receives, which make those connections, are posted by connector threads (Gloo
+waits inside them for a peer that never connects). A dead peer's connection failing never
+affects the others'.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from rankwatch.diagnosis.step_time.table import ROW_WIDTH
+from rankwatch.exporter.step_time.messages import CHUNK_ROWS, TAG, message_buffer
+
+__all__ = ["GroupLayout", "Transport"]
+
+log = logging.getLogger(__name__)
+
+# Threads posting first receives on a lazily connected group: each rank that died before
+# its connection was made holds one for the group's timeout; the others keep connecting.
+_CONNECTOR_THREADS = 8
+_ANY_DOORBELL = "db/any"
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Who is in the group and who this process is (all global ranks)."""
+
+    ranks: tuple[int, ...]  # ascending
+    rank: int
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            raise ValueError("GroupLayout.ranks: value () is empty")
+        if list(self.ranks) != sorted(set(self.ranks)):
+            raise ValueError(
+                f"GroupLayout.ranks: value {self.ranks!r} must be ascending without duplicates"
+            )
+
+    @property
+    def root(self) -> int:
+        """The group's root: its lowest global rank."""
+        return self.ranks[0]
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank in self.ranks
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == self.root
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Every member except the root."""
+        return self.ranks[1:]
+
+
+class Transport:
+    """Point-to-point messages to the root on the dedicated Gloo group, with store doorbells.
+
+    Non-root: :meth:`send` (blocking; background thread only). Root: :meth:`poll` (returns the
+    messages that have arrived; never waits on one that has not).
+    """
+
+    def __init__(self, layout: GroupLayout, group: Any, store: Any, *, lazy: bool = False) -> None:
+        self.layout = layout
+        self.group = group
+        self.store = store
+        self._db = {r: f"db/{r}" for r in layout.ranks}
+        self.send_buffer = message_buffer()
+        self._recv: dict[int, tuple[Any, Any]] = {}
+        self._consumed: dict[int, int] = {}
+        # The group's doorbell total: every send rings it after its own doorbell, so an idle
+        # poll reads one key instead of one per peer (4,096 at a time in a large group).
+        self._rung = -1
+        self.broken: set[int] = set()  # peers whose connection failed
+        # Peers that hung up after their last message arrived (the next receive could not be
+        # posted): a rank that shipped its final rows and exited, or one that crashed.
+        self.closed: set[int] = set()
+        self.failed = False  # the store or the root is gone: nothing more will move
+        # Peers whose receive is not posted yet: the group connects lazily, and posting a
+        # receive connects to the peer, so the root posts one only once the peer says its end
+        # of the group exists (its hello key); a connection to a peer that has not created the
+        # group yet would be refused.
+        self._hello = {r: f"hello/{r}" for r in layout.ranks}
+        self._unposted: list[int] = []
+        # A lazily connected pair is connected by the root's first receive, and Gloo waits for
+        # the connection inside that call, up to the group's timeout: for a rank that died
+        # before connecting, that long. First receives are then posted by a few connector
+        # threads, so a dead rank holds one of them, never the window thread.
+        self._connect_queue: queue.SimpleQueue[int] | None = None
+        if lazy and layout.is_root and layout.peers:
+            self._connect_queue = queue.SimpleQueue()
+            for k in range(min(_CONNECTOR_THREADS, len(layout.peers))):
+                threading.Thread(
+                    target=self._connector, name=f"rankwatch-connect-{k}", daemon=True
+                ).start()
+        if layout.is_root:
+            for peer in layout.peers:
+                # Create every key so one multi_get never waits for one.
+                self._consumed[peer] = int(store.add(self._db[peer], 0))
+                store.add(self._hello[peer], 0)
+                self._unposted.append(peer)
+        else:
+            store.add(self._hello[layout.rank], 1)
+
+    def publish_identity(
+        self, hostname: str, local_rank: int, gpu: str = "", gpu_uuid: str = ""
+    ) -> None:
+        """Tell the root where this rank runs (once, at start-up)."""
+        self.store.set(
+            f"info/{self.layout.rank}", "\n".join((hostname, str(local_rank), gpu, gpu_uuid))
+        )
+
+    def identity(self, rank: int) -> tuple[str, int, str, str] | None:
+        """(hostname, local rank, GPU index, GPU UUID) a rank published, or None if it has not
+        (yet)."""
+        key = f"info/{rank}"
+        if not self.store.check([key]):
+            return None
+        host, local, gpu, gpu_uuid = [*self.store.get(key).decode().split("\n"), "", "", ""][:4]
+        try:
+            return host, int(local), gpu, gpu_uuid
+        except ValueError:
+            return host, 0, gpu, gpu_uuid
+
+    def _post(self, peer: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        buf = torch.empty((1 + CHUNK_ROWS, ROW_WIDTH), dtype=torch.float64)
+        work = dist.irecv(buf, src=peer, group=self.group, tag=TAG)
+        self._recv[peer] = (work, buf)
+
+    def send(self, message: NDArray[np.float64]) -> None:
+        """Ship one message to the root and ring the doorbell (blocks until the root's posted
+        receive has taken it; raises if the root's connection failed)."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.from_numpy(message)
+        work = dist.isend(tensor, dst=self.layout.root, group=self.group, tag=TAG)
+        if work is not None:  # None only for a process outside the group
+            work.wait()
+        self.store.add(self._db[self.layout.rank], 1)
+        self.store.add(_ANY_DOORBELL, 1)
+
+    def _admit(self) -> None:
+        """Post the first receive of every peer that has created its end of the group."""
+        said = self.store.multi_get([self._hello[p] for p in self._unposted])
+        waiting = []
+        for peer, value in zip(self._unposted, said, strict=True):
+            if int(value) < 1:
+                waiting.append(peer)
+            elif self._connect_queue is not None:
+                self._connect_queue.put(peer)
+            else:
+                self._post_first(peer)
+        self._unposted = waiting
+
+    def _post_first(self, peer: int) -> None:
+        try:
+            self._post(peer)
+        except RuntimeError as exc:
+            log.warning("rankwatch: cannot connect to rank %d: %s", peer, exc)
+            self.broken.add(peer)
+
+    def _connector(self) -> None:
+        """Connector thread: posts first receives (``poll`` reads a peer once it is posted)."""
+        assert self._connect_queue is not None
+        while True:
+            self._post_first(self._connect_queue.get())
+
+    def poll(self) -> list[NDArray[np.float64]]:
+        """Messages that arrived since the last poll (root only; never blocks on a peer)."""
+        if self._unposted:
+            self._admit()
+        peers = [
+            p
+            for p in self.layout.peers
+            if p not in self.broken and p not in self.closed and p in self._recv
+        ]
+        if not peers:
+            return []
+        # Read the total first: every doorbell it counts has already moved (a sender rings
+        # its own before the total), so nothing it counts can be missed below.
+        total = int(self.store.add(_ANY_DOORBELL, 0))
+        if total == self._rung:
+            return []
+        raw = self.store.multi_get([self._db[p] for p in peers])
+        out: list[NDArray[np.float64]] = []
+        for peer, value in zip(peers, raw, strict=True):
+            rung = int(value)
+            while self._consumed[peer] < rung:
+                work, buf = self._recv[peer]
+                try:
+                    work.wait()  # the doorbell says it has arrived: returns at once
+                except RuntimeError as exc:
+                    log.warning("rankwatch: connection to rank %d failed: %s", peer, exc)
+                    self.broken.add(peer)
+                    break
+                self._consumed[peer] += 1
+                out.append(buf.numpy())  # a fresh buffer is posted next: no copy needed
+                try:
+                    self._post(peer)
+                except RuntimeError as exc:
+                    # The peer closed its end after this message: keep what arrived (its
+                    # final rows, when it is done) instead of failing the whole poll.
+                    log.info("rankwatch: rank %d closed its connection: %s", peer, exc)
+                    self.closed.add(peer)
+                    break
+        self._rung = total
+        return out
