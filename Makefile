@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test test-floors lint typecheck unit generate bench bench-scale accuracy \
+.PHONY: venv backends demo test test-fast test-floors lint typecheck unit generate bench bench-scale accuracy \
 	accuracy-deepep clean
 
 $(STAMP): pyproject.toml
@@ -49,6 +49,12 @@ typecheck: venv
 unit: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The pure unit tests (engines, collectors' and publishers' parts): no process worlds, no real
+# servers, nothing marked slow; under a minute. The full suite is `make test`.
+test-fast: venv
+	$(PY) -m pytest -q -m "(diagnosis or exporter) and not (multiproc or servers or slow)" \
+		$(PYTEST_ARGS)
+
 test: venv backends lint typecheck unit
 
 # The declared dependency floors, tested: a fresh environment with every runtime dependency (and
@@ -64,12 +70,13 @@ test-floors: backends
 	$(FLOORS_VENV)/bin/python -m pip install -q --constraint $(FLOORS_VENV)/floors.txt \
 		-e '.[grpc]' pytest pytest-timeout hypothesis
 	$(FLOORS_VENV)/bin/python -m pip list --format=freeze | grep -iE 'opentelemetry|prometheus|numpy'
-	$(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_otlp.py \
-		tests/test_prometheus.py tests/test_publish.py tests/test_publish_samples.py
+	$(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/exporter/publish/test_otlp.py tests/exporter/publish/test_prometheus.py \
+		tests/exporter/publish/test_publish.py tests/exporter/publish/test_publish_samples.py
 
 # Rewrites every generated file in place: the dashboards, alert rules and their Kubernetes
 # objects, the metric table in docs/metrics.md and the DeepEP pictures in docs/img (removed first,
-# so a chart that is no longer drawn goes too). tests/test_generated_files.py runs the same
+# so a chart that is no longer drawn goes too). tests/project/test_generated_files.py runs the same
 # generators and fails on a stale file. Accuracy and benchmark tables are measurements: their
 # own targets below.
 generate: venv

@@ -1,0 +1,179 @@
+"""The integrations' parts in one process: optimizer unwrapping, the in-place loader, the
+incident callback of the publishing hub."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.integrations import unwrap_optimizer, watch_loader_in_place
+from rankwatch.exporter.publish.hub import PublisherHub
+from rankwatch.exporter.step_time.rank_watch import RankWatch
+
+
+def _config(**overrides: Any) -> RankwatchConfig:
+    return RankwatchConfig.from_env(env={}, metrics_enabled=False, otlp_enabled=False, **overrides)
+
+
+def test_unwrap_optimizer_reaches_the_torch_optimizer_inside_accelerate_and_lightning() -> None:
+    from accelerate import Accelerator
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    assert unwrap_optimizer(sgd) is sgd
+    wrapped = Accelerator(cpu=True).prepare(sgd)  # one process: no process group
+    assert type(wrapped).__name__ == "AcceleratedOptimizer"
+    assert unwrap_optimizer(wrapped) is sgd
+    assert unwrap_optimizer(LightningOptimizer(sgd)) is sgd
+    assert unwrap_optimizer(None) is None
+    assert unwrap_optimizer(object()) is None
+
+
+def test_loader_in_place_times_each_fetch_and_gives_the_class_back() -> None:
+    from accelerate.data_loader import DataLoaderShard
+
+    loader = DataLoaderShard(list(range(12)), batch_size=3)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rw = RankWatch(config=_config())
+    rw.watch(model, opt)
+    restore = watch_loader_in_place(rw, loader)
+    # Still a DataLoader to isinstance (Accelerate's own disguise) and a DataLoaderShard.
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    assert isinstance(loader, DataLoaderShard) and type(loader) is not DataLoaderShard
+    assert len(loader) == 4
+    batches = 0
+    for batch in loader:  # iterated as the framework does: the object itself
+        model(batch.float().unsqueeze(1)).sum().backward()
+        opt.step()
+        batches += 1
+    assert batches == 4
+    timer = rw.timer
+    assert timer is not None and timer.written == 4
+    assert all(not math.isnan(v) for v in timer.ring[:4, 1])  # input_wait in every row
+    assert all(math.isnan(v) for v in timer.ring[:4, 2])  # no h2d: the loader moves batches
+    restore()
+    assert type(loader) is DataLoaderShard
+    assert next(iter(loader)).tolist() == [0, 1, 2]
+    assert timer.written == 4  # no longer timed
+    rw.close(1.0)
+
+
+def test_loader_in_place_leaves_an_inactive_rankwatch_alone() -> None:
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    rw = RankWatch(config=_config(enabled=False))
+    restore = watch_loader_in_place(rw, loader)
+    assert type(loader) is torch.utils.data.DataLoader
+    restore()
+
+
+def test_hub_calls_on_incident_with_each_event_and_survives_its_errors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from rankwatch.exporter.publish.incidents import IncidentEvent
+    from tests.publish_reports import step_window
+
+    with pytest.raises(TypeError, match="on_incident"):
+        PublisherHub(_config(), metrics=False, otlp=False, on_incident="stop")  # type: ignore[arg-type]
+    seen: list[IncidentEvent] = []
+
+    def on_incident(event: IncidentEvent) -> None:
+        seen.append(event)
+        raise RuntimeError("the script's own bug")
+
+    hub = PublisherHub(_config(), metrics=False, otlp=False, on_incident=on_incident)
+    with caplog.at_level(logging.ERROR, logger="rankwatch.publishing"):
+        # Two windows with rank 2 as input straggler open it; three clean ones close it.
+        for i, culprit in enumerate([2, 2, None, None, None]):
+            hub.publish(step_window(i, culprit=culprit))
+        assert hub.flush(10.0)
+    hub.close(2.0)
+    assert [(e.action, e.incident.cls, e.incident.ranks) for e in seen] == [
+        ("open", "step_time_straggler", (2,)),
+        ("close", "step_time_straggler", (2,)),
+    ]
+    assert seen[0].window_index == 1 and seen[1].window_index == 4
+    assert caplog.text.count("on_incident failed") == 2  # logged, and publishing went on
+
+
+def test_the_core_never_imports_a_framework() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pkgutil, importlib, rankwatch.exporter as e\n"
+        "for m in pkgutil.iter_modules(e.__path__):\n"
+        "    if m.name != 'integrations':\n"
+        "        importlib.import_module('rankwatch.exporter.' + m.name)\n"
+        "import rankwatch.exporter.integrations\n"
+        "print(sorted(n for n in ('transformers', 'accelerate', 'lightning', 'deepspeed')"
+        " if n in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out
+
+
+def test_lightning_callback_makes_one_row_per_optimizer_step_when_accumulating(
+    tmp_path: Any,
+) -> None:
+    import lightning.pytorch as lp
+
+    from rankwatch.exporter.integrations.lightning import RankwatchCallback
+    from tests.e2e.test_integration_lightning import make_module
+    from tests.framework_world import pairs_loader
+
+    callback = RankwatchCallback(lambda: RankWatch(config=_config()))
+    trainer = lp.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=5,
+        accumulate_grad_batches=2,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(make_module(), train_dataloaders=pairs_loader(0, 8 * 10))
+    rw = callback.rankwatch
+    assert rw is not None and rw.timer is not None and not rw.active
+    rows = rw.timer.ring[: rw.timer.written]
+    assert len(rows) == 5  # ten batches, five optimizer steps
+    assert not any(math.isnan(v) for v in rows[:, [1, 3, 4, 5]].ravel())
+    assert all(math.isnan(v) for v in rows[:, 2])  # h2d is not timed
+
+
+def test_trainer_callback_makes_one_row_per_optimizer_step_when_accumulating(
+    tmp_path: Any,
+) -> None:
+    from transformers import Trainer
+
+    from rankwatch.exporter.integrations.transformers import RankwatchCallback
+    from tests.e2e.test_integration_transformers import (
+        SlowCollator,
+        TokenDataset,
+        tiny_bert,
+        training_args,
+    )
+
+    callback = RankwatchCallback(lambda: RankWatch(config=_config()))
+    trainer = Trainer(
+        model=tiny_bert(),
+        args=training_args(str(tmp_path), 5, None, gradient_accumulation_steps=2),
+        train_dataset=TokenDataset(4 * 10),
+        data_collator=SlowCollator(0.0),
+        callbacks=[callback],
+    )
+    trainer.train()
+    rw = callback.rankwatch
+    assert rw is not None and rw.timer is not None and not rw.active
+    rows = rw.timer.ring[: rw.timer.written]
+    assert len(rows) == 5  # ten micro-batches, five optimizer steps
+    assert not any(math.isnan(v) for v in rows[:, [1, 3, 4, 5]].ravel())
+    assert type(trainer.callback_handler.train_dataloader).__module__ == "accelerate.data_loader"

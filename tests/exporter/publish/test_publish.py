@@ -1,0 +1,202 @@
+"""The publishing hub, ``default_publishers`` and ``rankwatch.exporter.init``."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+import rankwatch.exporter as exporter
+from rankwatch.diagnosis.report import WindowReport
+from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.publish.hub import (
+    MAX_QUEUED_REPORTS,
+    PUBLISH_QUEUE,
+    HealthCounters,
+    LatestState,
+    PublisherHub,
+    default_publishers,
+)
+from rankwatch.exporter.publish.incidents import IncidentSnapshot
+from rankwatch.exporter.publish.protocol import Publisher
+from tests.exporter.publish.test_otlp import OTEL_VARS
+from tests.publish_reports import T0, full_report, rank_infos, step_report, window
+from tests.servers import http_get
+
+
+@pytest.fixture(autouse=True)
+def clean_otel_env(monkeypatch):
+    for name in OTEL_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def quiet_hub(**config) -> PublisherHub:
+    return PublisherHub(RankwatchConfig(metrics_enabled=False, **config), otlp=False)
+
+
+def test_hub_is_a_publisher():
+    hub = quiet_hub()
+    try:
+        assert isinstance(hub, Publisher)
+        assert hub.metrics_url is None and hub.otlp is None
+    finally:
+        hub.close()
+
+
+def test_a_burst_keeps_the_newest_reports_and_counts_the_dropped():
+    hub = quiet_hub()
+    try:
+        reports = [full_report(index=i, ep=16) for i in range(50)]
+        t0 = time.perf_counter()
+        for r in reports:
+            hub.publish(r)
+        burst = time.perf_counter() - t0
+        assert hub.flush(30)
+        assert hub.state.report is reports[-1]
+        dropped = hub.health.snapshot().export_failures[PUBLISH_QUEUE]
+        # each EP16 report takes the hub milliseconds; 50 arrive in far less than that
+        assert 50 - MAX_QUEUED_REPORTS - 10 <= dropped < 50
+        print(f"50 publish() calls took {burst * 1e6:.0f} us; {dropped} reports dropped")
+    finally:
+        hub.close()
+
+
+def test_a_report_that_fails_to_publish_does_not_stop_the_hub(caplog):
+    hub = quiet_hub()
+    try:
+        broken = WindowReport("world", 0, T0, rank_infos(2), normal=object())  # type: ignore[arg-type]
+        hub.publish(broken)
+        assert hub.flush(10)
+        assert "publishing window 0 failed" in caplog.text
+        hub.publish(window(1, n=4, step_time=step_report(4)))
+        assert hub.flush(10)
+        assert hub.state.report is not None and hub.state.report.window_index == 1
+    finally:
+        hub.close()
+
+
+def test_incident_lines_are_text_when_json_is_off(caplog):
+    caplog.set_level(logging.INFO, logger="rankwatch.incidents")
+    hub = quiet_hub(log_json=False, incident_open_k=1, incident_open_n=1)
+    try:
+        hub.publish(window(0, n=4, step_time=step_report(4, culprit=1)))
+        assert hub.flush(10)
+    finally:
+        hub.close()
+    (rec,) = [r for r in caplog.records if r.name == "rankwatch.incidents"]
+    assert rec.levelname == "WARNING"
+    assert rec.getMessage().startswith("rankwatch incident opened: critical step_time_straggler")
+
+
+def test_collection_errors_and_invalid_windows_are_counted():
+    hub = quiet_hub()
+    try:
+        hub.count_collection_error("gather_timeout")
+        hub.count_collection_error("gather_timeout")
+        hub.publish(window(0, n=4, normal_invalid_reason="counter_reset"))
+        assert hub.flush(10)
+        counts = {
+            (s.name, s.labels[2:]): s.value
+            for s in hub.state.samples()
+            if s.name.endswith("_total") and s.name != "rankwatch_incidents_total"
+        }
+        assert counts[("rankwatch_collection_errors_total", ("gather_timeout",))] == 2
+        assert counts[("rankwatch_deepep_window_invalid_total", ("counter_reset",))] == 1
+        assert counts[("rankwatch_export_failures_total", (PUBLISH_QUEUE,))] == 0
+        with pytest.raises(ValueError, match="reason"):
+            hub.count_collection_error("")
+    finally:
+        hub.close()
+
+
+def test_close_is_idempotent_and_publish_after_close_is_ignored():
+    hub = PublisherHub(RankwatchConfig(metrics_port=0, shutdown_timeout_seconds=1.0), otlp=False)
+    url = hub.metrics_url
+    assert url is not None and b"rankwatch_exporter_up" in http_get(url)
+    t0 = time.perf_counter()
+    hub.close()
+    assert time.perf_counter() - t0 < 1.0
+    hub.close()
+    hub.publish(window(0, n=2))
+    assert hub.state.report is None
+    with pytest.raises(OSError):
+        http_get(url, timeout=1.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"config": {"metrics_port": 0}}, TypeError, "config"),
+        ({"local_rank": -1}, ValueError, "local_rank"),
+        ({"rank": "0"}, ValueError, "rank"),
+        ({"clock": 5.0}, TypeError, "clock"),
+        ({"otlp": True}, ValueError, "otlp"),
+        ({"otlp": "grpc"}, TypeError, "otlp"),
+    ],
+)
+def test_hub_rejects_bad_arguments(kwargs, exc, match):
+    args = {"config": RankwatchConfig(metrics_enabled=False)}
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        PublisherHub(**args)
+
+
+def test_hub_entry_points_reject_bad_input():
+    hub = quiet_hub()
+    try:
+        with pytest.raises(TypeError, match="report"):
+            hub.publish({"window_index": 0})  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="timeout_seconds"):
+            hub.flush(-1.0)
+        with pytest.raises(ValueError, match="timeout_seconds"):
+            hub.close(float("inf"))
+    finally:
+        hub.close()
+    with pytest.raises(ValueError, match="exporter"):
+        HealthCounters(0.0).export_failed("")
+    state = LatestState(RankwatchConfig(), HealthCounters(0.0))
+    with pytest.raises(TypeError, match="report"):
+        state.update(None, IncidentSnapshot())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="incidents"):
+        state.update(window(0, n=2), ())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config"):
+        LatestState(None, HealthCounters(0.0))  # type: ignore[arg-type]
+
+
+def test_rank_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match="RANK"):
+        quiet_hub()
+
+
+def test_default_publishers_follow_the_config():
+    assert default_publishers(RankwatchConfig(enabled=False), 0) == []
+    (hub,) = default_publishers(RankwatchConfig(metrics_port=0), 1)
+    try:
+        assert isinstance(hub, PublisherHub) and hub.metrics_url is not None
+    finally:
+        hub.close(2)
+    with pytest.raises(TypeError, match="config"):
+        default_publishers(None, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="local_rank"):
+        default_publishers(RankwatchConfig(), True)  # type: ignore[arg-type]
+
+
+def test_init_starts_rankwatch_with_the_default_publishers(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    rw = exporter.init(metrics_port=0, run_id="init-test")
+    try:
+        (hub,) = rw.publishers
+        assert isinstance(hub, PublisherHub)
+        assert hub.config.run_id == "init-test"
+        assert hub.metrics_url is not None
+        assert b'run="init-test"' in http_get(hub.metrics_url)
+    finally:
+        rw.close(5.0)
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with pytest.raises(ValueError, match="LOCAL_RANK"):
+        exporter.init(metrics_port=0)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(TypeError, match="no_such_option"):
+        exporter.init(no_such_option=1)

@@ -1,0 +1,85 @@
+"""Every generated file in the repository is what its generator writes today.
+
+``make generate`` runs the generators in place; each test here runs the same generator without
+touching the checkout and names every committed file that differs, so CI (``make test``) fails
+on a stale file. This is the only freshness check of these files:
+
+- ``dashboards/generate.py``: the dashboards, the alert rules and their Kubernetes objects;
+- ``rankwatch.exporter.publish.catalogue``: the metric table in ``docs/metrics.md``;
+- ``rankwatch.exporter.cli.heatmap.render_phase_gallery``: the pictures ``docs/img/deepep-*.png``.
+
+``docs/accuracy.md``, the accuracy section of ``docs/diagnosis-deepep.md`` and
+``docs/benchmarks.md`` are measurements with targets of their own (``make accuracy``,
+``make accuracy-deepep``, ``make bench``), not generated files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import PIL
+from PIL import Image
+
+from rankwatch.exporter.cli.heatmap import render_phase_gallery
+from rankwatch.exporter.publish.catalogue import render_doc
+from tests.dashboards.test_dashboards import generator
+from tests.servers import REPO
+
+FIX = "run `make generate`"
+IMG = REPO / "docs" / "img"
+GALLERY = "deepep-*.png"
+
+
+def _fail_if_stale(stale: list[str]) -> None:
+    assert not stale, f"stale generated file(s), {FIX}:\n  " + "\n  ".join(stale)
+
+
+def test_dashboards_rules_and_manifests_are_current() -> None:
+    rendered: dict[Path, str] = generator().render(root=REPO)
+    stale = []
+    for path, text in rendered.items():
+        name = path.relative_to(REPO).as_posix()
+        if not path.exists():
+            stale.append(f"{name}: missing")
+        elif path.read_text() != text:
+            stale.append(f"{name}: differs from dashboards/generate.py's output")
+    _fail_if_stale(stale)
+
+
+def test_metric_catalogue_table_is_current() -> None:
+    doc = REPO / "docs" / "metrics.md"
+    text = doc.read_text()
+    current = render_doc(text) == text
+    _fail_if_stale([] if current else ["docs/metrics.md: the catalogue table differs"])
+
+
+def _pixels(path: Path) -> np.ndarray:
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+def test_doc_pictures_are_current(tmp_path: Path) -> None:
+    # Pixels, not bytes: the bytes are reproducible on one machine (no Software tag, no
+    # timestamp), but the PNG's compressed stream depends on the zlib Pillow was built with
+    # (zlib or zlib-ng), so equal pictures can differ byte for byte on another machine.
+    rendered = {p.name: p for p in render_phase_gallery(tmp_path)}  # 20 charts, ~7 s
+    committed = {p.name: p for p in IMG.glob(GALLERY)}
+    stale = [f"docs/img/{name}: missing" for name in sorted(rendered.keys() - committed.keys())]
+    stale += [
+        f"docs/img/{name}: no longer generated" for name in sorted(committed.keys() - rendered)
+    ]
+    for name in sorted(rendered.keys() & committed.keys()):
+        new, old = _pixels(rendered[name]), _pixels(committed[name])
+        if new.shape != old.shape:
+            stale.append(f"docs/img/{name}: size {old.shape[1::-1]} -> {new.shape[1::-1]}")
+        elif not np.array_equal(new, old):
+            changed = int(np.any(new != old, axis=-1).sum())
+            total = new.shape[0] * new.shape[1]
+            stale.append(f"docs/img/{name}: {changed} of {total} pixels differ")
+    if stale:
+        # Pixels depend on the matplotlib and Pillow releases: say which ones drew them.
+        versions = f"matplotlib {matplotlib.__version__}, Pillow {PIL.__version__}"
+        stale.append(f"(rendered with {versions})")
+    _fail_if_stale(stale)
