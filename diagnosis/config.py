@@ -17,9 +17,11 @@ from typing import Any, TypeVar, get_type_hints
 __all__ = [
     "DeclaredOption",
     "DiagnosisConfig",
+    "EnvOptions",
     "LowLatencyConfig",
     "NormalConfig",
     "StepTimeConfig",
+    "config_or_default",
     "declared_options",
     "from_env",
     "option",
@@ -190,8 +192,38 @@ def declared_options(root: type) -> tuple[DeclaredOption, ...]:
     return tuple(found)
 
 
+_O = TypeVar("_O", bound="EnvOptions")
+
+
+class EnvOptions:
+    """Base of the option objects: validated when built, loaded from the environment.
+
+    A subclass is a frozen dataclass whose fields carry :func:`option` metadata; one that checks
+    more than the fields one by one extends ``__post_init__`` (calling this one first).
+    """
+
+    def __post_init__(self) -> None:
+        validate_options(self)
+
+    @classmethod
+    def from_env(cls: type[_O], env: Mapping[str, str] | None = None, **overrides: Any) -> _O:
+        """The environment's variables first (``os.environ`` by default), then keyword
+        overrides; every value validated."""
+        return from_env(cls, env, **overrides)
+
+
+def config_or_default(config: object, kind: type[_O], error: type[Exception] = TypeError) -> _O:
+    """``config`` when it is a ``kind``, ``kind()`` when it is None; ``error`` naming the field
+    and the type otherwise (the check every engine's public entry point makes)."""
+    if config is None:
+        return kind()
+    if not isinstance(config, kind):
+        raise error(f"config: expected {kind.__name__} or None, got {type(config).__name__}")
+    return config
+
+
 @dataclass(frozen=True)
-class StepTimeConfig:
+class StepTimeConfig(EnvOptions):
     """Step-time rank-straggler policy (TraceML's Step Time rules)."""
 
     straggler_warning_score: float = field(
@@ -220,7 +252,7 @@ class StepTimeConfig:
     )
 
     def __post_init__(self) -> None:
-        validate_options(self)
+        super().__post_init__()
         if self.straggler_critical_score < self.straggler_warning_score:
             raise ValueError(
                 "StepTimeConfig.straggler_critical_score: must be >= straggler_warning_score "
@@ -237,13 +269,9 @@ class StepTimeConfig:
                 f"({self.min_steps_warning}), got {self.min_steps_critical}"
             )
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> StepTimeConfig:
-        return from_env(cls, env, **overrides)
-
 
 @dataclass(frozen=True)
-class NormalConfig:
+class NormalConfig(EnvOptions):
     """DeepEP normal-mode diagnosis (DeepXTrace's normal-mode decision table).
 
     The user-facing ratios read ``DEEPEP_DIAGNOSE_*`` variables; the robust-score and history
@@ -281,20 +309,16 @@ class NormalConfig:
     )
 
     def __post_init__(self) -> None:
-        validate_options(self)
+        super().__post_init__()
         if self.history_horizon < self.history_bootstrap:
             raise ValueError(
                 "NormalConfig.history_horizon: must be >= history_bootstrap "
                 f"({self.history_bootstrap}), got {self.history_horizon}"
             )
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NormalConfig:
-        return from_env(cls, env, **overrides)
-
 
 @dataclass(frozen=True)
-class LowLatencyConfig:
+class LowLatencyConfig(EnvOptions):
     """DeepEP low-latency receive-wait matrix rule (DeepXTrace's names and defaults)."""
 
     thres_col: float = field(
@@ -309,13 +333,6 @@ class LowLatencyConfig:
     excluding_zeros: int = field(
         default=0, metadata=option("DEEPEP_DIAGNOSE_EXCLUDING_ZEROS", 0, 1)
     )
-
-    def __post_init__(self) -> None:
-        validate_options(self)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> LowLatencyConfig:
-        return from_env(cls, env, **overrides)
 
 
 @dataclass(frozen=True)

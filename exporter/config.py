@@ -22,6 +22,7 @@ from typing import Any
 from rankwatch.diagnosis.config import (
     DeclaredOption,
     DiagnosisConfig,
+    EnvOptions,
     declared_options,
     from_env,
     option,
@@ -38,7 +39,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class DeepEPConfig:
+class DeepEPConfig(EnvOptions):
     """DeepXTrace-compatible settings of the DeepEP collector (``DEEPEP_DIAGNOSE_*``).
 
     Part of the one configuration object, as ``RankwatchConfig.deepep``;
@@ -58,14 +59,6 @@ class DeepEPConfig:
     log_details: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_LOG_DETAILS"))
     export_npz: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_EXPORT_NPZ"))
     npz_retention: int = field(default=100, metadata=option("DEEPEP_DIAGNOSE_NPZ_RETENTION", 1))
-
-    def __post_init__(self) -> None:
-        validate_options(self)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> DeepEPConfig:
-        """``DEEPEP_DIAGNOSE_*`` variables first, then keyword overrides (validated)."""
-        return from_env(cls, env, **overrides)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rankwatch.diagnosis.config import LowLatencyConfig
+from rankwatch.diagnosis.config import LowLatencyConfig, config_or_default
 
 __all__ = [
     "DENOMINATOR_EPSILON",
@@ -264,10 +264,7 @@ def diagnose_low_latency(
     """
     if not isinstance(phase, str) or phase not in PHASES:
         raise ValueError(f"phase: must be one of {list(PHASES)}, got {phase!r}")
-    if config is None:
-        config = LowLatencyConfig()
-    elif not isinstance(config, LowLatencyConfig):
-        raise TypeError(f"config: expected LowLatencyConfig or None, got {type(config).__name__}")
+    config = config_or_default(config, LowLatencyConfig)
     r = _compute(
         mat, config.thres_col, config.thres_row, config.thres_point, True, config.excluding_zeros
     )

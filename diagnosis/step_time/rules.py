@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from rankwatch.diagnosis.config import StepTimeConfig
+from rankwatch.diagnosis.config import StepTimeConfig, config_or_default
 from rankwatch.diagnosis.step_time.report import (
     COMPONENTS,
     GPU_TIMING,
@@ -141,13 +141,8 @@ def strategy_from_metadata(value: object) -> str:
 
 
 def _config(config: StepTimeConfig | None) -> StepTimeConfig:
-    if config is None:
-        return StepTimeConfig()
-    if not isinstance(config, StepTimeConfig):
-        raise ValueError(
-            f"field config: value of type {type(config).__name__} is not a StepTimeConfig"
-        )
-    return config
+    # ValueError, not TypeError: every bad input of this engine is a ValueError (documented).
+    return config_or_default(config, StepTimeConfig, ValueError)
 
 
 def _mean_value(rank: int, key: str, value: object) -> float | None:

@@ -47,7 +47,7 @@ from rankwatch.exporter.deepep.snapshot import (
 )
 from rankwatch.exporter.gloo import create_gloo_group
 from rankwatch.exporter.identity import DEFAULT_NODE_NAME_ENV, local_rank_from_env, node_hostname
-from rankwatch.exporter.publish.protocol import Publisher
+from rankwatch.exporter.publish.protocol import Publisher, check_publishers
 
 __all__ = ["HISTORY_WINDOWS", "Diagnose", "infer_ranks_per_node"]
 
@@ -297,13 +297,7 @@ class Diagnose:
                     "gather_timeout_seconds: must be a finite number > 0, "
                     f"got {gather_timeout_seconds!r}"
                 )
-            if isinstance(publishers, (str, bytes)) or not isinstance(publishers, Sequence):
-                raise TypeError(f"publishers: expected a sequence of Publisher, got {publishers!r}")
-            for i, pub in enumerate(publishers):
-                if not isinstance(pub, Publisher):
-                    raise TypeError(
-                        f"publishers[{i}]: expected a Publisher (publish, close), got {pub!r}"
-                    )
+            publishers = check_publishers(publishers, "Diagnose.create_from_env")
             stream = _as_cuda_stream(snapshot_stream)
             # One object for every setting: the same one init() built when it is passed in.
             rw_config = RankwatchConfig.from_env(source) if config is None else config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rankwatch.diagnosis.config import NormalConfig
+from rankwatch.diagnosis.config import NormalConfig, config_or_default
 from rankwatch.diagnosis.deepep.normal.completion import GATEWAY_PROBES, diagnose_completion
 from rankwatch.diagnosis.deepep.normal.correlate import correlate
 from rankwatch.diagnosis.deepep.normal.history import GlobalHistory
@@ -26,11 +26,7 @@ class NormalDiagnoser:
     """
 
     def __init__(self, config: NormalConfig | None = None) -> None:
-        if config is None:
-            config = NormalConfig()
-        if not isinstance(config, NormalConfig):
-            raise TypeError(f"config: expected a NormalConfig, got {type(config).__name__}")
-        self.config = config
+        self.config = config_or_default(config, NormalConfig)
         self.history = GlobalHistory(config)
 
     def reset(self) -> None:

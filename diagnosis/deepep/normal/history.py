@@ -16,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-from rankwatch.diagnosis.config import NormalConfig
+from rankwatch.diagnosis.config import NormalConfig, config_or_default
 
 __all__ = ["GlobalHistory", "GlobalVerdict"]
 
@@ -30,11 +30,7 @@ class GlobalHistory:
     """Bounded per-probe history of accepted normal aggregates (a class: it holds state)."""
 
     def __init__(self, config: NormalConfig | None = None) -> None:
-        if config is None:
-            config = NormalConfig()
-        if not isinstance(config, NormalConfig):
-            raise TypeError(f"config: expected a NormalConfig, got {type(config).__name__}")
-        self.config = config
+        self.config = config_or_default(config, NormalConfig)
         self._values: dict[str, deque[float]] = {}
         self._layout: tuple[int, int] | None = None
 
