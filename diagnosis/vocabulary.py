@@ -1,18 +1,25 @@
 """The words both engines and every publisher share, defined once: severities and their order,
-the straggler kinds, the incident classes."""
+the step-time kinds and components, the incident classes."""
 
 from __future__ import annotations
 
 __all__ = [
     "BOTTLENECK_CLASS",
+    "COMPONENTS",
+    "GLOBAL_DATA_PATH_SLOWDOWN",
     "INCIDENT_CLASSES",
     "INCIDENT_SEVERITIES",
+    "KINDS",
+    "LOCALIZED_DATA_PATH_SLOWDOWN",
     "NORMAL_INCIDENT_CLASSES",
+    "PRE_STAGE_ARRIVAL_SKEW",
     "SEVERITIES",
     "SEVERITY_LEVELS",
+    "STATUS_KINDS",
     "STRAGGLER_CLASS",
     "STRAGGLER_KINDS",
     "UNATTRIBUTED",
+    "UNCLASSIFIED",
 ]
 
 # Severities of a finding, most severe first.
@@ -23,7 +30,25 @@ SEVERITY_LEVELS: dict[str | None, int] = {None: 0, "info": 1, "warning": 2, "cri
 # Severities that open an incident, in increasing order (info findings never page).
 INCIDENT_SEVERITIES: tuple[str, ...] = ("warning", "critical")
 
-# The step-time straggler kind named by the component that covers the visible gap.
+# The step-time engine's kinds: stragglers, bottlenecks, then the statuses of a window with no
+# finding (``severity`` None).
+KINDS: tuple[str, ...] = (
+    "STRAGGLER",
+    "INPUT_STRAGGLER",
+    "COMPUTE_STRAGGLER",
+    "H2D_STRAGGLER",
+    "INPUT_BOUND",
+    "H2D_BOUND",
+    "RESIDUAL_HEAVY",
+    "COMPUTE_BOUND",
+    "WARMUP",
+    "INCOMPLETE_DATA",
+    "BALANCED",
+)
+STATUS_KINDS: tuple[str, ...] = ("WARMUP", "INCOMPLETE_DATA", "BALANCED")
+# The components a straggler's visible gap is attributed to (this order breaks ties), and the
+# kind each names; a gap no component covers is a plain ``STRAGGLER``.
+COMPONENTS: tuple[str, ...] = ("input", "h2d", "compute")
 UNATTRIBUTED = "sync_or_unattributed"
 STRAGGLER_KINDS: dict[str, str] = {
     "input": "INPUT_STRAGGLER",
@@ -35,10 +60,14 @@ STRAGGLER_KINDS: dict[str, str] = {
 # Incident classes: one per step-time finding family, and the normal-mode engine's own.
 STRAGGLER_CLASS = "step_time_straggler"
 BOTTLENECK_CLASS = "step_time_bottleneck"
+PRE_STAGE_ARRIVAL_SKEW = "pre_stage_arrival_skew"
+GLOBAL_DATA_PATH_SLOWDOWN = "global_data_path_slowdown"
+LOCALIZED_DATA_PATH_SLOWDOWN = "localized_data_path_slowdown"
+UNCLASSIFIED = "unclassified"
 NORMAL_INCIDENT_CLASSES: tuple[str, ...] = (
-    "pre_stage_arrival_skew",
-    "global_data_path_slowdown",
-    "localized_data_path_slowdown",
-    "unclassified",
+    PRE_STAGE_ARRIVAL_SKEW,
+    GLOBAL_DATA_PATH_SLOWDOWN,
+    LOCALIZED_DATA_PATH_SLOWDOWN,
+    UNCLASSIFIED,
 )
 INCIDENT_CLASSES: tuple[str, ...] = (STRAGGLER_CLASS, BOTTLENECK_CLASS, *NORMAL_INCIDENT_CLASSES)

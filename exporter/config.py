@@ -197,8 +197,13 @@ class RankwatchConfig:
 def _otel_metric_export_interval(env: Mapping[str, str]) -> float | None:
     """The standard ``OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds) in seconds, when it is set and
     rankwatch's own ``RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS`` is not (ours wins)."""
+    ours = next(
+        f.metadata["env"]
+        for f in fields(RankwatchConfig)
+        if f.name == "otlp_export_interval_seconds"
+    )
     raw = env.get("OTEL_METRIC_EXPORT_INTERVAL", "").strip()
-    if not raw or env.get("RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS", "").strip():
+    if not raw or env.get(ours, "").strip():
         return None
     try:
         millis = float(raw)

@@ -23,7 +23,7 @@ _GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
 
 
 def create_gloo_group(
-    ranks: Sequence[int], members_only: bool, timeout: timedelta, lazy: bool | None = None
+    ranks: Sequence[int], members_only: bool, timeout: timedelta, lazy: bool
 ) -> Any:
     """The dedicated Gloo group over ``ranks`` (global).
 
@@ -31,28 +31,19 @@ def create_gloo_group(
     in the same order as its other ``new_group`` calls. ``members_only=True`` lets only the
     members call it (for a group given as a process group handle, which non-members lack).
 
-    ``lazy`` (None: ``RankwatchConfig.gloo_lazy_connect`` from the environment) makes the
-    group connect lazily (Gloo's ``TORCH_GLOO_LAZY_INIT``, set only while it is created): a
-    pair connects on its first message, and only rank-to-root pairs ever carry one, so a rank
-    holds one monitoring connection instead of one per member (a full mesh: thousands of
-    sockets per rank in a 4,096-rank job). ``new_group`` ignores Gloo options, so the
-    variable is the only switch; other groups are created as they would be without it.
+    ``lazy`` (the caller's ``RankwatchConfig.gloo_lazy_connect``) makes the group connect
+    lazily (Gloo's ``TORCH_GLOO_LAZY_INIT``, set only while it is created): a pair connects on
+    its first message, and only rank-to-root pairs ever carry one, so a rank holds one
+    monitoring connection instead of one per member (a full mesh: thousands of sockets per
+    rank in a 4,096-rank job). ``new_group`` ignores Gloo options, so the variable is the only
+    switch; other groups are created as they would be without it.
     """
     import torch.distributed as dist
 
-    if lazy is None:
-        lazy = _lazy_from_env()
     with _env(_GLOO_LAZY_INIT, "1") if lazy else contextlib.nullcontext():
         return dist.new_group(
             list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=members_only
         )
-
-
-def _lazy_from_env() -> bool:
-    """``gloo_lazy_connect`` as the environment sets it (validated like the config)."""
-    name = "RANKWATCH_GLOO_LAZY_CONNECT"
-    env = {name: os.environ[name]} if name in os.environ else {}
-    return RankwatchConfig.from_env(env=env).gloo_lazy_connect
 
 
 @contextlib.contextmanager

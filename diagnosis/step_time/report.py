@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankwatch.diagnosis.step_time.table import MEAN_KEYS
-from rankwatch.diagnosis.vocabulary import SEVERITIES, STRAGGLER_KINDS, UNATTRIBUTED
+from rankwatch.diagnosis.vocabulary import (
+    COMPONENTS,
+    KINDS,
+    SEVERITIES,
+    STATUS_KINDS,
+    STRAGGLER_KINDS,
+    UNATTRIBUTED,
+)
 
 __all__ = [
     "COMPONENTS",
@@ -33,21 +40,6 @@ __all__ = [
     "StragglerEvidence",
 ]
 
-COMPONENTS: tuple[str, ...] = ("input", "h2d", "compute")  # attribution order breaks ties
-KINDS: tuple[str, ...] = (
-    "STRAGGLER",
-    "INPUT_STRAGGLER",
-    "COMPUTE_STRAGGLER",
-    "H2D_STRAGGLER",
-    "INPUT_BOUND",
-    "H2D_BOUND",
-    "RESIDUAL_HEAVY",
-    "COMPUTE_BOUND",
-    "WARMUP",
-    "INCOMPLETE_DATA",
-    "BALANCED",
-)
-STATUS_KINDS: tuple[str, ...] = ("WARMUP", "INCOMPLETE_DATA", "BALANCED")
 RANK_MEAN_KEYS: tuple[str, ...] = (*MEAN_KEYS, "visible")
 # Which value the straggler rule compared across ranks (``visible_definition``):
 VISIBLE_SYNC = "sync_wait"  # forward_wait + backward_wait (rankwatch's extension, CPU clock)

@@ -182,6 +182,7 @@ class Diagnose:
         gather_timeout_seconds: float,
         log_to_file: bool = False,
         run: str = "",
+        gloo_lazy_connect: bool = False,
     ) -> None:
         self.group = group
         self.config = config
@@ -209,6 +210,7 @@ class Diagnose:
         self._combine_bundle = counters.combine_bundle()
         self._snapshotter = OrderedSnapshotter(counters.storage, snapshot_stream)
         self._run = run
+        self._gloo_lazy_connect = gloo_lazy_connect
         self._calls = {"normal": 0, "low_latency": 0}
         self._state = "created"
         self._lock = threading.Lock()
@@ -369,16 +371,17 @@ class Diagnose:
             gather_timeout_seconds=float(gather_timeout_seconds),
             log_to_file=_log_to_file(deepep, source),
             run=rw_config.run_id,
+            gloo_lazy_connect=rw_config.gloo_lazy_connect,
         )
 
     def _make_cpu_group(self) -> None:
         # Asynchronous gathers run on our own thread: they need a Gloo group of their own, with
         # exactly the EP members (non-contiguous too). Local synchronization lets only the
         # members create it, so ranks of other EP groups do not have to take part. It is made
-        # like the step-time group (lazily connected when ``RANKWATCH_GLOO_LAZY_CONNECT`` is on).
+        # like the step-time group (lazily connected when ``gloo_lazy_connect`` is on).
         ep_ranks = [r.rank for r in self.ranks]
         timeout = datetime.timedelta(seconds=self.gather_timeout_seconds)
-        cpu_group = create_gloo_group(ep_ranks, True, timeout)
+        cpu_group = create_gloo_group(ep_ranks, True, timeout, self._gloo_lazy_connect)
         assert isinstance(cpu_group, dist.ProcessGroup)
         order = dist.get_process_group_ranks(cpu_group)
         self._cpu_group = cpu_group

@@ -52,7 +52,9 @@ from typing import Any
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.vocabulary import (
     BOTTLENECK_CLASS,
+    GLOBAL_DATA_PATH_SLOWDOWN,
     INCIDENT_SEVERITIES,
+    PRE_STAGE_ARRIVAL_SKEW,
     STRAGGLER_CLASS,
     STRAGGLER_KINDS,
 )
@@ -220,11 +222,11 @@ def _normal_score(report: WindowReport, cls: str, probes: tuple[str, ...]) -> fl
             if f is not None:
                 values.append(f)
         g = _finite_or_none(result.global_factor)
-        if g is not None and cls == "global_data_path_slowdown":
+        if g is not None and cls == GLOBAL_DATA_PATH_SLOWDOWN:
             values.append(g)
     if not values:
         return None
-    return min(values) if cls == "pre_stage_arrival_skew" else max(values)
+    return min(values) if cls == PRE_STAGE_ARRIVAL_SKEW else max(values)
 
 
 def _normal_signals(report: WindowReport) -> list[Signal]:

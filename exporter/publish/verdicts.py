@@ -16,7 +16,13 @@ from typing import Any
 from rankwatch.diagnosis.deepep.normal.report import NormalReport
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time import Finding, StepTimeReport
-from rankwatch.diagnosis.vocabulary import SEVERITY_LEVELS
+from rankwatch.diagnosis.vocabulary import (
+    GLOBAL_DATA_PATH_SLOWDOWN,
+    LOCALIZED_DATA_PATH_SLOWDOWN,
+    PRE_STAGE_ARRIVAL_SKEW,
+    SEVERITY_LEVELS,
+    STRAGGLER_KINDS,
+)
 
 __all__ = [
     "Verdict",
@@ -66,11 +72,6 @@ _STRAGGLER_LABELS = {
     "COMPUTE_STRAGGLER": "a compute straggler",
     "H2D_STRAGGLER": "a host-to-device copy straggler",
     "STRAGGLER": "a straggler (cause not attributed)",
-}
-_COMPONENT_KINDS = {
-    "input": "INPUT_STRAGGLER",
-    "h2d": "H2D_STRAGGLER",
-    "compute": "COMPUTE_STRAGGLER",
 }
 _COMPONENT_WORDS = {
     "input": "waiting for its next batch",
@@ -128,7 +129,7 @@ def _straggler_verdict(
             f". The gap is split between {parts}: rank {culprit} was slow for more than one "
             "reason in this window, none alone reaching the attribution threshold"
         )
-        action = " ".join(actions[_COMPONENT_KINDS[c]] for c in sorted(split))
+        action = " ".join(actions[STRAGGLER_KINDS[c]] for c in sorted(split))
     elif coverage:
         parts = ", ".join(f"{c} {_pct(v)}" for c, v in sorted(coverage.items()))
         why += f". No measured component explains enough of the gap alone ({parts})"
@@ -308,7 +309,7 @@ def normal_verdict(report: NormalReport, window: WindowReport | None = None) -> 
     ranks = tuple(int(r) for r in inc.ranks)
     hosts = sorted({window.rank_info(r).hostname for r in ranks} - {""}) if window else []
     on_hosts = f" on {', '.join(hosts)}" if hosts else ""
-    if inc.cls == "pre_stage_arrival_skew":
+    if inc.cls == PRE_STAGE_ARRIVAL_SKEW:
         probe = inc.probes[0] if inc.probes else ""
         rank = ranks[0] if ranks else -1
         stage = _STAGES.get(probe, probe)
@@ -326,7 +327,7 @@ def normal_verdict(report: NormalReport, window: WindowReport | None = None) -> 
             rank=rank,
             ranks=ranks,
         )
-    if inc.cls == "global_data_path_slowdown":
+    if inc.cls == GLOBAL_DATA_PATH_SLOWDOWN:
         return Verdict(
             inc.cls,
             inc.severity,
@@ -338,7 +339,7 @@ def normal_verdict(report: NormalReport, window: WindowReport | None = None) -> 
             ranks=ranks,
         )
     hot = _hot_load(inc.evidence)
-    if inc.cls == "localized_data_path_slowdown":
+    if inc.cls == LOCALIZED_DATA_PATH_SLOWDOWN:
         return Verdict(
             inc.cls,
             inc.severity,

@@ -37,6 +37,12 @@ from typing import Any
 
 from rankwatch.diagnosis.deepep.normal.report import Anomaly, Incident, ProbeResult
 from rankwatch.diagnosis.deepep.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES
+from rankwatch.diagnosis.vocabulary import (
+    GLOBAL_DATA_PATH_SLOWDOWN,
+    LOCALIZED_DATA_PATH_SLOWDOWN,
+    PRE_STAGE_ARRIVAL_SKEW,
+    UNCLASSIFIED,
+)
 
 __all__ = ["DOWNSTREAM", "MAX_EVIDENCE_ANOMALIES", "correlate"]
 
@@ -133,7 +139,7 @@ def _pre_stage(
             late = result.anomalies
             incidents.append(
                 Incident(
-                    cls="pre_stage_arrival_skew",
+                    cls=PRE_STAGE_ARRIVAL_SKEW,
                     probes=(name,),
                     scope="rank",
                     ranks=tuple(sorted({r for a in late for r in a.ranks})),
@@ -189,7 +195,7 @@ def correlate(
             mark(p, [a for a in probes[p].anomalies if a.scope == "global"])
         incidents.append(
             Incident(
-                cls="global_data_path_slowdown",
+                cls=GLOBAL_DATA_PATH_SLOWDOWN,
                 probes=tuple(involved),
                 scope="global",
                 ranks=(),
@@ -235,7 +241,7 @@ def correlate(
         evidence["load"] = _load_context([a for p in involved for a in parts[p]], hot_load_ratio)
         incidents.append(
             Incident(
-                cls="localized_data_path_slowdown",
+                cls=LOCALIZED_DATA_PATH_SLOWDOWN,
                 probes=tuple(involved),
                 scope="local",
                 ranks=tuple(sorted(ranks)),
@@ -250,7 +256,7 @@ def correlate(
             continue
         incidents.append(
             Incident(
-                cls="unclassified",
+                cls=UNCLASSIFIED,
                 probes=(p,),
                 scope="global" if any(a.scope == "global" for a in left) else "local",
                 ranks=tuple(sorted(_ranks_of(left))),
