@@ -87,7 +87,8 @@ class _Phase:
             timer._gpu.begin(self._i)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # Three named parameters, not ``*exc_info``: packing a tuple costs ~10 ns per mark.
         self._end(self._i)
 
 
@@ -107,7 +108,7 @@ class _SyncWait:
         self._start = self._timer._clock()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         timer = self._timer
         ns = timer._clock() - self._start
         self._start = -1
@@ -137,7 +138,7 @@ class _Step:
         self._timer.open_explicit(step_id)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:
             self._timer.end_step()
         else:
