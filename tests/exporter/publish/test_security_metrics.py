@@ -29,6 +29,9 @@ from rankwatch.exporter.publish.prometheus import start_metrics_server
 from tests.publish_reports import rank_infos, step_report, window
 from tests.servers import self_signed_cert
 
+# Real TLS servers, floods of connections and scrapes waited out: seconds, not in `make test-fast`.
+pytestmark = pytest.mark.slow
+
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 USER, PASSWORD = "prometheus", "pä:ss wörd"
 
