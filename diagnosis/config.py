@@ -8,6 +8,7 @@ entry point the exporter uses; tests build the dataclasses directly.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping
@@ -90,6 +91,29 @@ def validate_options(obj: Any) -> None:
             raise ValueError(f"{label}: must be {bound} {lo}, got {value!r}")
         if hi is not None and value > hi:
             raise ValueError(f"{label}: must be <= {hi}, got {value!r}")
+    # Nested config objects are read by background threads: a wrong type fails here, by name.
+    cls: type = type(obj)
+    for name, kind in _nested_configs(cls):
+        value = getattr(obj, name)
+        if not isinstance(value, kind):
+            raise TypeError(f"{cls.__name__}.{name}: expected a {kind.__name__}, got {value!r}")
+
+
+@functools.cache
+def _nested_configs(cls: type) -> tuple[tuple[str, type], ...]:
+    """The fields of the config dataclass ``cls`` that hold a nested config object (no
+    :func:`option` metadata, a dataclass type): ``(name, class)`` in field order."""
+    plain = [f for f in fields(cls) if "env" not in f.metadata]
+    if not plain:
+        return ()
+    # Annotations are strings under ``from __future__ import annotations``; resolve them in the
+    # module that defines ``cls``.
+    hints = get_type_hints(cls)
+    return tuple(
+        (f.name, kind)
+        for f in plain
+        if isinstance(kind := hints.get(f.name), type) and is_dataclass(kind)
+    )
 
 
 def _field_kind(annotation: Any) -> type:
@@ -168,9 +192,7 @@ def declared_options(root: type) -> tuple[DeclaredOption, ...]:
     owner: dict[str, str] = {}
 
     def walk(cls: type, prefix: tuple[str, ...]) -> None:
-        # Annotations are strings under ``from __future__ import annotations``; resolve them in
-        # the module that defines ``cls`` to see which fields hold nested config objects.
-        hints = get_type_hints(cls)
+        nested = dict(_nested_configs(cls))
         for f in fields(cls):
             path = (*prefix, f.name)
             if "env" in f.metadata:
@@ -184,9 +206,8 @@ def declared_options(root: type) -> tuple[DeclaredOption, ...]:
                 owner[env] = where
                 found.append(DeclaredOption(env, label, path, f.default))
                 continue
-            kind = hints.get(f.name)
-            if isinstance(kind, type) and is_dataclass(kind):
-                walk(kind, path)
+            if f.name in nested:
+                walk(nested[f.name], path)
 
     walk(root, ())
     return tuple(found)
@@ -344,17 +365,7 @@ class DiagnosisConfig:
     low_latency: LowLatencyConfig = field(default_factory=LowLatencyConfig)
 
     def __post_init__(self) -> None:
-        # The engines read these on background threads: a wrong type must fail here, by name.
-        for name, kind in (
-            ("step_time", StepTimeConfig),
-            ("normal", NormalConfig),
-            ("low_latency", LowLatencyConfig),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, kind):
-                raise TypeError(
-                    f"DiagnosisConfig.{name}: expected a {kind.__name__}, got {value!r}"
-                )
+        validate_options(self)  # the nested objects' types (it has no options of its own)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DiagnosisConfig:

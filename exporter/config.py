@@ -138,14 +138,7 @@ class RankwatchConfig:
     diagnosis: DiagnosisConfig = field(default_factory=DiagnosisConfig)
 
     def __post_init__(self) -> None:
-        validate_options(self)
-        # Read by the collector threads only: a wrong type would otherwise fail there, silently.
-        for name, kind in (("deepep", DeepEPConfig), ("diagnosis", DiagnosisConfig)):
-            value = getattr(self, name)
-            if not isinstance(value, kind):
-                raise TypeError(
-                    f"RankwatchConfig.{name}: expected a {kind.__name__}, got {value!r}"
-                )
+        validate_options(self)  # options and the nested objects' types
         if self.incident_open_k > self.incident_open_n:
             raise ValueError(
                 "RankwatchConfig.incident_open_k (RANKWATCH_INCIDENT_OPEN_K): must be <= "
