@@ -26,6 +26,7 @@ __all__ = [
     "declared_options",
     "from_env",
     "option",
+    "option_env",
     "parse_bool",
     "validate_options",
 ]
@@ -97,6 +98,15 @@ def validate_options(obj: Any) -> None:
         value = getattr(obj, name)
         if not isinstance(value, kind):
             raise TypeError(f"{cls.__name__}.{name}: expected a {kind.__name__}, got {value!r}")
+
+
+def option_env(cls: type, name: str) -> str:
+    """The environment variable that field ``name`` of the config class ``cls`` declares (for
+    code that must mention a variable: it names it through its one declaration)."""
+    for f in fields(cls):
+        if f.name == name and "env" in f.metadata:
+            return str(f.metadata["env"])
+    raise ValueError(f"name: {cls.__name__} has no option field {name!r}")
 
 
 @functools.cache

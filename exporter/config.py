@@ -26,6 +26,7 @@ from rankwatch.diagnosis.config import (
     declared_options,
     from_env,
     option,
+    option_env,
     validate_options,
 )
 
@@ -190,11 +191,7 @@ class RankwatchConfig:
 def _otel_metric_export_interval(env: Mapping[str, str]) -> float | None:
     """The standard ``OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds) in seconds, when it is set and
     rankwatch's own ``RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS`` is not (ours wins)."""
-    ours = next(
-        f.metadata["env"]
-        for f in fields(RankwatchConfig)
-        if f.name == "otlp_export_interval_seconds"
-    )
+    ours = option_env(RankwatchConfig, "otlp_export_interval_seconds")
     raw = env.get("OTEL_METRIC_EXPORT_INTERVAL", "").strip()
     if not raw or env.get(ours, "").strip():
         return None

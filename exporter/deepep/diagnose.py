@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
+from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig, option_env
 from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig
 from rankwatch.exporter.deepep.counters import DeepEPCounters, allocate_counters
@@ -55,14 +55,14 @@ log = logging.getLogger(__name__)
 
 
 _DEFAULT_LOG_PATH = DeepEPConfig().log_path
+_LOG_PATH_ENV = option_env(DeepEPConfig, "log_path")
 
 # Settings every member must agree on, in the order they are reported when they differ.
 _SETTING_NAMES: tuple[str, ...] = (
-    "DEEPEP_DIAGNOSE_ENABLE",
-    "DEEPEP_DIAGNOSE_ASYNC",
-    "DEEPEP_DIAGNOSE_INTERVAL",
-    "DEEPEP_DIAGNOSE_SYNC_STEP",
-    "DEEPEP_DIAGNOSE_WARMUP_SECONDS",
+    *(
+        option_env(DeepEPConfig, name)
+        for name in ("enable", "async_mode", "interval_seconds", "sync_step", "warmup_seconds")
+    ),
     "enable_ll_diagnose",
     "enable_normal_diagnose",
     "ranks_per_node",
@@ -126,7 +126,7 @@ def _log_to_file(deepep: DeepEPConfig, env: Mapping[str, str]) -> bool:
     # DeepXTrace writes its per-rank log file only when a log path is given. An object cannot
     # tell "set to the default" from "not set", so: the variable is present (whatever its value;
     # as before) or the object holds another path than the default (a programmatic override).
-    return "DEEPEP_DIAGNOSE_LOG_PATH" in env or deepep.log_path != _DEFAULT_LOG_PATH
+    return _LOG_PATH_ENV in env or deepep.log_path != _DEFAULT_LOG_PATH
 
 
 def infer_ranks_per_node(hostnames: Sequence[str]) -> int:
