@@ -21,6 +21,7 @@ __all__ = [
     "CHUNK_ROWS",
     "FLAG_END_OF_ROUND",
     "FLAG_FINAL",
+    "MESSAGE_SHAPE",
     "TAG",
     "Message",
     "RowBuffer",
@@ -29,7 +30,8 @@ __all__ = [
     "message_buffer",
 ]
 
-CHUNK_ROWS = 512  # rows per message; a message is (1 + CHUNK_ROWS) x ROW_WIDTH float64
+CHUNK_ROWS = 512  # rows per message
+MESSAGE_SHAPE = (1 + CHUNK_ROWS, ROW_WIDTH)  # a header row and the rows, float64
 TAG = 5277  # Gloo tag of rankwatch messages (the group is ours alone; any fixed tag works)
 MAGIC = 52770.0
 VERSION = 1.0
@@ -63,7 +65,7 @@ class Message:
 
 def message_buffer() -> NDArray[np.float64]:
     """A message-sized float64 array."""
-    return np.full((1 + CHUNK_ROWS, ROW_WIDTH), math.nan)
+    return np.full(MESSAGE_SHAPE, math.nan)
 
 
 def encode_message(

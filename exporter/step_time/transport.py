@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from rankwatch.diagnosis.step_time.table import ROW_WIDTH
-from rankwatch.exporter.step_time.messages import CHUNK_ROWS, TAG, message_buffer
+from rankwatch.exporter.step_time.messages import MESSAGE_SHAPE, TAG, message_buffer
 
 __all__ = ["GroupLayout", "Transport"]
 
@@ -147,7 +146,7 @@ class Transport:
         import torch
         import torch.distributed as dist
 
-        buf = torch.empty((1 + CHUNK_ROWS, ROW_WIDTH), dtype=torch.float64)
+        buf = torch.empty(MESSAGE_SHAPE, dtype=torch.float64)
         work = dist.irecv(buf, src=peer, group=self.group, tag=TAG)
         self._recv[peer] = (work, buf)
 
