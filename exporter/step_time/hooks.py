@@ -132,10 +132,13 @@ def _on_device(batch: Any, device: torch.device, depth: int = 0) -> bool:
     if depth > 4:  # batches are shallow; do not walk arbitrary object graphs
         return False
     if isinstance(batch, (tuple, list, dict)):
-        # A loop, not all(<generator>): this runs on every batch, and the generator costs
-        # more than the comparisons it makes.
+        # A loop, not all(<generator>), and tensors checked in place, not by a call each:
+        # this runs on every batch, inside the training loop.
         for x in batch.values() if isinstance(batch, dict) else batch:
-            if not _on_device(x, device, depth + 1):
+            if isinstance(x, torch.Tensor):
+                if x.device != device:
+                    return False
+            elif not _on_device(x, device, depth + 1):
                 return False
         return True
     return not callable(getattr(batch, "to", None)) and not isinstance(batch, Mapping)

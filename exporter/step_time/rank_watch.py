@@ -249,9 +249,14 @@ class RankWatch:
 
     def step(self, step_id: int | None = None) -> Any:
         """Context manager around one training step; ``step_id`` defaults to previous + 1."""
-        if self.timer is None:
+        timer = self.timer
+        if timer is None:
             return _INERT
-        return self.timer.step(step_id)
+        if step_id is None:  # the usual case: the timer's context manager, one call shorter
+            ctx = timer._step_ctx
+            ctx.next_id = None
+            return ctx
+        return timer.step(step_id)
 
     def phase(self, name: str) -> Any:
         """Context manager around one phase: input_wait, h2d, forward, backward, optimizer."""

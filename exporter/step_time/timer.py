@@ -23,20 +23,22 @@ step's markers, which is why the ring has two cursors: ``written`` (CPU columns 
 ``finished`` (GPU columns final too). On CPU both advance together.
 
 The hot path is the training thread entering and leaving phases and steps. Leaving a phase
-adds its milliseconds into the open step's row (a preallocated ``array('d')``), and closing
-the step copies that row into the ring with one buffer copy (no numpy call); it never
-allocates per phase (the phase context managers are created once), takes no lock and does no
-I/O. The background thread
-reads finished rows with :meth:`StepTimer.read`, which detects rows the training thread
-overwrote while they were being copied (the ring is a seqlock without the lock: with the GIL,
-a row is complete before ``written`` moves past it).
+adds its milliseconds into the open step's row, a plain list of floats, and closing the step
+stores that list in the ring (one reference) and starts a fresh one: no numpy call, no buffer
+copy, no lock, no I/O, and nothing allocated per phase (the phase context managers are created
+once). Between torch's kernels every distinct interpreter path the hot path takes runs with
+cold caches, so the fewest and plainest operations win there: a buffer copy of the row into a
+numpy ring cost about 2 us per step inside a training loop (0.2 us in isolation). The
+background thread converts finished rows to numpy with :meth:`StepTimer.read`, which drops
+rows the training thread may have replaced while they were being read (with the GIL a row is
+complete before ``written`` moves past it, and a stored row is never written again except for
+its GPU columns, which are final before ``finished`` moves past it).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from array import array
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -71,16 +73,17 @@ _FWD_COL, _BWD_COL, _OPT_COL = _COL[FORWARD], _COL[BACKWARD], _COL[OPTIMIZER]
 class _Phase:
     """Context manager of one phase; one instance per phase per timer, reused every time."""
 
-    __slots__ = ("_end", "_i", "_timer")
+    __slots__ = ("_col", "_end", "_i", "_timer")
 
     def __init__(self, timer: StepTimer, index: int) -> None:
         self._timer = timer
         self._i = index
+        self._col = _COL[index]
         self._end = timer.end
 
     def __enter__(self) -> _Phase:
-        # ``StepTimer.begin`` inlined: a mark is two of these calls, and this saves one of
-        # its four Python calls.
+        # ``StepTimer.begin`` inlined, as ``end`` is below: inside a training loop every
+        # Python call of a mark costs 0.1-0.2 us (cold caches between torch's kernels).
         timer = self._timer
         timer._start[self._i] = timer._clock()
         if timer._gpu is not None:
@@ -89,6 +92,26 @@ class _Phase:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         # Three named parameters, not ``*exc_info``: packing a tuple costs ~10 ns per mark.
+        timer = self._timer
+        now = timer._clock()
+        starts = timer._start
+        start = starts[self._i]
+        if start < 0:
+            return
+        starts[self._i] = -1
+        row, col = timer._row, self._col
+        before = row[col]  # NaN (not timed yet in this step) is the only value unequal to itself
+        row[col] = (now - start) * _MS if before != before else before + (now - start) * _MS
+        if timer._gpu is not None:
+            timer._gpu.end(self._i)
+
+
+class _InputWaitPhase(_Phase):
+    """``input_wait``: its exit also keeps the step's bracket from counting the wait twice."""
+
+    __slots__ = ()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self._end(self._i)
 
 
@@ -135,7 +158,11 @@ class _Step:
 
     def __enter__(self) -> _Step:
         step_id, self.next_id = self.next_id, None
-        self._timer.open_explicit(step_id)
+        timer = self._timer
+        if timer._step_start < 0:  # the usual case, one call shorter
+            timer.start_step(step_id)
+        else:
+            timer.open_explicit(step_id)
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
@@ -158,15 +185,12 @@ class StepTimer:
         if capacity < 2:
             raise ValueError(f"StepTimer.capacity: must be >= 2, got {capacity!r}")
         self.capacity = capacity
-        self.ring: NDArray[np.float64] = np.full((capacity, ROW_WIDTH), _NAN)
-        # The ring's memory as one flat run of doubles, and the row ``end_step`` fills: a
-        # row goes in with one buffer-to-buffer slice copy, no numpy call on the hot path
-        # (building a numpy assignment from 16 Python floats costs several microseconds).
-        self._flat = memoryview(self.ring.data).cast("B").cast("d")
+        # Written rows by slot (absolute row ``i`` in slot ``i % capacity``), each a list of
+        # ROW_WIDTH floats; None for a slot never written.
+        self._rows: list[list[float] | None] = [None] * capacity
         # The open step's row: a phase's milliseconds accumulate in its column, NaN until it
         # is first timed (so "not timed" and "took no time" stay apart without a flag).
-        self._blank = array("d", [_NAN] * ROW_WIDTH)
-        self._row = array("d", self._blank)
+        self._row: list[float] = [_NAN] * ROW_WIDTH
         self.written = 0  # rows whose CPU columns are final
         self.finished = 0  # rows whose GPU columns are final as well
         self._clock = time.perf_counter_ns
@@ -185,7 +209,10 @@ class StepTimer:
         self.loader_steps = False
         self.optimizer_steps = 0  # outermost optimizer steps seen by the hooks
         self.optimizer_end_ns = -1  # when the hooks last saw an outermost optimizer step end
-        self._phases = {name: _Phase(self, i) for i, name in enumerate(PHASES)}
+        self._phases = {
+            name: (_InputWaitPhase if i == INPUT_WAIT else _Phase)(self, i)
+            for i, name in enumerate(PHASES)
+        }
         self._step_ctx = _Step(self)
         self._sync_wait = _SyncWait(self)
 
@@ -293,14 +320,17 @@ class StepTimer:
         before = row[col]
         row[col] = ns * _MS + (before if before == before else 0.0)
 
-    def start_step(self, step_id: int | None = None, *, auto: bool = False) -> None:
-        """Open a step (phases timed before it, while no step was open, count toward it)."""
+    def start_step(
+        self, step_id: int | None = None, *, auto: bool = False, start_ns: int | None = None
+    ) -> None:
+        """Open a step (phases timed before it, while no step was open, count toward it),
+        starting now or at ``start_ns``."""
         if self._step_start >= 0:
             raise RuntimeError("step: a step is already open; close it before opening the next one")
         self._step_id = self._last_id + 1 if step_id is None else step_id
         self._auto = auto
         self._inside_wait = 0
-        self._step_start = self._clock()
+        self._step_start = self._clock() if start_ns is None else start_ns
         if self._gpu is not None:
             self._gpu.start_step()
 
@@ -311,11 +341,16 @@ class StepTimer:
         True if it opened a step. A step opened by ``step()`` is left to its ``with`` block,
         and an auto step without work (a batch the loop skipped) stays open.
         """
-        if self._step_start >= 0:
-            if not (self._auto and self.step_has_work):
-                return False
-            self.end_step()
-        self.start_step(auto=True)
+        if self._step_start < 0:
+            self.start_step(auto=True)
+            return True
+        row = self._row  # ``step_has_work`` inlined: this runs on every fetch
+        fwd, bwd, opt = row[_FWD_COL], row[_BWD_COL], row[_OPT_COL]
+        if not (self._auto and (fwd == fwd or bwd == bwd or opt == opt)):
+            return False
+        now = self._clock()  # one clock read: the next step starts where this one ends
+        self.end_step(now)
+        self.start_step(auto=True, start_ns=now)
         return True
 
     def open_explicit(self, step_id: int | None) -> None:
@@ -341,9 +376,8 @@ class StepTimer:
         row[_STEP_COL] = (now - start - self._inside_wait) * _MS
         if self.async_collectives:
             row[_ASYNC_COL] = 1.0
-        base = slot * ROW_WIDTH
-        self._flat[base : base + ROW_WIDTH] = row
-        row[:] = self._blank
+        self._rows[slot] = row
+        self._row = [_NAN] * ROW_WIDTH
         self._last_id = self._step_id
         self._step_start = -1
         self._auto = False
@@ -378,7 +412,7 @@ class StepTimer:
         self._step_start = -1
         self._auto = False
         self._inside_wait = 0
-        self._row[:] = self._blank
+        self._row = [_NAN] * ROW_WIDTH
         self._start = [-1] * _N
         if self._gpu is not None:
             self._gpu.abort_step()
@@ -386,7 +420,9 @@ class StepTimer:
     # ---- GPU columns ---------------------------------------------------------------------
 
     def _write_gpu(self, slot: int, gpu_ms: list[float]) -> None:
-        self.ring[slot, _GPU0 : _GPU0 + len(SIGNALS)] = gpu_ms
+        row = self._rows[slot]
+        if row is not None:
+            row[_GPU0 : _GPU0 + len(SIGNALS)] = gpu_ms
 
     def poll_gpu(self, max_steps: int = 64) -> int:
         """Resolve finished GPU markers without blocking (training thread only)."""
@@ -422,11 +458,21 @@ class StepTimer:
         if end <= lo:
             return np.empty((0, ROW_WIDTH)), max(cursor, end), lo - cursor
         a, b = lo % cap, end % cap
-        rows = self.ring[a:b].copy() if a < b else np.concatenate((self.ring[a:], self.ring[:b]))
-        # The writer may be filling absolute row ``written`` (slot of row ``written - cap``)
-        # or may have passed rows we copied: drop every row it could have touched.
+        ring = self._rows
+        taken = ring[a:b] if a < b else ring[a:] + ring[:b]
+        # The writer may have moved on while the slice was taken: drop every row whose slot it
+        # could have given to a newer row.
         torn = self.written - cap - lo + 1
         if torn > 0:
-            rows = rows[torn:]
+            taken = taken[torn:]
             lo += torn
-        return rows, end, lo - cursor
+        if not taken:
+            return np.empty((0, ROW_WIDTH)), end, lo - cursor
+        return np.array(taken, dtype=np.float64), end, lo - cursor
+
+    @property
+    def ring(self) -> NDArray[np.float64]:
+        """A copy of the ring as ``[capacity, ROW_WIDTH]`` (NaN in slots never written), for
+        inspection; the background thread reads with :meth:`read`."""
+        blank = [_NAN] * ROW_WIDTH
+        return np.array([blank if r is None else r for r in self._rows], dtype=np.float64)
