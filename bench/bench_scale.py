@@ -21,7 +21,7 @@ live window and its publication.
   that path keeps the same bytes for every rank, so its figure is per-rank bytes x ranks).
 * ``sockets per rank``: real Gloo worlds of 8, 16 and 32 processes, sockets opened by
   rankwatch's group on a non-root rank and on the root (after one shipment), with
-  ``gloo_lazy_connect`` (lazy) against the default full mesh (eager).
+  ``gloo_lazy_connect`` (lazy, the default) against Gloo's full mesh (eager).
 * ``real processes``: 32 Gloo ranks running ``RankWatch`` for a few seconds with a 1 s interval:
   the root thread's CPU share and the sockets per rank.
 * ``publish``: one 4,096-rank step-time report through ``/metrics`` (series, bytes, ms) and one

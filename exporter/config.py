@@ -85,11 +85,10 @@ class RankwatchConfig:
     max_buffered_steps: int = field(
         default=20_000, metadata=option("RANKWATCH_MAX_BUFFERED_STEPS", 2)
     )
-    # Read from the environment when rankwatch's Gloo group is created (see
-    # ``gloo.create_gloo_group``): on, a rank connects to its root only, not to every member
-    # (a full mesh takes 4,096 sockets per rank at 4,096 ranks, over common fd limits). Off by
-    # default until a clean-clone failure seen with it on is explained (docs/benchmarks.md).
-    gloo_lazy_connect: bool = field(default=False, metadata=option("RANKWATCH_GLOO_LAZY_CONNECT"))
+    # How rankwatch's Gloo group connects (see ``gloo.create_gloo_group``): lazily, a rank
+    # connects to its root only; off, every member to every member (a full mesh takes 4,096
+    # sockets per rank at 4,096 ranks, over common open-file limits).
+    gloo_lazy_connect: bool = field(default=True, metadata=option("RANKWATCH_GLOO_LAZY_CONNECT"))
     strategy: str = field(
         default="", metadata=option("RANKWATCH_STRATEGY", choices=("", "ddp", "fsdp"))
     )

@@ -182,7 +182,7 @@ class Diagnose:
         gather_timeout_seconds: float,
         log_to_file: bool = False,
         run: str = "",
-        gloo_lazy_connect: bool = False,
+        gloo_lazy_connect: bool = True,
     ) -> None:
         self.group = group
         self.config = config

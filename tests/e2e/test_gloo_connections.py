@@ -1,9 +1,10 @@
-"""With ``gloo_lazy_connect``, rankwatch's Gloo group connects a rank to its root only, not
-to every member."""
+"""With ``gloo_lazy_connect`` (the default), rankwatch's Gloo group connects a rank to its root
+only, not to every member; switched off, it is Gloo's full mesh."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -126,7 +127,7 @@ def test_a_rank_opens_one_monitoring_connection_not_a_mesh(tmp_path: Path) -> No
     assert all(g["env_after"] is None for g in got)  # the switch does not leak to other groups
 
 
-def _rankwatch_rank(rank: int, world: int, port: int, out: str) -> None:
+def _rankwatch_rank(rank: int, world: int, port: int, out: str, env: dict[str, str]) -> None:
     try:
         import torch.distributed as dist
 
@@ -138,7 +139,7 @@ def _rankwatch_rank(rank: int, world: int, port: int, out: str) -> None:
         )
         before = socket_fds()
         cfg = RankwatchConfig.from_env(
-            env={"RANKWATCH_GLOO_LAZY_CONNECT": "1"},
+            env=env,
             interval_seconds=0.2,
             metrics_enabled=False,
             otlp_enabled=False,
@@ -165,12 +166,20 @@ def _rankwatch_rank(rank: int, world: int, port: int, out: str) -> None:
         Path(out).write_text(json.dumps({"error": traceback.format_exc()}))
 
 
-def test_rankwatch_with_lazy_connect_holds_one_connection_per_rank(tmp_path: Path) -> None:
-    got = _run_world(_rankwatch_rank, tmp_path)
+def test_rankwatch_holds_one_connection_per_rank_by_default(tmp_path: Path) -> None:
+    got = _run_world(functools.partial(_rankwatch_rank, env={}), tmp_path)
     # Every rank's rows reached the root, each over its one connection to it.
     assert got[0]["ranks"] == list(range(WORLD)) and got[0]["missing"] == []
     assert all(g["new"] <= 2 for g in got[1:]), [g["new"] for g in got]
     assert got[0]["new"] <= WORLD
+
+
+def test_rankwatch_without_lazy_connect_holds_the_full_mesh(tmp_path: Path) -> None:
+    env = {"RANKWATCH_GLOO_LAZY_CONNECT": "0"}
+    got = _run_world(functools.partial(_rankwatch_rank, env=env), tmp_path)
+    assert got[0]["ranks"] == list(range(WORLD)) and got[0]["missing"] == []
+    # A connection to every other member and the group's listening socket, on every rank.
+    assert all(g["new"] >= WORLD for g in got), [g["new"] for g in got]
 
 
 DEAD = (2, 3, 4)  # ranks that create their end of the group, then die before connecting

@@ -311,6 +311,11 @@ def scenario_world4(rank: int, world: int, result: dict[str, Any]) -> None:
     rec = Recorder()
     cfg = _config(interval_seconds=0.25, gather_timeout_seconds=1.5)
     rw = RankWatch(config=cfg, publishers=[rec])
+    # Creating a lazily connected group waits for nobody, and ranks 1 and 3 come from part 1's
+    # training: line the ranks up, as a job's own collectives would, so that the 9 s runs
+    # overlap (else the root closes, waits out its final deadline and leaves, seconds before
+    # ranks 1 and 3 ship their final rows).
+    dist.barrier()
     run_s, kill_at, stall_at, stall_s = 9.0, 15, 40, 4.0
     start = time.monotonic()
     i = 0
