@@ -193,22 +193,27 @@ class Transport:
         """Messages that arrived since the last poll (root only; never blocks on a peer)."""
         if self._unposted:
             self._admit()
-        peers = [
-            p
-            for p in self.layout.peers
-            if p not in self.broken and p not in self.closed and p in self._recv
-        ]
-        if not peers:
+        # Every peer that can still ring, not only those with a receive on record: a connector
+        # thread's first receive is posted (so its peer's send completes and rings) a moment
+        # before it is recorded, and a total taken then counts a ring this poll cannot take.
+        live = [p for p in self.layout.peers if p not in self.broken and p not in self.closed]
+        if not any(p in self._recv for p in live):
             return []
         # Read the total first: every doorbell it counts has already moved (a sender rings
         # its own before the total), so nothing it counts can be missed below.
         total = int(self.store.add(_ANY_DOORBELL, 0))
         if total == self._rung:
             return []
-        raw = self.store.multi_get([self._db[p] for p in peers])
+        raw = self.store.multi_get([self._db[p] for p in live])
         out: list[NDArray[np.float64]] = []
-        for peer, value in zip(peers, raw, strict=True):
+        settled = True
+        for peer, value in zip(live, raw, strict=True):
             rung = int(value)
+            if peer not in self._recv:
+                # Rang before its receive was recorded: leave the total unsettled, so that
+                # the next poll reads the doorbells again instead of skipping this ring.
+                settled = settled and self._consumed[peer] >= rung
+                continue
             while self._consumed[peer] < rung:
                 work, buf = self._recv[peer]
                 try:
@@ -227,5 +232,6 @@ class Transport:
                     log.info("rankwatch: rank %d closed its connection: %s", peer, exc)
                     self.closed.add(peer)
                     break
-        self._rung = total
+        if settled:
+            self._rung = total
         return out

@@ -33,10 +33,15 @@ def socket_fds() -> int:
 
 
 def _lazy_transport(
-    rank: int, world: int, port: int, timeout_s: float, on_joined: Any = None
+    rank: int,
+    world: int,
+    port: int,
+    timeout_s: float,
+    on_joined: Any = None,
+    transport_class: Any = None,
 ) -> tuple[Any, Any]:
     """Join the job (then call ``on_joined``), then rankwatch's lazily connected group:
-    ``(layout, transport)``."""
+    ``(layout, transport)`` (a ``Transport``, or ``transport_class``)."""
     import torch.distributed as dist
 
     from rankwatch.exporter.gloo import create_gloo_group, dedicated_store
@@ -50,7 +55,8 @@ def _lazy_transport(
         on_joined()
     layout = GroupLayout(tuple(range(world)), rank)
     group = create_gloo_group(layout.ranks, False, timeout, lazy=True)
-    return layout, Transport(layout, group, dedicated_store(group), lazy=True)
+    cls = Transport if transport_class is None else transport_class
+    return layout, cls(layout, group, dedicated_store(group), lazy=True)
 
 
 def _send_one(transport: Any, rank: int) -> None:
@@ -180,6 +186,63 @@ def test_rankwatch_without_lazy_connect_holds_the_full_mesh(tmp_path: Path) -> N
     assert got[0]["ranks"] == list(range(WORLD)) and got[0]["missing"] == []
     # A connection to every other member and the group's listening socket, on every rank.
     assert all(g["new"] >= WORLD for g in got), [g["new"] for g in got]
+
+
+LATE = 2  # the peer whose first receive the root records late
+
+
+def _late_record_transport() -> Any:
+    """A root ``Transport`` whose connector records rank ``LATE``'s first receive half a second
+    after posting it: the moment, widened, in which that rank's send completes and rings while
+    the window thread's poll does not know of its receive yet."""
+    import torch
+    import torch.distributed as dist
+
+    from rankwatch.exporter.step_time.messages import MESSAGE_SHAPE, TAG
+    from rankwatch.exporter.step_time.transport import Transport
+
+    class LateRecord(Transport):
+        def _post(self, peer: int) -> None:
+            if peer != LATE or peer in self._recv:
+                super()._post(peer)
+                return
+            buf = torch.empty(MESSAGE_SHAPE, dtype=torch.float64)
+            work = dist.irecv(buf, src=peer, group=self.group, tag=TAG)
+            time.sleep(0.5)
+            self._recv[peer] = (work, buf)
+
+    return LateRecord
+
+
+def _late_record_rank(rank: int, world: int, port: int, out: str) -> None:
+    try:
+        import torch.distributed as dist
+
+        from rankwatch.exporter.step_time.messages import decode_message
+
+        late = _late_record_transport() if rank == 0 else None
+        layout, transport = _lazy_transport(rank, world, port, 60.0, transport_class=late)
+        received: list[int] = []
+        if layout.is_root:
+            deadline = time.monotonic() + 20
+            while len(received) < world - 1 and time.monotonic() < deadline:
+                received += [decode_message(m).sender for m in transport.poll()]
+                time.sleep(0.01)
+        else:
+            _send_one(transport, rank)
+        dist.barrier()
+        Path(out).write_text(json.dumps({"received": sorted(received)}))
+        dist.destroy_process_group()
+    except Exception:
+        Path(out).write_text(json.dumps({"error": traceback.format_exc()}))
+
+
+def test_a_ring_before_the_first_receive_is_recorded_is_not_skipped(tmp_path: Path) -> None:
+    """Every peer's message arrives although one peer's send completes (and rings the total)
+    while the root's poll does not yet know of its receive: the total is not taken as read
+    until every ring it counts has been."""
+    got = _run_world(_late_record_rank, tmp_path)
+    assert got[0]["received"] == list(range(1, WORLD))
 
 
 DEAD = (2, 3, 4)  # ranks that create their end of the group, then die before connecting
