@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import math
+import sys
+import threading
 import time
 from typing import Any
 
@@ -145,6 +147,52 @@ def test_ring_wraps_and_reader_counts_lost_rows() -> None:
     assert rows[:, 0].tolist() == list(range(18, 25))
     empty, cursor2, lost2 = timer.read(cursor)
     assert len(empty) == 0 and cursor2 == 25 and lost2 == 0
+
+
+def test_reader_thread_never_sees_a_torn_or_repeated_row() -> None:
+    """The background thread reads while the training thread writes and wraps a small ring:
+    every row read is one the writer finished (its forward column carries its own step id),
+    step ids only grow, and rows read plus rows counted lost are every row written."""
+    timer = StepTimer(2)  # the smallest ring: any write during a read can replace a row
+    total = 20_000
+    done = threading.Event()
+    seen: list[float] = []
+    lost_total = 0
+    bad: list[tuple[float, float]] = []
+
+    def read_all() -> None:
+        nonlocal lost_total
+        cursor = 0
+        while True:
+            finished = done.is_set()  # read before the last poll: nothing after it is missed
+            rows, cursor, lost = timer.read(cursor)
+            lost_total += lost
+            for row in rows.tolist():
+                if not math.isclose(
+                    row[CPU["forward"]], row[0] * 1e-3, rel_tol=1e-9, abs_tol=1e-12
+                ):
+                    bad.append((row[0], row[CPU["forward"]]))
+                seen.append(row[0])
+            if finished:
+                return
+
+    reader = threading.Thread(target=read_all)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the GIL over as often as the interpreter can
+    try:
+        reader.start()
+        for step_id in range(total):
+            with timer.step():
+                timer.add(PHASES.index("forward"), step_id * 1_000)  # ns: the id in us
+        done.set()
+        reader.join(30)
+    finally:
+        sys.setswitchinterval(switch)
+    assert not reader.is_alive()
+    assert bad == []
+    assert seen == sorted(set(seen))  # strictly increasing: no row read twice
+    assert len(seen) + lost_total == total
+    assert seen[-1] == total - 1
 
 
 # ---- GPU bookkeeping ---------------------------------------------------------------------
