@@ -224,6 +224,8 @@ class WindowCollector:
         except Exception:  # the thread must never take training down with it
             log.exception("rankwatch: rank %d background thread failed", self.layout.rank)
         finally:
+            if self.transport is not None:
+                self.transport.close()
             self._account()
 
     def _account(self) -> None:

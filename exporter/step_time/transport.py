@@ -106,13 +106,16 @@ class Transport:
         # the connection inside that call, up to the group's timeout: for a rank that died
         # before connecting, that long. First receives are then posted by a few connector
         # threads, so a dead rank holds one of them, never the window thread.
-        self._connect_queue: queue.SimpleQueue[int] | None = None
+        self._connect_queue: queue.SimpleQueue[int | None] | None = None
+        self._connectors: list[threading.Thread] = []
         if lazy and layout.is_root and layout.peers:
             self._connect_queue = queue.SimpleQueue()
             for k in range(min(_CONNECTOR_THREADS, len(layout.peers))):
-                threading.Thread(
+                thread = threading.Thread(
                     target=self._connector, name=f"rankwatch-connect-{k}", daemon=True
-                ).start()
+                )
+                thread.start()
+                self._connectors.append(thread)
         if layout.is_root:
             for peer in layout.peers:
                 # Create every key so one multi_get never waits for one.
@@ -184,10 +187,18 @@ class Transport:
             self.broken.add(peer)
 
     def _connector(self) -> None:
-        """Connector thread: posts first receives (``poll`` reads a peer once it is posted)."""
+        """Connector thread: posts first receives (``poll`` reads a peer once it is posted)
+        until :meth:`close`."""
         assert self._connect_queue is not None
-        while True:
-            self._post_first(self._connect_queue.get())
+        while (peer := self._connect_queue.get()) is not None:
+            self._post_first(peer)
+
+    def close(self) -> None:
+        """Stop the connector threads (root). An idle one ends at once; one still connecting
+        to a rank that never came ends when Gloo gives up, at the group's timeout at most."""
+        if self._connect_queue is not None:
+            for _ in self._connectors:
+                self._connect_queue.put(None)
 
     def poll(self) -> list[NDArray[np.float64]]:
         """Messages that arrived since the last poll (root only; never blocks on a peer)."""

@@ -8,6 +8,7 @@ import functools
 import json
 import multiprocessing as mp
 import os
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -158,12 +159,18 @@ def _rankwatch_rank(rank: int, world: int, port: int, out: str, env: dict[str, s
         during = socket_fds() - before
         rw.close(10.0)
         latest = rw.latest_report
+        deadline = time.monotonic() + 5.0
+        while (
+            connectors := [t.name for t in threading.enumerate() if "connect" in t.name]
+        ) and time.monotonic() < deadline:
+            time.sleep(0.01)
         Path(out).write_text(
             json.dumps(
                 {
                     "new": during,
                     "missing": None if latest is None else latest.missing_ranks,
                     "ranks": None if latest is None else [i.rank for i in latest.ranks],
+                    "connectors_left": connectors,
                 }
             )
         )
@@ -178,6 +185,8 @@ def test_rankwatch_holds_one_connection_per_rank_by_default(tmp_path: Path) -> N
     assert got[0]["ranks"] == list(range(WORLD)) and got[0]["missing"] == []
     assert all(g["new"] <= 2 for g in got[1:]), [g["new"] for g in got]
     assert got[0]["new"] <= WORLD
+    # Closing stops the root's connector threads (every rank connected: none is left waiting).
+    assert got[0]["connectors_left"] == []
 
 
 def test_rankwatch_without_lazy_connect_holds_the_full_mesh(tmp_path: Path) -> None:
