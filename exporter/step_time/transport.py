@@ -200,6 +200,28 @@ class Transport:
             for _ in self._connectors:
                 self._connect_queue.put(None)
 
+    def release(self) -> bool:
+        """Destroy the group once nothing of this process uses it any more (after
+        :meth:`close`, with the thread that polled or sent gone): its Gloo device's thread,
+        listening socket and connections are freed instead of living as long as the process.
+        Left alone (False) while a connector thread is still inside Gloo, connecting."""
+        import torch.distributed as dist
+
+        for thread in self._connectors:
+            thread.join(0.05)
+        if any(thread.is_alive() for thread in self._connectors):
+            return False
+        self._recv.clear()  # the posted receives hold the group's Gloo context
+        if not dist.is_initialized():  # the job's own teardown already took every group
+            return False
+        try:
+            dist.destroy_process_group(self.group)
+        except (RuntimeError, ValueError) as exc:
+            log.warning("rankwatch: destroying rankwatch's Gloo group failed: %s", exc)
+            return False
+        self.group = None  # the last reference: the group goes now, not at a later collection
+        return True
+
     def poll(self) -> list[NDArray[np.float64]]:
         """Messages that arrived since the last poll (root only; never blocks on a peer)."""
         if self._unposted:

@@ -33,6 +33,11 @@ def socket_fds() -> int:
     return count
 
 
+def os_threads() -> int:
+    """Threads of this process, Python's and native ones (Gloo's device and worker threads)."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def _lazy_transport(
     rank: int,
     world: int,
@@ -144,7 +149,7 @@ def _rankwatch_rank(rank: int, world: int, port: int, out: str, env: dict[str, s
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
-        before = socket_fds()
+        before, tasks_before = socket_fds(), os_threads()
         cfg = RankwatchConfig.from_env(
             env=env,
             interval_seconds=0.2,
@@ -164,10 +169,16 @@ def _rankwatch_rank(rank: int, world: int, port: int, out: str, env: dict[str, s
             connectors := [t.name for t in threading.enumerate() if "connect" in t.name]
         ) and time.monotonic() < deadline:
             time.sleep(0.01)
+        # Closed, rankwatch's group is destroyed: its connections, listening socket and Gloo
+        # threads are gone, not kept for the life of the process.
+        while (left := socket_fds() - before) > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         Path(out).write_text(
             json.dumps(
                 {
                     "new": during,
+                    "sockets_left": left,
+                    "threads_left": os_threads() - tasks_before,
                     "missing": None if latest is None else latest.missing_ranks,
                     "ranks": None if latest is None else [i.rank for i in latest.ranks],
                     "connectors_left": connectors,
@@ -185,16 +196,21 @@ def test_rankwatch_holds_one_connection_per_rank_by_default(tmp_path: Path) -> N
     assert got[0]["ranks"] == list(range(WORLD)) and got[0]["missing"] == []
     assert all(g["new"] <= 2 for g in got[1:]), [g["new"] for g in got]
     assert got[0]["new"] <= WORLD
-    # Closing stops the root's connector threads (every rank connected: none is left waiting).
+    # Closing stops the root's connector threads (every rank connected: none is left waiting)
+    # and destroys the group on every rank.
     assert got[0]["connectors_left"] == []
+    assert all(g["sockets_left"] <= 0 for g in got), [g["sockets_left"] for g in got]
+    assert all(g["threads_left"] <= 0 for g in got), [g["threads_left"] for g in got]
 
 
 def test_rankwatch_without_lazy_connect_holds_the_full_mesh(tmp_path: Path) -> None:
     env = {"RANKWATCH_GLOO_LAZY_CONNECT": "0"}
     got = _run_world(functools.partial(_rankwatch_rank, env=env), tmp_path)
     assert got[0]["ranks"] == list(range(WORLD)) and got[0]["missing"] == []
-    # A connection to every other member and the group's listening socket, on every rank.
+    # A connection to every other member and the group's listening socket, on every rank,
+    # all closed with the group.
     assert all(g["new"] >= WORLD for g in got), [g["new"] for g in got]
+    assert all(g["sockets_left"] <= 0 for g in got), [g["sockets_left"] for g in got]
 
 
 LATE = 2  # the peer whose first receive the root records late
