@@ -229,13 +229,6 @@ class StepTimer:
         return self._step_start >= 0 and self._auto
 
     @property
-    def step_has_work(self) -> bool:
-        """The open step ran forward, backward or the optimizer (not only a batch fetch)."""
-        row = self._row  # NaN != NaN: a column equal to itself was timed
-        fwd, bwd, opt = row[_FWD_COL], row[_BWD_COL], row[_OPT_COL]
-        return fwd == fwd or bwd == bwd or opt == opt
-
-    @property
     def last_step_id(self) -> int:
         """Id of the last step written, -1 before the first."""
         return self._last_id
@@ -344,7 +337,9 @@ class StepTimer:
         if self._step_start < 0:
             self.start_step(auto=True)
             return True
-        row = self._row  # ``step_has_work`` inlined: this runs on every fetch
+        # Work in the step: forward, backward or the optimizer was timed (a timed column is
+        # equal to itself; an untimed one is NaN). Checked here, on every fetch, without a call.
+        row = self._row
         fwd, bwd, opt = row[_FWD_COL], row[_BWD_COL], row[_OPT_COL]
         if not (self._auto and (fwd == fwd or bwd == bwd or opt == opt)):
             return False
