@@ -192,8 +192,10 @@ class WindowCollector:
         return self._thread.is_alive()
 
     def stop(self, timeout_seconds: float) -> bool:
-        """Ship the rest, build the summary (root), join; True if the thread ended in time."""
+        """Ship the rest, build the summary (root), join, and release the group once the
+        thread has ended; True if it ended in time (a thread left behind keeps the group)."""
         if not self._thread.is_alive():
+            self._release()
             return True
         start = time.monotonic()
         # The root waits for final shipments for at most half the budget (and never longer
@@ -210,7 +212,12 @@ class WindowCollector:
                 timeout_seconds,
             )
             return False
+        self._release()
         return True
+
+    def _release(self) -> None:
+        if self.transport is not None:
+            self.transport.release()
 
     # ---- thread --------------------------------------------------------------------------
 

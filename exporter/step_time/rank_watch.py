@@ -402,9 +402,7 @@ class RankWatch:
             self.timer.finish_open_step()
             self.timer.drain_gpu(min(1.0, 0.2 * timeout_seconds))
         if self._collector is not None:
-            stopped = self._collector.stop(max(0.0, deadline - time.monotonic()))
-            if stopped and self._collector.transport is not None:
-                self._collector.transport.release()
+            self._collector.stop(max(0.0, deadline - time.monotonic()))
         for pub in self.publishers:
             try:
                 pub.close(max(0.05, deadline - time.monotonic()))

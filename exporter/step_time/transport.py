@@ -207,6 +207,8 @@ class Transport:
         Left alone (False) while a connector thread is still inside Gloo, connecting."""
         import torch.distributed as dist
 
+        if self.group is None:  # released already (None would name the job's default group)
+            return False
         for thread in self._connectors:
             thread.join(0.05)
         if any(thread.is_alive() for thread in self._connectors):
