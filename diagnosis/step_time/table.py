@@ -311,33 +311,39 @@ def _reduce_cube(
     steps = cube.shape[1]
     if steps == 0:
         return WindowMeans(tuple(ranks), means, measured, present, 0, "cpu")
-    gpu_has = None
     if clock is None:
-        # A step without its GPU time (every step of a CPU job) settles it in one column.
+        # A step without its GPU time (every step of a CPU job) settles it in one column;
+        # a GPU block without any absent value (the usual GPU job) in one pass.
         use_gpu = not bool(np.isnan(cube[:, :, 7 + STEP]).any())
         if use_gpu:
             gpu_has = ~np.isnan(cube[:, :, 7:13])
-            use_gpu = bool(_gpu_steps(cube, gpu_has).all())
+            use_gpu = bool(gpu_has.all()) or bool(_gpu_steps(cube, gpu_has).all())
     else:
         use_gpu = clock == "gpu"
-    values = cube[:, :, 7:13] if use_gpu else cube[:, :, 1:7]
-    has = gpu_has if use_gpu and gpu_has is not None else ~np.isnan(values)
-    filled = np.where(has, values, 0.0)
+    # The clock's six columns copied once, contiguous, with absent values as 0: every pass
+    # below then reads 6 values per row instead of striding over all 16 (half the time of a
+    # 4,096-rank live window went to those strided passes).
+    c0 = 7 if use_gpu else 1
+    filled = cube[:, :, c0 : c0 + len(SIGNALS)].copy()
+    absent = np.isnan(filled)
+    filled[absent] = 0.0
+    n_absent = np.count_nonzero(absent, axis=1)  # [ranks, signals]
     sums = filled.sum(axis=1)
-    sig_measured = np.where(_EVERY_STEP, has.all(axis=1), has.any(axis=1))
-    residual = np.maximum(
-        filled[:, :, STEP]
-        - filled[:, :, H2D]
-        - filled[:, :, FWD]
-        - filled[:, :, BWD]
-        - filled[:, :, OPT],
-        0.0,
-    ).mean(axis=1)
+    sig_measured = np.where(_EVERY_STEP, n_absent == 0, n_absent < steps)
+    residual = filled[:, :, STEP] - filled[:, :, H2D]
+    residual -= filled[:, :, FWD]
+    residual -= filled[:, :, BWD]
+    residual -= filled[:, :, OPT]
+    residual = np.maximum(residual, 0.0, out=residual).mean(axis=1)
     res_measured = sig_measured[:, STEP] & sig_measured[:, FWD] & sig_measured[:, BWD]
-    # The sync waits exist on the CPU clock only, and only where timed on every aligned step.
-    waits = cube[:, :, _FWW_COL : _BWW_COL + 1]
-    waits_measured = ~np.isnan(waits).any(axis=1) & (not use_gpu)
-    wait_means = np.where(waits_measured, np.nan_to_num(waits).mean(axis=1), 0.0)
+    # The sync waits exist on the CPU clock only, and only where timed on every aligned step
+    # (their mean is then over finite values: the table was checked).
+    waits_measured = np.zeros((cube.shape[0], len(SYNC_SIGNALS)), dtype=bool)
+    wait_means = np.zeros((cube.shape[0], len(SYNC_SIGNALS)))
+    if not use_gpu:
+        waits = cube[:, :, _FWW_COL : _BWW_COL + 1]
+        np.logical_not(np.isnan(waits).any(axis=1), out=waits_measured)
+        np.copyto(wait_means, waits.mean(axis=1), where=waits_measured)
     sub_means = np.concatenate([sums / steps, residual[:, None], wait_means], axis=1)
     sub_measured = np.concatenate([sig_measured, res_measured[:, None], waits_measured], axis=1)
     sub_means[~sub_measured] = 0.0
@@ -351,7 +357,7 @@ def _reduce_cube(
         steps,
         "gpu" if use_gpu else "cpu",
         (int(step_ids[0]), int(step_ids[-1])),
-        bool(np.nan_to_num(cube[:, :, _ASYNC_COL]).any()),
+        bool((np.abs(cube[:, :, _ASYNC_COL]) > 0).any()),  # NaN (absent) compares False
     )
 
 
