@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays
 from rankwatch.exporter.identity import local_identity
@@ -74,6 +76,38 @@ def test_row_buffer_keeps_the_newest_rows_in_order() -> None:
     # A batch larger than the buffer keeps its newest rows.
     assert buf.append(rows(20, 25)) == 25
     assert buf.tail(100)[:, 0].tolist() == list(range(35, 45))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    capacity=st.integers(1, 12),
+    batches=st.lists(st.tuples(st.integers(-3, 4), st.integers(0, 15)), max_size=12),
+    n=st.integers(0, 20),
+    cut=st.one_of(st.none(), st.integers(-2, 80)),
+)
+def test_row_buffer_tail_is_the_end_of_every_row_kept(
+    capacity: int, batches: list[tuple[int, int]], n: int, cut: int | None
+) -> None:
+    # The reference keeps every accepted row in a list; the ring must hand out the same end
+    # of it, however often it wrapped and wherever the cut falls.
+    buf = RowBuffer(capacity)
+    kept: list[float] = []
+    next_id = 0
+    for shift, count in batches:  # a negative shift resends steps already received
+        first = max(0, next_id + shift)
+        buf.append(rows(first, count))
+        for step in range(first, first + count):
+            if not kept or step > kept[-1]:
+                kept.append(float(step))
+        next_id = max(next_id, first + count)
+    ring = kept[-capacity:]
+    upto = ring if cut is None else [s for s in ring if s <= cut]
+    want = upto[-n:] if n else []
+    got = buf.tail(n, None if cut is None else float(cut))
+    assert got.shape == (len(want), ROW_WIDTH)
+    assert got[:, 0].tolist() == want
+    got[:, 1] = -1.0  # a copy: the ring is untouched
+    assert (buf.tail(capacity)[:, 1] != -1.0).all()
 
 
 def test_row_buffer_grows_with_what_it_receives() -> None:
