@@ -60,6 +60,7 @@ __all__ = [
     "column",
     "rank_items",
     "reduce_window",
+    "rows_after",
     "validate_rank_id",
     "validate_window",
 ]
@@ -98,6 +99,19 @@ def _field_name(col: int) -> str:
         return f"cpu.{name}" if name in SYNC_SIGNALS else name
     c, s = divmod(col - 1, len(SIGNALS))
     return f"{CLOCKS[c]}.{SIGNALS[s]}"
+
+
+def rows_after(rows: FloatArray, last_step: float) -> FloatArray:
+    """One rank's newly received rows without those whose step id is not above every id
+    before it (``last_step``, then the rows' own): resent or out-of-order rows.
+
+    Rows in strictly ascending order after ``last_step`` (every shipment of a healthy rank)
+    come back as they are, after two comparisons.
+    """
+    ids = rows[:, 0]
+    if len(ids) == 0 or (ids[0] > last_step and bool((ids[1:] > ids[:-1]).all())):
+        return rows
+    return rows[ids > np.maximum.accumulate(np.concatenate(([last_step], ids[:-1])))]
 
 
 def rank_items(per_rank: Mapping[Any, Any]) -> list[tuple[int, Any]]:
@@ -336,14 +350,14 @@ def _reduce_cube(
     residual -= filled[:, :, OPT]
     residual = np.maximum(residual, 0.0, out=residual).mean(axis=1)
     res_measured = sig_measured[:, STEP] & sig_measured[:, FWD] & sig_measured[:, BWD]
-    # The sync waits exist on the CPU clock only, and only where timed on every aligned step
-    # (their mean is then over finite values: the table was checked).
+    # The sync waits exist on the CPU clock only, and only where timed on every aligned step:
+    # a sum over the steps is NaN exactly when one is absent (the table's times are finite).
     waits_measured = np.zeros((cube.shape[0], len(SYNC_SIGNALS)), dtype=bool)
     wait_means = np.zeros((cube.shape[0], len(SYNC_SIGNALS)))
     if not use_gpu:
-        waits = cube[:, :, _FWW_COL : _BWW_COL + 1]
-        np.logical_not(np.isnan(waits).any(axis=1), out=waits_measured)
-        np.copyto(wait_means, waits.mean(axis=1), where=waits_measured)
+        wait_sums = cube[:, :, _FWW_COL : _BWW_COL + 1].sum(axis=1)
+        np.logical_not(np.isnan(wait_sums), out=waits_measured)
+        np.copyto(wait_means, wait_sums / steps, where=waits_measured)
     sub_means = np.concatenate([sums / steps, residual[:, None], wait_means], axis=1)
     sub_measured = np.concatenate([sig_measured, res_measured[:, None], waits_measured], axis=1)
     sub_means[~sub_measured] = 0.0
