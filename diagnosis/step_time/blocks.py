@@ -28,7 +28,7 @@ block means stand for the common steps.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import groupby
+from itertools import groupby, pairwise
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from rankwatch.diagnosis.step_time.table import (
     _reduce_cube,
     column,
     gpu_steps,
+    rows_after,
     validate_window,
 )
 
@@ -86,7 +87,7 @@ class StepBlocks:
     """Block sums for a fixed set of ranks (the group root's state beside its row tails).
 
     ``add(rank, rows)`` takes each rank's rows in ascending step order (rows not above the
-    rank's last step id are dropped, as the exporter's ``RowBuffer`` does).
+    rank's last step id are dropped: :func:`~.table.rows_after`).
     ``reduce(tails, window)`` builds the window means from the caller's kept rows (the newest
     ``tail_rows`` or fewer of each rank) and the blocks.
     """
@@ -148,25 +149,23 @@ class StepBlocks:
     def add(self, rank: int, rows: FloatArray) -> None:
         """Append one rank's new rows (ascending step ids); closes the blocks they complete."""
         i = self._row[rank]
+        rows = rows_after(rows, self._last[i])
         if len(rows) == 0:
             return
-        ids = rows[:, 0]
-        keep = ids > np.maximum.accumulate(np.concatenate(([self._last[i]], ids[:-1])))
-        if not keep.all():
-            rows = rows[keep]
-            if len(rows) == 0:
-                return
         self._last[i] = rows[-1, 0]
-        blocks = (rows[:, 0] // self.block_steps).astype(np.int64)
-        cuts = np.flatnonzero(np.diff(blocks)) + 1
-        start = 0
-        for cut in (*cuts.tolist(), len(rows)):
-            b = int(blocks[start])
-            if b != self._open[i]:
+        size = self.block_steps
+        first, last = int(rows[0, 0] // size), int(rows[-1, 0] // size)
+        if first == last:  # a shipment within one block (the usual case)
+            runs = [(first, 0, len(rows))]
+        else:  # cut at each block edge; blocks the ids skipped get no run
+            edges = np.arange(first + 1, last + 1) * size
+            cuts = [0, *np.searchsorted(rows[:, 0], edges).tolist(), len(rows)]
+            runs = [(first + k, a, b) for k, (a, b) in enumerate(pairwise(cuts)) if b > a]
+        for block, start, stop in runs:
+            if block != self._open[i]:
                 self._close(i)
-                self._open[i] = b
-            self._pending[i].append(rows[start:cut])
-            start = cut
+                self._open[i] = block
+            self._pending[i].append(rows[start:stop])
 
     def _close(self, i: int) -> None:
         if self._pending[i]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from rankwatch.diagnosis.step_time.table import ROW_WIDTH
+from rankwatch.diagnosis.step_time.table import ROW_WIDTH, rows_after
 
 __all__ = [
     "CHUNK_ROWS",
@@ -145,14 +145,10 @@ class RowBuffer:
 
     def append(self, rows: NDArray[np.float64], now: float | None = None) -> int:
         """Append rows (ascending step ids expected); returns how many were kept."""
-        if len(rows) == 0:
-            return 0
-        ids = rows[:, 0]
-        keep = ids > np.maximum.accumulate(np.concatenate(([self.last_step], ids[:-1])))
-        if not keep.all():
-            self.rejected += int((~keep).sum())
-            rows = rows[keep]
+        received = len(rows)
+        rows = rows_after(rows, self.last_step)
         kept = len(rows)
+        self.rejected += received - kept
         if kept == 0:
             return 0
         cap = self.capacity

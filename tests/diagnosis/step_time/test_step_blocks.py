@@ -19,6 +19,7 @@ from rankwatch.diagnosis.step_time.table import (
     SIGNALS,
     column,
     reduce_window,
+    rows_after,
 )
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.step_time.collector import WindowCollector, root_tail_rows, window_arrays
@@ -177,6 +178,22 @@ def test_state_is_bounded_by_the_window_not_the_run() -> None:
         blocks = feed(dict(example_window(4, steps).per_rank), 1_000, chunk=512)
         sizes.append(blocks.nbytes())
     assert sizes[0] == sizes[1]
+
+
+def test_rows_after_drops_resent_and_out_of_order_rows() -> None:
+    def ids(*steps: float) -> np.ndarray:
+        rows = np.full((len(steps), 16), 1.0)
+        rows[:, 0] = steps
+        return rows
+
+    fresh = ids(5, 6, 9)
+    assert rows_after(fresh, 4.0) is fresh  # the usual shipment: nothing copied
+    assert rows_after(ids(3, 4, 5, 6), 4.0)[:, 0].tolist() == [5, 6]  # resent head
+    assert rows_after(ids(5, 8, 7, 9), 4.0)[:, 0].tolist() == [5, 8, 9]  # one out of order
+    assert rows_after(ids(2, 1), 4.0).shape == (0, 16)
+    assert rows_after(ids(), -1.0).shape == (0, 16)
+    # The first step of a run (nothing received yet: last step -1) is kept.
+    assert rows_after(ids(0, 1), -1.0)[:, 0].tolist() == [0, 1]
 
 
 def test_bad_sizes_are_refused_by_name() -> None:
