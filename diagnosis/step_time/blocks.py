@@ -115,8 +115,9 @@ class StepBlocks:
         self.tail_rows = tail_rows
         n, slots = len(self.ranks), -(-window_steps // block_steps) + 1
         self.slots = slots
-        self._last = np.full(n, -1.0)
-        self._open = np.full(n, -1, dtype=np.int64)  # block index of each rank's open block
+        # Per rank, read and written once per shipment: plain lists (numpy scalars cost more).
+        self._last = [-1.0] * n  # last step id taken
+        self._open = [-1] * n  # block index of the open block
         self._pending: list[list[FloatArray]] = [[] for _ in self.ranks]
         # Closed blocks: a ring of ``slots`` per rank; ``_index`` -1 marks an empty slot.
         self._index = np.full((n, slots), -1, dtype=np.int64)
@@ -152,9 +153,9 @@ class StepBlocks:
         rows = rows_after(rows, self._last[i])
         if len(rows) == 0:
             return
-        self._last[i] = rows[-1, 0]
+        self._last[i] = rows.item(-1, 0)
         size = self.block_steps
-        first, last = int(rows[0, 0] // size), int(rows[-1, 0] // size)
+        first, last = int(rows.item(0, 0) // size), int(rows.item(-1, 0) // size)
         if first == last:  # a shipment within one block (the usual case)
             runs = [(first, 0, len(rows))]
         else:  # cut at each block edge; blocks the ids skipped get no run
