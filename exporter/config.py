@@ -116,6 +116,12 @@ class RankwatchConfig:
     otlp_export_interval_seconds: float = field(
         default=10.0, metadata=option("RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS", 0.0, lo_open=True)
     )
+    # OTLP exports of at least this many points run in a child process, off the training
+    # process's interpreter lock (the SDK's Python per point would otherwise stall training on
+    # a large group's root); 0 keeps every export in the process.
+    otlp_process_min_points: int = field(
+        default=2000, metadata=option("RANKWATCH_OTLP_PROCESS_MIN_POINTS", 0)
+    )
     # Publish through the application's global OTel MeterProvider/LoggerProvider when it has set
     # them (the library guideline), instead of providers and exporters of rankwatch's own.
     otlp_use_global_providers: bool = field(

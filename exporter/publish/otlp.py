@@ -12,6 +12,10 @@ uses the application's global providers when they are set, see below) and one wo
   instruments are used on purpose: the synchronous Gauge of some SDK releases forgets its value
   between collections, and a series not observed in a collection is dropped, so departed ranks
   and closed incidents disappear from the push path exactly as from ``/metrics``.
+* **Large exports in a child process.** From ``otlp_process_min_points`` points on (2,000:
+  a group of a few hundred ranks) each metrics export is handed to a child process
+  (:mod:`.otlp_process`) with the same resource and environment: the SDK's Python per point
+  would otherwise hold this process's interpreter lock, which the training thread needs.
 * **Names.** Instrument names and units come from the catalogue (``MetricSpec.otel_name``,
   ``otel_unit``) so that the standard OTLP-to-Prometheus translation gives back the catalogue's
   Prometheus names: ``rankwatch.phase`` with unit ``s`` becomes ``rankwatch_phase_seconds``, the
@@ -83,9 +87,10 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 import rankwatch
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.identity import k8s_attributes, node_hostname
-from rankwatch.exporter.publish.catalogue import CATALOGUE, MetricSpec
+from rankwatch.exporter.publish.catalogue import CATALOGUE
 from rankwatch.exporter.publish.events import event_log_record
 from rankwatch.exporter.publish.incidents import IncidentEvent
+from rankwatch.exporter.publish.otlp_process import MetricsProcess
 from rankwatch.exporter.publish.protocol import check_timeout_seconds
 from rankwatch.exporter.publish.samples import Sample
 
@@ -269,10 +274,13 @@ class _CountingMetricExporter(MetricExporter):
             preferred_aggregation=inner._preferred_aggregation,
         )
         self._inner, self._failures = inner, failures
+        self.silent = False  # exports are dropped (a provider shutting down after a hand-over)
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
+        if self.silent:
+            return MetricExportResult.SUCCESS
         try:
             result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception as exc:  # network errors must never reach the caller
@@ -324,7 +332,8 @@ def _grpc_missing(signal: str) -> ModuleNotFoundError:
     )
 
 
-def _metric_exporter(protocol: str) -> MetricExporter:
+def otlp_metric_exporter(protocol: str) -> MetricExporter:
+    """The OTLP metric exporter of ``protocol``, configured by the environment."""
     # Imported here: the gRPC stack is slow to import, most jobs never use it, and it is an extra.
     if protocol == "grpc":
         try:
@@ -365,6 +374,74 @@ def _endpoint_of(exporter: Any) -> str:
         if isinstance(value, str):
             return value
     return type(exporter).__name__
+
+
+Rows = Iterable[tuple[str, tuple[str, ...], float]]  # (family name, label values, value)
+
+
+def _observations(rows: Rows) -> dict[str, list[tuple[float, dict[str, str]]]]:
+    """Samples grouped by family, labels as the attribute dicts the instruments report."""
+    names: dict[str, tuple[str, ...]] = {spec.name: spec.all_labels for spec in CATALOGUE}
+    current: dict[str, list[tuple[float, dict[str, str]]]] = {}
+    for name, labels, value in rows:
+        current.setdefault(name, []).append((value, dict(zip(names[name], labels, strict=True))))
+    return current
+
+
+def _add_instruments(
+    meter: Any, current: Callable[[], Mapping[str, list[tuple[float, dict[str, str]]]]]
+) -> None:
+    """One observable instrument per catalogue family, reporting ``current()``'s samples."""
+    for spec in CATALOGUE:
+
+        def observe(_options: CallbackOptions, name: str = spec.name) -> Iterable[Observation]:
+            return [Observation(value, attrs) for value, attrs in current().get(name, ())]
+
+        kwargs = {"callbacks": [observe], "unit": spec.otel_unit, "description": spec.help}
+        if spec.type == "counter":
+            meter.create_observable_counter(spec.otel_name, **kwargs)
+        else:
+            meter.create_observable_gauge(spec.otel_name, **kwargs)
+
+
+class OwnMetrics:
+    """rankwatch's own MeterProvider: the catalogue's instruments, exported on demand.
+
+    ``failures`` is told of every export's outcome (``failed(why)`` / ``succeeded()``). Used
+    by :class:`OtlpPublisher` in its process and by the export child of
+    :mod:`.otlp_process`.
+    """
+
+    def __init__(self, resource: Resource, exporter: MetricExporter, failures: Any) -> None:
+        # An infinite interval: no SDK thread; the caller decides when to collect.
+        self._exporter = _CountingMetricExporter(exporter, failures)
+        self.reader = PeriodicExportingMetricReader(
+            self._exporter,
+            export_interval_millis=math.inf,
+            **_cardinality_limits(),
+        )
+        self.provider = MeterProvider(
+            resource=resource, metric_readers=[self.reader], shutdown_on_exit=False
+        )
+        self._current: dict[str, list[tuple[float, dict[str, str]]]] = {}
+        _add_instruments(self.provider.get_meter(SCOPE_NAME), lambda: self._current)
+
+    def export(self, rows: Rows, timeout_seconds: float) -> None:
+        """Collect ``rows`` and export them; failures go to ``failures``, never raised."""
+        self._current = _observations(rows)
+        try:
+            self.reader.force_flush(timeout_millis=timeout_seconds * 1000)
+        except Exception:  # e.g. a collection timeout; counted by the exporter when it exports
+            log.debug("rankwatch: OTLP metric collection failed", exc_info=True)
+
+    def shutdown(self, timeout_seconds: float, *, last_export: bool = True) -> None:
+        """Shut the provider down, bounded; with ``last_export`` the SDK exports the current
+        samples one last time (without: the samples are another exporter's now)."""
+        self._exporter.silent = not last_export
+        try:
+            self.provider.shutdown(timeout_millis=timeout_seconds * 1000)
+        except Exception:  # shutting down must not raise into the caller
+            log.debug("rankwatch: OTel provider shutdown failed", exc_info=True)
 
 
 class OtlpPublisher:
@@ -413,7 +490,10 @@ class OtlpPublisher:
 
         self._current: dict[str, list[tuple[float, dict[str, str]]]] = {}
         self._meter_provider: MeterProvider | None = None
-        self._reader: PeriodicExportingMetricReader | None = None
+        self._own: OwnMetrics | None = None
+        self._metric_failures: _FailureLog | None = None
+        self._process: MetricsProcess | None = None
+        self._process_allowed = False
         # The application's global providers, when configured to use them and they are set:
         # rankwatch then only adds instruments / emits records; their exporters, schedule and
         # resource are the application's, and their shutdown too.
@@ -426,23 +506,15 @@ class OtlpPublisher:
             self._global_logger_provider = global_logger_provider()
         if self._global_meter_provider is not None:
             meter = self._global_meter_provider.get_meter(SCOPE_NAME, rankwatch.__version__)
-            for spec in CATALOGUE:
-                self._instrument(meter, spec)
+            _add_instruments(meter, lambda: self._current)
         elif settings.metrics or metric_exporter is not None:
-            inner = metric_exporter or _metric_exporter(settings.metrics_protocol)
-            counting = _CountingMetricExporter(
-                inner, _FailureLog(OTLP_METRICS, _endpoint_of(inner), self._on_failure)
-            )
-            # An infinite interval: no SDK thread; our worker decides when to collect.
-            self._reader = PeriodicExportingMetricReader(
-                counting, export_interval_millis=math.inf, **_cardinality_limits()
-            )
-            self._meter_provider = MeterProvider(
-                resource=self.resource, metric_readers=[self._reader], shutdown_on_exit=False
-            )
-            meter = self._meter_provider.get_meter(SCOPE_NAME)
-            for spec in CATALOGUE:
-                self._instrument(meter, spec)
+            inner = metric_exporter or otlp_metric_exporter(settings.metrics_protocol)
+            self._metric_failures = _FailureLog(OTLP_METRICS, _endpoint_of(inner), self._on_failure)
+            self._own = OwnMetrics(self.resource, inner, self._metric_failures)
+            self._meter_provider = self._own.provider
+            # Large exports run in a child process (see .otlp_process), configured like this
+            # one by the environment: not with an exporter object handed in.
+            self._process_allowed = metric_exporter is None and config.otlp_process_min_points > 0
 
         self._logger_provider: LoggerProvider | None = None
         self._otel_logger: Any = None
@@ -479,6 +551,11 @@ class OtlpPublisher:
     def uses_global_providers(self) -> tuple[bool, bool]:
         """(metrics, logs): whether each signal goes through the application's global provider."""
         return (self._global_meter_provider is not None, self._global_logger_provider is not None)
+
+    @property
+    def export_process_pid(self) -> int | None:
+        """Process id of the child exporting the metrics, None while they export here."""
+        return None if self._process is None else self._process.pid
 
     # -- producer side (any thread; never blocks on the network) ----------------------------
 
@@ -531,15 +608,15 @@ class OtlpPublisher:
         self._thread.join(max(0.0, (deadline - time.monotonic()) * 0.8))
 
         def shutdown() -> None:
-            left_ms = max(0.0, deadline - time.monotonic()) * 1000
-            for provider in (self._meter_provider, self._logger_provider):
-                if provider is None:
-                    continue
+            child = self._process
+            if child is not None:
+                child.close(max(0.0, deadline - time.monotonic()))
+            if self._own is not None:
+                left = max(0.0, deadline - time.monotonic())
+                self._own.shutdown(left, last_export=child is None)
+            if self._logger_provider is not None:
                 try:
-                    if isinstance(provider, MeterProvider):
-                        provider.shutdown(timeout_millis=left_ms)
-                    else:
-                        provider.shutdown()
+                    self._logger_provider.shutdown()
                 except Exception:  # shutting down must not raise into the caller
                     log.debug("rankwatch: OTel provider shutdown failed", exc_info=True)
 
@@ -549,35 +626,18 @@ class OtlpPublisher:
 
     # -- worker side ------------------------------------------------------------------------
 
-    def _instrument(self, meter: Any, spec: MetricSpec) -> None:
-        def observe(_options: CallbackOptions, name: str = spec.name) -> Iterable[Observation]:
-            return [Observation(value, attrs) for value, attrs in self._current.get(name, ())]
-
-        kwargs = {"callbacks": [observe], "unit": spec.otel_unit, "description": spec.help}
-        if spec.type == "counter":
-            meter.create_observable_counter(spec.otel_name, **kwargs)
-        else:
-            meter.create_observable_gauge(spec.otel_name, **kwargs)
-
-    def _snapshot(self) -> None:
+    def _samples(self) -> Sequence[Sample]:
         try:
-            samples = self._source()
+            return self._source()
         except Exception:
             log.exception("rankwatch: reading the samples for OTLP failed")
-            samples = []
-        current: dict[str, list[tuple[float, dict[str, str]]]] = {}
-        names: dict[str, tuple[str, ...]] = {spec.name: spec.all_labels for spec in CATALOGUE}
-        for s in samples:
-            current.setdefault(s.name, []).append(
-                (s.value, dict(zip(names[s.name], s.labels, strict=True)))
-            )
-        self._current = current
+            return []
 
     def _export_metrics(self, requested: bool = False) -> None:
         if self._global_meter_provider is not None:
             # The application's reader collects on its own schedule from the latest snapshot;
             # an explicit flush (close, flush()) pushes it through the application's provider.
-            self._snapshot()
+            self._current = _observations(self._samples())
             if requested:
                 try:
                     self._global_meter_provider.force_flush(
@@ -586,13 +646,51 @@ class OtlpPublisher:
                 except Exception:
                     log.debug("rankwatch: flushing the global MeterProvider failed", exc_info=True)
             return
-        if self._reader is None:
+        if self._own is None:
             return
-        self._snapshot()
+        samples = self._samples()
+        if (
+            self._process is None
+            and self._process_allowed
+            and len(samples) >= self.config.otlp_process_min_points
+        ):
+            self._start_process(len(samples))
+        if self._process is not None and self._export_in_child(samples):
+            return
+        self._own.export(samples, self.interval_seconds)
+
+    def _start_process(self, points: int) -> None:
+        assert self._own is not None
+        self._process_allowed = False  # one child for the life of the publisher
         try:
-            self._reader.force_flush(timeout_millis=self.interval_seconds * 1000)
-        except Exception:  # e.g. a collection timeout; counted by the exporter when it exports
-            log.debug("rankwatch: OTLP metric collection failed", exc_info=True)
+            self._process = MetricsProcess(
+                dict(self.resource.attributes),
+                self.resource.schema_url,
+                self.settings.metrics_protocol,
+            )
+        except OSError as exc:
+            log.warning("rankwatch: cannot start the OTLP export process (%s)", exc)
+            return
+        log.info(
+            "rankwatch: OTLP exports of %d points and more run in a child process (pid %d)",
+            points,
+            self._process.pid,
+        )
+
+    def _export_in_child(self, samples: Sequence[Sample]) -> bool:
+        """True if the child took the export (its outcomes are counted here)."""
+        assert self._process is not None and self._metric_failures is not None
+        rows = [(s.name, s.labels, s.value) for s in samples]
+        outcomes = self._process.export(rows, self.interval_seconds)
+        if outcomes is None:
+            self._process = None
+            return False
+        for kind, why in outcomes:
+            if kind == "failed":
+                self._metric_failures.failed(why)
+            else:
+                self._metric_failures.succeeded()
+        return True
 
     def _emit_events(self, events: list[IncidentEvent]) -> None:
         for event in events:

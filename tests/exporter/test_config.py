@@ -171,6 +171,8 @@ def test_unparseable_value_names_variable_and_value(env_name: str) -> None:
         ("RANKWATCH_MAX_BUFFERED_STEPS", "1", ">= 2"),
         ("RANKWATCH_CELL_BUDGET", "0", ">= 1"),
         ("RANKWATCH_ARTIFACT_RETENTION", "-1", ">= 0"),
+        ("RANKWATCH_OTLP_PROCESS_MIN_POINTS", "-1", ">= 0"),
+        ("RANKWATCH_OTLP_PROCESS_MIN_POINTS", "1e3", "expected int"),
         ("RANKWATCH_STRATEGY", "zero3", "must be one of"),
         ("RANKWATCH_ENABLE", "maybe", "expected a boolean"),
         ("DEEPEP_DIAGNOSE_INTERVAL", "0", "> 0"),

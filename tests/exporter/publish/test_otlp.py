@@ -87,14 +87,18 @@ def resource_labels(resource_attributes) -> set[str]:
 
 
 @pytest.mark.servers
-def test_golden_prometheus_and_otlp_publish_the_same_series(monkeypatch):
+@pytest.mark.parametrize("in_child", [False, True], ids=["otlp_here", "otlp_in_child"])
+def test_golden_prometheus_and_otlp_publish_the_same_series(monkeypatch, in_child):
     with victoria_metrics(["-opentelemetry.usePrometheusNaming"]) as vm:
         monkeypatch.setenv(
             "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", f"{vm.url}/opentelemetry/v1/metrics"
         )
         monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=golden")
         config = RankwatchConfig(
-            metrics_port=0, run_id="golden", otlp_export_interval_seconds=3600.0
+            metrics_port=0,
+            run_id="golden",
+            otlp_export_interval_seconds=3600.0,
+            otlp_process_min_points=1 if in_child else 0,  # 1: every export in a child process
         )
         now = T0 + 30.0
         hub = PublisherHub(config, rank=0, hostname="trainer-0", clock=lambda: now)
@@ -124,6 +128,7 @@ def test_golden_prometheus_and_otlp_publish_the_same_series(monkeypatch):
                 return res if len(res) >= len(want) else None
 
             result = wait_until(ingested, 30, what="VictoriaMetrics to ingest the OTLP push")
+            assert (hub.otlp.export_process_pid is not None) is in_child
         finally:
             hub.close(5)
 
