@@ -27,7 +27,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +40,18 @@ from bench.bench_scale import _fill, _Root, _store
 SIZES = (1024, 4096)
 REPEATS = 3
 BASE_STEPS = 1500
+
+
+def _scraper(conn: Any, url: str) -> None:
+    """A scraping client in a process of its own: one GET of ``url`` per request, its wall
+    time (ms) in reply."""
+    import urllib.request
+
+    while conn.recv():
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=120) as response:
+            response.read()
+        conn.send((time.perf_counter() - t0) * 1e3)
 
 
 def _serve_sink(ports: Any) -> None:
@@ -95,7 +106,7 @@ class _Training:
         return (sum(during) - len(during) * bare) * 1e3, cpu[0] * 1e3
 
 
-def _stall(ranks: int, training: _Training, endpoint: str) -> list[dict[str, Any]]:
+def _stall(ranks: int, training: _Training, min_points: int) -> list[dict[str, Any]]:
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.publish.hub import PublisherHub
     from rankwatch.exporter.publish.otlp import OtlpPublisher, OtlpSettings
@@ -114,12 +125,15 @@ def _stall(ranks: int, training: _Training, endpoint: str) -> list[dict[str, Any
     hub = PublisherHub(RankwatchConfig(metrics_port=0), otlp=False)
     hub.publish(report)
     assert hub.flush(60) and hub.metrics_url is not None
-    url = hub.metrics_url
+    ctx = mp.get_context("spawn")
+    client, server_end = ctx.Pipe()
+    scraper = ctx.Process(target=_scraper, args=(server_end, hub.metrics_url), daemon=True)
+    scraper.start()
     pubs = {
         child: OtlpPublisher(
             RankwatchConfig(
                 otlp_export_interval_seconds=3600.0,
-                otlp_process_min_points=2000 if child else 0,
+                otlp_process_min_points=min_points if child else 0,
             ),
             hub.state.samples,
             settings=OtlpSettings(True, False),
@@ -142,9 +156,8 @@ def _stall(ranks: int, training: _Training, endpoint: str) -> list[dict[str, Any
             wall: list[float] = []
 
             def scrape(wall: list[float] = wall) -> None:
-                t0 = time.perf_counter()
-                subprocess.run(["curl", "-sf", "-o", os.devnull, url], check=True)
-                wall.append((time.perf_counter() - t0) * 1e3)
+                client.send(True)
+                wall.append(client.recv())
 
             lost, _ = training.lost_ms(scrape)
             out["scrape"][0].append(lost)
@@ -153,6 +166,8 @@ def _stall(ranks: int, training: _Training, endpoint: str) -> list[dict[str, Any
                 lost, _ = training.lost_ms(lambda p=pubs[child]: p.flush(120))
                 out[key][0].append(lost)
     finally:
+        client.send(False)
+        scraper.join(10)
         for pub in pubs.values():
             pub.close(10)
         hub.close(5)
@@ -177,8 +192,9 @@ def _stall(ranks: int, training: _Training, endpoint: str) -> list[dict[str, Any
     ]
 
 
-def run(sizes: tuple[int, ...] = SIZES) -> list[dict[str, Any]]:
-    """Three rows per group size: window, scrape, OTLP export (training ms lost each)."""
+def run(sizes: tuple[int, ...] = SIZES, min_points: int = 2000) -> list[dict[str, Any]]:
+    """Three rows per group size: window, scrape, OTLP export (training ms lost each);
+    ``min_points`` is the export child's threshold (the default's)."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
     sink = ctx.Process(target=_serve_sink, args=(ports,), daemon=True)
@@ -190,7 +206,7 @@ def run(sizes: tuple[int, ...] = SIZES) -> list[dict[str, Any]]:
         training = _Training()
         rows: list[dict[str, Any]] = []
         for ranks in sizes:
-            rows += _stall(ranks, training, endpoint)
+            rows += _stall(ranks, training, min_points)
         return rows
     finally:
         if saved is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import stat
 from pathlib import Path
 from typing import Any
@@ -232,3 +233,18 @@ def test_scale_benchmark_runs_on_a_small_group() -> None:
         "root memory, 8 ranks x 100 steps",
     ]
     assert all(r["median"] > 0 for r in rows)
+
+
+def test_root_stall_benchmark_runs_on_a_small_group() -> None:
+    # The training-time benchmark of the root's work spawns a sink, a scraper and the export
+    # child: it must keep running between the long runs that write its figures.
+    from bench.bench_root_stall import run
+
+    rows = run(sizes=(8,), min_points=1)
+    heads = [r["name"].split(" (")[0] for r in rows]
+    assert heads == [
+        "training time lost to one root window, 8 ranks",
+        "training time lost to one /metrics scrape, 8 ranks",
+        "training time lost to one OTLP export",
+    ]
+    assert all(math.isfinite(r["median"]) and r["baseline"] > 0 for r in rows)
