@@ -8,6 +8,8 @@ root's work runs once on another thread, as it does in a real root:
 * ``window``: one window of a group of N ranks in its steady state (every rank's ring of rows
   wrapped): the intake of every rank's shipment, the block sums, the live window (the real
   ``WindowCollector`` fed as in ``bench_scale``); baseline: that thread's CPU time;
+* ``report``: one report handed to the ``PublisherHub`` (incident tracker, the samples both
+  paths publish), done on the hub's thread as in a real root; baseline: its wall time;
 * ``scrape``: one scrape of the root's ``/metrics`` by a client in another process; baseline:
   the scrape's wall time;
 * ``OTLP export``: one export of the report's points to a sink in another process, from the
@@ -142,7 +144,7 @@ def _stall(ranks: int, training: _Training, min_points: int) -> list[dict[str, A
     }
     points = len(hub.state.samples())
     out: dict[str, tuple[list[float], list[float]]] = {
-        k: ([], []) for k in ("window", "scrape", "otlp_child", "otlp_here")
+        k: ([], []) for k in ("window", "report", "scrape", "otlp_child", "otlp_here")
     }
     try:
         for pub in pubs.values():  # start the child, warm both
@@ -154,6 +156,16 @@ def _stall(ranks: int, training: _Training, min_points: int) -> list[dict[str, A
             out["window"][0].append(lost)
             out["window"][1].append(cpu)
             wall: list[float] = []
+
+            def publish(wall: list[float] = wall) -> None:
+                t0 = time.perf_counter()
+                hub.publish(report)
+                assert hub.flush(60)
+                wall.append((time.perf_counter() - t0) * 1e3)
+
+            lost, _ = training.lost_ms(publish)
+            out["report"][0].append(lost)
+            out["report"][1].append(wall.pop())
 
             def scrape(wall: list[float] = wall) -> None:
                 client.send(True)
@@ -174,6 +186,7 @@ def _stall(ranks: int, training: _Training, min_points: int) -> list[dict[str, A
     out["otlp_child"][1].extend(out["otlp_here"][0])
     what = {
         "window": ("one root window", "the window thread's CPU"),
+        "report": ("publishing one report", "its wall time"),
         "scrape": ("one /metrics scrape", "the scrape's wall time"),
         "otlp_child": (
             f"one OTLP export ({points:,} points) from the export child",
@@ -193,7 +206,7 @@ def _stall(ranks: int, training: _Training, min_points: int) -> list[dict[str, A
 
 
 def run(sizes: tuple[int, ...] = SIZES, min_points: int = 2000) -> list[dict[str, Any]]:
-    """Three rows per group size: window, scrape, OTLP export (training ms lost each);
+    """Four rows per group size: window, report, scrape, OTLP export (training ms lost each);
     ``min_points`` is the export child's threshold (the default's)."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()

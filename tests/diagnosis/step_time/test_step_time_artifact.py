@@ -244,6 +244,7 @@ def test_root_stall_benchmark_runs_on_a_small_group() -> None:
     heads = [r["name"].split(" (")[0] for r in rows]
     assert heads == [
         "training time lost to one root window, 8 ranks",
+        "training time lost to publishing one report, 8 ranks",
         "training time lost to one /metrics scrape, 8 ranks",
         "training time lost to one OTLP export",
     ]
