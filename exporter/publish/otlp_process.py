@@ -4,7 +4,7 @@ The OpenTelemetry SDK spends tens of microseconds of Python per exported point (
 checks and hashing, aggregation, protobuf encoding), all holding the interpreter lock of the
 process that exports. On a group's root that is the training process: a 1,024-rank report is
 about 8,000 points, and its export took the training thread 0.3-0.5 s each time (4,096 ranks:
-1.1-1.7 s), every ``otlp_export_interval_seconds``. Above ``otlp_process_min_points`` points the
+1.1-2.8 s), every ``otlp_export_interval_seconds``. Above ``otlp_process_min_points`` points the
 :class:`~.otlp.OtlpPublisher` therefore hands each export's samples to a child process that
 owns the MeterProvider and the exporter; the training process only pickles the samples (about
 20 ms at 4,096 ranks).
