@@ -397,21 +397,25 @@ def test_a_stuck_log_endpoint_does_not_hold_back_metric_exports(
     assert exported >= 3, exported
 
 
+@pytest.mark.parametrize("in_child", [False, True], ids=["export_here", "export_in_child"])
 def test_close_keeps_the_default_bound_while_an_export_hangs(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, in_child: bool
 ) -> None:
     """The exporters' default timeout is 10 s; a collector that takes 60 s to answer must not
-    hold shutdown past the default 5 s."""
+    hold shutdown past the default 5 s, whether the export hangs in this process or in the
+    export child (which is then killed: nothing of rankwatch outlives close())."""
     srv = FaultyCollector("slow", delay_s=60.0)
     try:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", srv.endpoint)
-        cfg = RankwatchConfig(metrics_port=0)
+        cfg = RankwatchConfig(metrics_port=0, otlp_process_min_points=1 if in_child else 0)
         assert cfg.shutdown_timeout_seconds == 5.0
         hub = PublisherHub(cfg, hostname="trainer-0")
         assert hub.otlp is not None
         hub.publish(window(0, n=4, step_time=step_report(4)))
         hub.otlp.request_export()
-        wait_until(lambda: srv.requests >= 1, 10, what="the export to reach the collector")
+        wait_until(lambda: srv.requests >= 1, 30, what="the export to reach the collector")
+        child = hub.otlp.export_process_pid
+        assert (child is not None) is in_child
         t0 = time.perf_counter()
         hub.close()
         close_s = time.perf_counter() - t0
@@ -419,3 +423,6 @@ def test_close_keeps_the_default_bound_while_an_export_hangs(
         srv.stop()
     print(f"close with an export hanging on a 60 s collector: {close_s:.2f} s (bound 5 s)")
     assert close_s <= 5.0 + 0.25
+    if child is not None:
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
