@@ -671,6 +671,9 @@ class OtlpPublisher:
         except OSError as exc:
             log.warning("rankwatch: cannot start the OTLP export process (%s)", exc)
             return
+        if self._process.pid is None:  # gone already (warned): export here
+            self._process = None
+            return
         log.info(
             "rankwatch: OTLP exports of %d points and more run in a child process (pid %d)",
             points,

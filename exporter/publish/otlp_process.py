@@ -118,6 +118,9 @@ class MetricsProcess:
             proc.kill()
             proc.wait()
         self._proc = None
+        if proc.stdout is not None:  # a worker still reading sees the pipe fail, quietly
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdout.close()
 
     def _send(self, message: object) -> bool:
         proc = self._proc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -167,3 +168,33 @@ def test_a_child_that_dies_is_replaced_by_exports_from_this_process(
         assert _points(receiver.received, -1) == _points(receiver.received, 0)
     said = [r.getMessage() for r in caplog.records if "export process is gone" in r.getMessage()]
     assert len(said) == 1
+
+
+@pytest.mark.parametrize(
+    ("executable", "warning"),
+    [
+        ("/nonexistent/python3", "cannot start the OTLP export process"),
+        ("/bin/false", "export process is gone"),  # starts, exits at once
+    ],
+)
+def test_a_child_that_cannot_start_leaves_the_exports_to_this_process(
+    monkeypatch: pytest.MonkeyPatch,
+    samples: Sequence[Sample],
+    caplog: pytest.LogCaptureFixture,
+    executable: str,
+    warning: str,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="rankwatch.otlp")
+    with HttpReceiver() as receiver:
+        pub = _publisher(receiver.endpoint, monkeypatch, samples, min_points=1)
+        monkeypatch.setattr(sys, "executable", executable)
+        try:
+            assert pub.flush(30)
+            assert pub.export_process_pid is None
+            assert pub.flush(30)  # no second attempt: one warning, exports from here
+        finally:
+            pub.close(5)
+        assert len(receiver.received.metric_requests) >= 2
+        assert _points(receiver.received, 0) == _points(receiver.received, 1)
+    said = [r.getMessage() for r in caplog.records if r.name == "rankwatch.otlp"]
+    assert len(said) == 1 and warning in said[0]
