@@ -660,7 +660,6 @@ class OtlpPublisher:
         self._own.export(samples, self.interval_seconds)
 
     def _start_process(self, points: int) -> None:
-        assert self._own is not None
         self._process_allowed = False  # one child for the life of the publisher
         try:
             self._process = MetricsProcess(

@@ -112,15 +112,10 @@ class MetricsProcess:
         with contextlib.suppress(OSError, ValueError):  # already gone
             proc.stdin.write(_frame(("close", timeout_seconds)))  # type: ignore[union-attr]
             proc.stdin.close()  # type: ignore[union-attr]
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout_seconds)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         self._proc = None
-        if proc.stdout is not None:  # a worker still reading sees the pipe fail, quietly
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdout.close()
+        _reap(proc)  # a worker still reading sees the pipe fail, quietly
 
     def _send(self, message: object) -> bool:
         proc = self._proc
@@ -162,7 +157,9 @@ class MetricsProcess:
                 return None
             if not chunk:
                 code = proc.poll()
-                self._gone("it exited" if code is None else f"it exited with status {code}")
+                self._gone(
+                    "it closed its output" if code is None else f"it exited with status {code}"
+                )
                 return None
             self._buffer += chunk
 
@@ -174,13 +171,18 @@ class MetricsProcess:
             )
         proc, self._proc = self._proc, None
         if proc is not None:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):
-                        pipe.close()
+            _reap(proc)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the child if it still runs, wait for it, and close both pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError, ValueError):
+                pipe.close()
 
 
 # ---- the child -------------------------------------------------------------------------------
