@@ -205,9 +205,13 @@ def _stall(ranks: int, training: _Training, min_points: int) -> list[dict[str, A
     ]
 
 
-def run(sizes: tuple[int, ...] = SIZES, min_points: int = 2000) -> list[dict[str, Any]]:
+def run(sizes: tuple[int, ...] = SIZES, min_points: int | None = None) -> list[dict[str, Any]]:
     """Four rows per group size: window, report, scrape, OTLP export (training ms lost each);
-    ``min_points`` is the export child's threshold (the default's)."""
+    ``min_points`` is the export child's threshold (None: the configuration's default)."""
+    from rankwatch.exporter.config import RankwatchConfig
+
+    if min_points is None:
+        min_points = RankwatchConfig().otlp_process_min_points
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
     sink = ctx.Process(target=_serve_sink, args=(ports,), daemon=True)
