@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.accuracy_frameworks import FRAMEWORK_ROWS, run_cell, sleeper, torchrun_env
+
 WORLD = 3
 SLOW_RANK = 1
 SLOW_S = 0.03  # the injected slowdown per step on the slow rank
@@ -44,6 +46,13 @@ ROWS: dict[str, str] = {
     "compile": "DDP(torch.compile(model, fullgraph=True))",
     "prefetch": "loader consumed by a prefetch thread (training reads a queue)",
     "scaler_wrapper": "GradScaler stepping a framework-style optimizer wrapper",
+    "hf_trainer": "Hugging Face Trainer (tiny BERT, DDP, default arguments) with its callback",
+    "hf_trainer_accum": "the same Trainer, gradient_accumulation_steps=2",
+    "hf_trainer_logging": "the same Trainer, logging every step (the loss gathered from all ranks)",
+    "lightning": 'Lightning Trainer(strategy="ddp") with its callback',
+    "lightning_accum": "the same Lightning Trainer, accumulate_grad_batches=2",
+    "lightning_sync_log": "the same, training_step logs its loss with sync_dist=True",
+    "accelerate": "plain Accelerate loop (prepare: DDP, AcceleratedOptimizer) around watch()",
 }
 COLUMNS: dict[str, str] = {
     "data": "data loading",
@@ -116,13 +125,6 @@ class _OptimizerWrapper:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def _sleeper(seconds: float) -> Any:
-    def hook(*args: Any) -> None:
-        time.sleep(seconds)
-
-    return hook
-
-
 def _run_cell(rank: int, row: str, col: str) -> list[list[float | None]]:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -140,7 +142,7 @@ def _run_cell(rank: int, row: str, col: str) -> list[list[float | None]]:
     net = torch.nn.Sequential(*layers)
     last = layers[-1]
     inner: torch.nn.Module = torch.compile(net, fullgraph=True) if row == "compile" else net
-    inner.register_forward_pre_hook(_sleeper(BASE_S))
+    inner.register_forward_pre_hook(sleeper(BASE_S))
     # (the default broadcasts buffers before every forward; passing it at all warns)
     model = DDP(inner, broadcast_buffers=False) if row == "no_broadcast" else DDP(inner)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -161,12 +163,12 @@ def _run_cell(rank: int, row: str, col: str) -> list[list[float | None]]:
     rw = RankWatch(config=cfg)
     loader = rw.watch(model, watched_opt, batches())
     if slow and col == "forward":
-        inner.register_forward_pre_hook(_sleeper(SLOW_S))
+        inner.register_forward_pre_hook(sleeper(SLOW_S))
     if slow and col == "backward":
         # The first gradient of the pass (last layer): the rest of backward waits behind it.
-        last.weight.register_post_accumulate_grad_hook(_sleeper(SLOW_S))
+        last.weight.register_post_accumulate_grad_hook(sleeper(SLOW_S))
     if slow and col == "optimizer":
-        opt.register_step_pre_hook(_sleeper(SLOW_S))
+        opt.register_step_pre_hook(sleeper(SLOW_S))
 
     def mse(out: Any, y: Any) -> Any:
         return torch.nn.functional.mse_loss(out, y)
@@ -232,6 +234,39 @@ def _worker(rank: int, port: int, cells: list[tuple[str, str]], out: str) -> Non
     Path(out, f"{rank}.json").write_text(json.dumps(result))
 
 
+def _framework_worker(rank: int, port: int, row: str, cols: list[str], out: str) -> None:
+    """A rank of a framework row's world: the framework initialises the process group from
+    the environment ``torchrun`` would set; the row's cells run one after the other."""
+    os.environ.update(torchrun_env(rank, WORLD, port), OMP_NUM_THREADS="1")
+    result: dict[str, Any] = {}
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        for col in cols:
+            if dist.is_initialized():
+                dist.barrier()
+            try:
+                result[f"{row}/{col}"] = run_cell(
+                    row,
+                    col,
+                    world=WORLD,
+                    slow=rank == SLOW_RANK,
+                    steps=STEPS,
+                    slow_s=SLOW_S,
+                    base_s=BASE_S,
+                )
+            except Exception:
+                result[f"{row}/{col}"] = {"error": traceback.format_exc()}
+                raise
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+
+
 # ---- in the parent ---------------------------------------------------------------------------
 
 
@@ -241,16 +276,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_matrix(cells: list[tuple[str, str]]) -> list[Cell]:
-    """Run ``cells`` (``(row, col)`` pairs) in one spawned Gloo world; their verdicts."""
-    import numpy as np
-
-    from rankwatch.diagnosis.step_time import diagnose_arrays
-
+def _run_world(target: Any, args: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """Spawn ``WORLD`` ranks running ``target(rank, port, *args, out_dir)``; what each wrote."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, cells, out)) for r in range(WORLD)]
+        procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(WORLD)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -263,14 +294,39 @@ def run_matrix(cells: list[tuple[str, str]]) -> list[Cell]:
         for r in range(WORLD):
             path = Path(out, f"{r}.json")
             results.append(json.loads(path.read_text()) if path.exists() else {"error": "died"})
+    return results
+
+
+def run_matrix(cells: list[tuple[str, str]]) -> list[Cell]:
+    """Run ``cells`` (``(row, col)`` pairs) in spawned Gloo worlds (the plain rows in one, each
+    framework row in one of its own); their verdicts, in the order given."""
+    import numpy as np
+
+    from rankwatch.diagnosis.step_time import diagnose_arrays
+
+    results: dict[str, list[Any]] = {}  # cell key -> each rank's rows (or error)
+
+    def gather(keys: list[str], ranks: list[dict[str, Any]]) -> None:
+        err = next((res.get("error") for res in ranks if res.get("error")), None)
+        for key in keys:
+            results[key] = [res.get(key, {"error": err}) for res in ranks]
+
+    plain = [(r, c) for r, c in cells if r not in FRAMEWORK_ROWS]
+    if plain:
+        gather([f"{r}/{c}" for r, c in plain], _run_world(_worker, (plain,)))
+    for fw_row in dict.fromkeys(r for r, _ in cells if r in FRAMEWORK_ROWS):
+        cols = [c for r, c in cells if r == fw_row]
+        ranks = _run_world(_framework_worker, (fw_row, cols))
+        gather([f"{fw_row}/{c}" for c in cols], ranks)
     cells_out: list[Cell] = []
     for row, col in cells:
         key = f"{row}/{col}"
         want = expected(row, col)
-        per_rank = [res.get(key) for res in results]
+        per_rank = results[key]
         bad = [p for p in per_rank if not isinstance(p, list)]
         if bad:
-            err = next((res.get("error") for res in results if res.get("error")), None)
+            errors = [p.get("error") for p in bad if isinstance(p, dict) and p.get("error")]
+            err = errors[0] if errors else None
             cells_out.append(Cell(row, col, "ERROR", None, None, "-", want, str(err or bad[0])))
             continue
         arrays = {
@@ -306,7 +362,10 @@ def render(cells: list[Cell]) -> str:
         "Generated by `make accuracy` (`python -m bench.accuracy_step_time`); do not edit by hand.",
         "",
         f"Every cell is a real run: {WORLD} processes under `torch.distributed` (Gloo, CPU) "
-        f"train a small MLP with `RankWatch.watch()` for {STEPS} steps; rank {SLOW_RANK} is "
+        f"train a small MLP with `RankWatch.watch()` (the framework rows: a tiny BERT under "
+        f"the Hugging Face `Trainer` and an MLP under Lightning, each with rankwatch's callback, "
+        f"and an MLP in a plain Accelerate loop; the processes started as `torchrun` starts "
+        f"them) for {STEPS} steps; rank {SLOW_RANK} is "
         f"slowed by {SLOW_S * 1e3:.0f} ms per step where the column says (a sleep), every rank "
         f"sleeps {BASE_S * 1e3:.0f} ms in its forward, and the diagnosis runs on the rows of "
         f"the last {WINDOW} steps. A cell shows the verdict, the culprit rank, the straggler "
@@ -355,6 +414,13 @@ NOTES = """## Reading the matrix
   training thread's wait on the queue is the user's code, which no hook sees. The culprit is
   still named from the sync waits; the input cause is unknowable without timing the queue
   read (wrap the consumer side with `watch()` or time it with `rw.phase("input_wait")`).
+- **Framework rows** run the framework's own training loop with rankwatch's callback; the
+  fault is injected the same way (the optimizer's `step` is a subclass that sleeps after its
+  update; work after the step is the framework's end-of-batch callback). Lightning (2.5 and
+  later) broadcasts a SIGTERM flag from rank 0 at the start of every iteration: rank 0 waits
+  there for the late rank, outside every phase. The callback times it as a sync wait and
+  starts the step there; before it did, a slow optimizer named rank 0 and slow work after the
+  step named nobody (the step closed at the optimizer and the work fell between steps).
 - **No slow rank** accepts any verdict that names no straggler (`BALANCED`,
   `COMPUTE_BOUND`, `RESIDUAL_HEAVY`...): which bottleneck a tiny model on a loaded machine
   shows is not what this matrix checks. These cells are exposed to the machine: 3 ranks on a
