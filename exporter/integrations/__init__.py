@@ -7,18 +7,20 @@ module imports its framework; nothing else in rankwatch does, so the core runs w
 (``pip install rankwatch[transformers]`` / ``rankwatch[lightning]``).
 
 This package holds what both share: how the ``RankWatch`` is made, how wrapped optimizers are
-unwrapped, and how a loader that a framework already holds is made to time its fetches.
+unwrapped, how a loader that a framework already holds is made to time its fetches, and how a
+framework's own collective is timed as a sync wait.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
-__all__ = ["RankwatchStarter", "unwrap_optimizer", "watch_loader_in_place"]
+__all__ = ["RankwatchStarter", "in_sync_wait", "unwrap_optimizer", "watch_loader_in_place"]
 
 # Optimizer wrappers keep the real optimizer under one of these attributes:
 # Accelerate's AcceleratedOptimizer (``optimizer``), Lightning's LightningOptimizer
@@ -101,6 +103,40 @@ def unwrap_optimizer(optimizer: Any) -> Any:
             break
         current = inner
     return current if isinstance(current, torch.optim.Optimizer) else None
+
+
+def in_sync_wait(rw: RankWatch, owner: Any, name: str) -> Callable[[], None]:
+    """Shadow ``owner.<name>`` (an object's method, or a module's function) with a version run
+    inside ``rw.sync_wait()``; returns the undo, which leaves a later replacement alone.
+
+    For a framework's collectives outside the model (a loss all-reduce, a flag broadcast): the
+    ranks that get there early wait for the late one, and the wait joins ``forward_wait``.
+    Calls from other threads, and calls inside an open sync wait (one collective calling
+    another), run as they are.
+    """
+    original = getattr(owner, name)
+    had = name in vars(owner)  # a module's function; a method lives on the class
+    wait = rw.sync_wait()
+    thread = threading.get_ident()
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        # (a disabled RankWatch's wait has no state: nothing to time)
+        if threading.get_ident() != thread or getattr(wait, "open", True):
+            return original(*args, **kwargs)
+        with wait:
+            return original(*args, **kwargs)
+
+    setattr(owner, name, timed)
+
+    def undo() -> None:
+        if vars(owner).get(name) is not timed:
+            return
+        if had:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+
+    return undo
 
 
 class _OriginalIteration:

@@ -11,11 +11,22 @@ When training starts (``torch.distributed`` is initialised by then, on every ran
 callback starts rankwatch with :func:`rankwatch.exporter.init` (keyword arguments are its
 overrides; or pass ``rankwatch=`` a function returning your own ``RankWatch``) and times:
 
+* the step: from the start of one iteration of the training loop to the start of the next
+  after an optimizer step, so work after the optimizer (``on_train_batch_end`` callbacks:
+  logging, checkpointing) is in the step, as with a watched loader. An iteration starts at
+  the loop's SIGTERM flag broadcast (every step under DDP in Lightning 2.5 and later) or, where
+  there is none, at the batch fetch. The last step ends where its optimizer step ended;
+* the SIGTERM flag broadcast from rank 0, before the fetch, is a synchronisation point: the
+  late rank's peers wait there (rank 0 for every receiver, the others for rank 0), outside
+  every phase. It is timed as a sync wait (``forward_wait``), as ``RankWatch.sync_wait`` does;
+  so are the strategy's collectives (``reduce``, ``broadcast``, ``barrier``, ``all_gather``):
+  ``self.log(..., sync_dist=True)`` in ``training_step`` all-reduces inside the forward pass
+  every step, where the early ranks' wait would otherwise count as their compute;
 * ``input_wait``: the training loop's fetch of each batch. Lightning brackets that fetch with
   its profiler's ``train_dataloader_next`` action, on the training thread, whatever the loader
   (the loop created the loader's iterator before any callback runs, so the loader itself
-  cannot be wrapped); the callback listens on the Trainer's profiler for it. The fetch opens
-  the step. ``h2d`` (Lightning's ``batch_to_device``, after the fetch) is not timed.
+  cannot be wrapped); the callback listens on the Trainer's profiler for it. ``h2d``
+  (Lightning's ``batch_to_device``, after the fetch) is not timed.
 * ``forward`` and ``backward``: hooks on the strategy's model (the DDP wrapper under DDP, so
   the strategy is detected), as ``RankWatch.watch`` installs them. A model Lightning does not
   wrap (one device) has ``training_step`` called directly, past every forward hook: then
@@ -33,13 +44,14 @@ row. When training ends (or fails) the profiler is restored and rankwatch is clo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
 
-from rankwatch.exporter.integrations import RankwatchStarter, unwrap_optimizer
+from rankwatch.exporter.integrations import RankwatchStarter, in_sync_wait, unwrap_optimizer
 from rankwatch.exporter.step_time.rank_watch import RankWatch
 
 __all__ = ["FETCH_ACTION_SUFFIX", "RankwatchCallback"]
@@ -49,6 +61,13 @@ log = logging.getLogger("rankwatch.integrations.lightning")
 # Lightning's profiler action around the training loop's batch fetch:
 # "[_TrainingEpochLoop].train_dataloader_next".
 FETCH_ACTION_SUFFIX = ".train_dataloader_next"
+# The training epoch loop's method that broadcasts rank 0's SIGTERM flag at the start of every
+# iteration (Lightning 2.5 and later, under a distributed strategy).
+SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+# The strategy's collectives: ``self.log(..., sync_dist=True)`` reduces through ``reduce`` (in
+# ``training_step``: every step), callbacks decide together through them (checkpointing,
+# early stopping).
+STRATEGY_COLLECTIVES = ("reduce", "broadcast", "barrier", "all_gather")
 
 
 class RankwatchCallback(Callback, RankwatchStarter):
@@ -69,6 +88,9 @@ class RankwatchCallback(Callback, RankwatchStarter):
             self, rankwatch, close_timeout_seconds=close_timeout_seconds, **overrides
         )
         self._step: Any = None  # the entered ``rw.step()`` context, None between steps
+        # CPU clock (ns) at which the open step's last optimizer step ended; -1 while it has
+        # not stepped (the next iteration's start closes a step that has).
+        self._stepped_ns = -1
         self._fetch: Any = None  # the entered ``rw.phase("input_wait")``
         self._undo: list[Callable[[], None]] = []
         self._phases_from_callbacks = False
@@ -99,6 +121,11 @@ class RankwatchCallback(Callback, RankwatchStarter):
         if not optimizers:
             log.warning("rankwatch: no torch optimizer in the Trainer; steps are not closed")
         self._listen_to_fetches(trainer.profiler)
+        if getattr(trainer, "world_size", 1) > 1:
+            self._time_sigterm_broadcast(getattr(trainer.fit_loop, "epoch_loop", None))
+            for name in STRATEGY_COLLECTIVES:
+                if callable(getattr(trainer.strategy, name, None)):
+                    self._undo.append(in_sync_wait(rw, trainer.strategy, name))
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -142,9 +169,57 @@ class RankwatchCallback(Callback, RankwatchStarter):
     # ---- internals -----------------------------------------------------------------------
 
     def _teardown(self) -> None:
+        self._finish_stepped()
         while self._undo:
             self._undo.pop()()
         self._step = self._fetch = None
+        self._stepped_ns = -1
+
+    def _time_sigterm_broadcast(self, epoch_loop: Any) -> None:
+        """Start each iteration at the epoch loop's SIGTERM flag broadcast and time it as a
+        sync wait (an instance attribute shadows the method; removed at the end)."""
+        broadcast = getattr(epoch_loop, SIGTERM_BROADCAST, None)
+        if not callable(broadcast):
+            return  # an older Lightning: the fetch starts the iteration
+
+        def timed() -> Any:
+            rw = self.rankwatch
+            if rw is None or not rw.active:
+                return broadcast()
+            self._iteration_started(rw)
+            with rw.sync_wait():
+                return broadcast()
+
+        setattr(epoch_loop, SIGTERM_BROADCAST, timed)
+
+        def restore() -> None:
+            if vars(epoch_loop).get(SIGTERM_BROADCAST) is timed:
+                delattr(epoch_loop, SIGTERM_BROADCAST)
+
+        self._undo.append(restore)
+
+    def _iteration_started(self, rw: RankWatch) -> None:
+        """A training loop iteration starts: close the step if it ran its optimizer step (the
+        work after it is in it), and open one if none is open."""
+        if self._step is not None and self._stepped_ns >= 0:
+            step, self._step = self._step, None
+            self._stepped_ns = -1
+            step.__exit__(None, None, None)
+        if self._step is None:  # an optimizer step's first iteration opens it
+            self._step = rw.step()
+            self._step.__enter__()
+
+    def _finish_stepped(self) -> None:
+        """At the end: a step that ran its optimizer step is written, ending where that ended
+        (on the GPU clock it is discarded: its end marker cannot be placed in the past)."""
+        rw, step = self.rankwatch, self._step
+        self._step = None
+        if step is None or rw is None or not rw.active or rw.timer is None:
+            return
+        if self._stepped_ns >= 0 and rw.timer.gpu is None:
+            rw.timer.end_step(self._stepped_ns)
+        else:
+            rw.timer.abort_step()
 
     def _listen_to_fetches(self, profiler: Any) -> None:
         """Time the loop's fetches from the profiler's ``start``/``stop`` of the fetch action
@@ -189,9 +264,7 @@ class RankwatchCallback(Callback, RankwatchStarter):
         rw = self.rankwatch
         if rw is None or not rw.active:
             return
-        if self._step is None:  # the first fetch of an optimizer step opens it
-            self._step = rw.step()
-            self._step.__enter__()
+        self._iteration_started(rw)  # a no-op when the broadcast started the iteration
         self._fetch = rw.phase("input_wait")
         self._fetch.__enter__()
 
@@ -207,9 +280,8 @@ class RankwatchCallback(Callback, RankwatchStarter):
         rw.phase("optimizer").__exit__(None, None, None)
         if not closes_step:
             return
-        if self._step is not None:
-            step, self._step = self._step, None
-            step.__exit__(None, None, None)
+        if self._step is not None:  # the next iteration's start closes it
+            self._stepped_ns = time.perf_counter_ns()  # the timer's CPU clock
         else:  # no fetch seen (e.g. a training_step that pulls its own batches): the hooks'
             with rw.step():  # step is adopted and closed here
                 pass

@@ -23,11 +23,14 @@ overrides, e.g. ``metrics_port=9500``; or pass ``rankwatch=`` a function returni
   it holds, so that object is made to time each ``next()`` as ``input_wait`` (see
   :func:`~rankwatch.exporter.integrations.watch_loader_in_place`). Accelerate moves the batch
   to the device inside that ``next()``: the copy counts as input wait and ``h2d`` is absent;
-* the Trainer's token-count all-gather (``average_tokens_across_devices``, before the forward
-  pass): run inside :meth:`~rankwatch.exporter.RankWatch.sync_wait`, so the ranks'
-  wait there joins ``forward_wait``.
+* the Trainer's all-gathers in the training loop: the token count
+  (``average_tokens_across_devices``, before the forward pass) and the training loss (every
+  logging step, after the optimizer step): run inside
+  :meth:`~rankwatch.exporter.RankWatch.sync_wait`, so the ranks' wait there joins
+  ``forward_wait``. Without it a late rank's peers wait for it at the loss gather, outside
+  every phase, and a slow optimizer step or slow work after the step names nobody.
 
-When training ends the loader gets its class back, the Trainer its token count, and rankwatch
+When training ends the loader gets its class back, the Trainer its gathers, and rankwatch
 is closed (the root publishes the summary window).
 """
 
@@ -43,6 +46,7 @@ from transformers import TrainerCallback
 
 from rankwatch.exporter.integrations import (
     RankwatchStarter,
+    in_sync_wait,
     unwrap_optimizer,
     watch_loader_in_place,
 )
@@ -86,32 +90,40 @@ def _ddp_of(trainer: Any, model: Any) -> Any:
     return None
 
 
-def _time_token_gather(rw: RankWatch, trainer: Any) -> Callable[[], None]:
-    """Time the Trainer's token-count all-gather as a sync wait; returns the undo.
+def _time_gathers(rw: RankWatch, trainer: Any) -> Callable[[], None]:
+    """Time the Trainer's all-gathers of the training loop as sync waits; returns the undo.
 
-    With ``average_tokens_across_devices`` the Trainer all-gathers the number of label tokens
-    after fetching a step's batches and before its forward pass: the collective lines the
-    ranks up, and the ranks that fetched early wait there for the late one.
+    Both line the ranks up, and the ranks that got there early wait for the late one:
+
+    * the token count (``average_tokens_across_devices``), after fetching a step's batches and
+      before its forward pass (``Trainer._get_num_items_in_batch``);
+    * the training loss, at every logging step, after the optimizer step (``nested_gather``
+      of ``transformers.trainer``; ``Trainer._nested_gather`` in 4.x).
     """
     args = trainer.args
-    count = getattr(trainer, "_get_num_items_in_batch", None)
-    if not (getattr(args, "average_tokens_across_devices", False) and args.world_size > 1):
+    if getattr(args, "world_size", 1) <= 1:
         return lambda: None
-    if count is None or "_get_num_items_in_batch" in vars(trainer):
-        return lambda: None  # another version, or already replaced: leave it alone
-    wait = rw.sync_wait()
+    undo: list[Callable[[], None]] = []
+    count = "_get_num_items_in_batch"
+    if (
+        getattr(args, "average_tokens_across_devices", False)
+        and callable(getattr(trainer, count, None))
+        and count not in vars(trainer)  # already replaced: leave it alone
+    ):
+        undo.append(in_sync_wait(rw, trainer, count))
+    if callable(getattr(trainer, "_nested_gather", None)):
+        if "_nested_gather" not in vars(trainer):
+            undo.append(in_sync_wait(rw, trainer, "_nested_gather"))
+    else:  # the training loop calls its module's function
+        module = sys.modules.get("transformers.trainer")
+        if module is not None and callable(getattr(module, "nested_gather", None)):
+            undo.append(in_sync_wait(rw, module, "nested_gather"))
 
-    def timed_count(batch_samples: Any, device: Any) -> Any:
-        with wait:
-            return count(batch_samples, device)
+    def undo_all() -> None:
+        while undo:
+            undo.pop()()
 
-    trainer._get_num_items_in_batch = timed_count
-
-    def undo() -> None:
-        if vars(trainer).get("_get_num_items_in_batch") is timed_count:
-            del trainer._get_num_items_in_batch
-
-    return undo
+    return undo_all
 
 
 def _warn_early_collectives(args: Any, model: Any, *, ddp_seen: bool, gather_timed: bool) -> None:
@@ -213,7 +225,7 @@ class RankwatchCallback(TrainerCallback, RankwatchStarter):
         if train_dataloader is not None:
             self._restore_loader = watch_loader_in_place(rw, train_dataloader)
         if trainer is not None:
-            self._restore_gather = _time_token_gather(rw, trainer)
+            self._restore_gather = _time_gathers(rw, trainer)
         gather_timed = trainer is not None and "_get_num_items_in_batch" in vars(trainer)
         if rw.is_root:
             _warn_early_collectives(

@@ -125,6 +125,11 @@ class _SyncWait:
         self._timer = timer
         self._start = -1
 
+    @property
+    def open(self) -> bool:
+        """A block is open (they do not nest)."""
+        return self._start >= 0
+
     def __enter__(self) -> _SyncWait:
         if self._start >= 0:
             raise RuntimeError("sync_wait: already inside a sync_wait block (they do not nest)")

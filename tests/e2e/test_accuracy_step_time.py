@@ -3,7 +3,10 @@
 The whole matrix (``make accuracy``) writes ``docs/accuracy.md``; these cells cover each
 failure it was built for: a wait in forward (BatchNorm buffers), a backward straggler, a
 prefetching loader, a scaler stepping an optimizer wrapper with work after the step, gradient
-accumulation, and a job with no slow rank.
+accumulation, a job with no slow rank, and the framework rows: Lightning logging with
+``sync_dist`` (an all-reduce in every forward, the loop's per-iteration broadcast) with slow
+data, optimizer and work after the step, and the Hugging Face Trainer logging every step (its
+loss all-gather) with a slow optimizer and slow work after the step.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ CELLS = [
     ("scaler_wrapper", "after"),
     ("no_sync", "forward"),
     ("two_forwards", "none"),
+    ("lightning_sync_log", "data"),
+    ("lightning_sync_log", "optimizer"),
+    ("lightning_sync_log", "after"),
+    ("hf_trainer_logging", "optimizer"),
+    ("hf_trainer_logging", "after"),
 ]
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from bench.accuracy_frameworks import lightning_regressor
 from tests.framework_world import (
     BATCH,
     SLEEP_S,
@@ -27,35 +28,17 @@ require_framework("lightning")
 pytestmark = pytest.mark.multiproc
 
 
-def make_module() -> Any:
-    """A LightningModule around a small MLP (a few milliseconds a step on one core)."""
-    import lightning.pytorch as lp
-    import torch
-
-    class Regressor(lp.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(
-                torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
-            )
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    return Regressor()
-
-
 def scenario_lightning(rank: int, world: int, out: str) -> dict[str, Any]:
     """Fit with DDP and the callback; the root records every window report."""
     import lightning.pytorch as lp
 
+    from rankwatch.diagnosis.step_time.table import column
     from rankwatch.exporter.config import RankwatchConfig
-    from rankwatch.exporter.integrations.lightning import RankwatchCallback
+    from rankwatch.exporter.integrations.lightning import (
+        SIGTERM_BROADCAST,
+        STRATEGY_COLLECTIVES,
+        RankwatchCallback,
+    )
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     loader = pairs_loader(rank, STEPS * BATCH * world)  # Lightning shards it per rank
@@ -75,7 +58,7 @@ def scenario_lightning(rank: int, world: int, out: str) -> dict[str, Any]:
         num_sanity_val_steps=0,
     )
     profiler = trainer.profiler
-    trainer.fit(make_module(), train_dataloaders=loader)
+    trainer.fit(lightning_regressor(), train_dataloaders=loader)
     rw = callback.rankwatch
     assert rw is not None and rw.timer is not None
     rows = rw.timer.ring[: rw.timer.written].tolist()
@@ -83,6 +66,9 @@ def scenario_lightning(rank: int, world: int, out: str) -> dict[str, Any]:
         "reports": recorder.reports,
         "rows": len(rows),
         "row_signals": [r[1:6] for r in rows],
+        "forward_wait_ms": [r[column("cpu", "forward_wait")] for r in rows],
+        "broadcast_restored": SIGTERM_BROADCAST not in vars(trainer.fit_loop.epoch_loop),
+        "collectives_restored": not set(STRATEGY_COLLECTIVES) & set(vars(trainer.strategy)),
         "closed": not rw.active,
         "is_root": rw.is_root,
         "strategy": rw.strategy,
@@ -104,6 +90,9 @@ def test_lightning_callback_names_the_slow_collate_rank_as_input_straggler(
         # input_wait, forward, backward, optimizer timed in every step; h2d never.
         for wait, h2d, fwd, bwd, opt in r["row_signals"]:
             assert h2d != h2d and wait == wait and fwd == fwd and bwd == bwd and opt == opt
+        # The loop's SIGTERM flag broadcast, before every fetch, is timed as a sync wait.
+        assert all(v == v for v in r["forward_wait_ms"]), r["forward_wait_ms"]
+        assert r["broadcast_restored"] and r["collectives_restored"]
     slow = sorted(row[0] for row in res[SLOW_RANK]["row_signals"])[STEPS // 2]
     assert slow >= SLEEP_S * 1000 * 0.9, slow
     assert_input_straggler(root["reports"], SLOW_RANK)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from bench.accuracy_frameworks import tiny_bert
 from rankwatch.diagnosis.step_time.table import column
 from tests.framework_world import (
     SLEEP_S,
@@ -24,24 +25,6 @@ from tests.framework_world import (
 
 require_framework("transformers")
 pytestmark = pytest.mark.multiproc
-
-
-def tiny_bert() -> Any:
-    """A two-class BERT small enough that a step takes a few milliseconds on one core."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        num_labels=2,
-    )
-    return BertForSequenceClassification(config)
 
 
 class TokenDataset:
@@ -113,11 +96,13 @@ def train_with_callback(rank: int, world: int, out: str, **extra: Any) -> dict[s
     """Train under ``Trainer`` with the callback as a user writes it: ``init()`` with overrides
     and an ``on_incident`` function (the root records the incident events)."""
     import torch.distributed as dist
+    import transformers.trainer
     from transformers import Trainer
 
     from rankwatch.exporter.integrations.transformers import RankwatchCallback
 
     args = training_args(out, STEPS, **extra)
+    loss_gather = transformers.trainer.nested_gather
     events: list[dict[str, Any]] = []
 
     def on_incident(event: Any) -> None:
@@ -150,7 +135,8 @@ def train_with_callback(rank: int, world: int, out: str, **extra: Any) -> dict[s
         "rows": len(rows),
         "input_wait_ms": [r[1] for r in rows],
         "forward_wait_ms": fww,
-        "gather_restored": "_get_num_items_in_batch" not in vars(trainer),
+        "gather_restored": "_get_num_items_in_batch" not in vars(trainer)
+        and transformers.trainer.nested_gather is loss_gather,
         "collator_calls": collator.calls,
         "loader_module_after": type(loader).__module__,
         "closed": not rw.active,
@@ -177,7 +163,7 @@ def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
         assert all(v == v for v in r["input_wait_ms"])  # input_wait timed in every step (no NaN)
         # The DDP wrapper is watched: its sync waits are timed in every step.
         assert all(v == v for v in r["forward_wait_ms"]), r["forward_wait_ms"]
-        assert r["gather_restored"]  # the Trainer gets its own token count back
+        assert r["gather_restored"]  # the Trainer gets its token count and loss gathers back
         # The loader gets its own class back at train end.
         assert r["loader_module_after"] == "accelerate.data_loader", r["loader_module_after"]
     slow_wait = sorted(res[SLOW_RANK]["input_wait_ms"])[STEPS // 2]

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import time
+import types
 from typing import Any
 
 import pytest
 import torch
 
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.integrations import unwrap_optimizer, watch_loader_in_place
+from rankwatch.exporter.integrations import in_sync_wait, unwrap_optimizer, watch_loader_in_place
 from rankwatch.exporter.publish.hub import PublisherHub
 from rankwatch.exporter.step_time.rank_watch import RankWatch
+
+AFTER_S = 0.02  # work after each batch, in the Lightning step test
 
 
 def _config(**overrides: Any) -> RankwatchConfig:
@@ -72,6 +77,68 @@ def test_loader_in_place_leaves_an_inactive_rankwatch_alone() -> None:
     restore()
 
 
+class _Collectives:
+    """Stands in for a framework object whose method is a collective (it waits)."""
+
+    def reduce(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "reduced"
+
+    def nested(self, seconds: float) -> str:
+        return self.reduce(seconds)  # one collective calling another
+
+
+def _forward_wait_ms(rw: RankWatch) -> float:
+    from rankwatch.diagnosis.step_time.table import column
+
+    assert rw.timer is not None
+    return float(rw.timer.ring[rw.timer.written - 1][column("cpu", "forward_wait")])
+
+
+def test_in_sync_wait_times_a_method_and_a_module_function_then_gives_them_back() -> None:
+    rw = RankWatch(config=_config())
+    obj = _Collectives()
+    module = types.ModuleType("framework")
+    module.gather = lambda seconds: time.sleep(seconds) or "gathered"  # type: ignore[attr-defined]
+    original_gather = module.gather  # type: ignore[attr-defined]
+    undo_method = in_sync_wait(rw, obj, "reduce")
+    undo_nested = in_sync_wait(rw, obj, "nested")
+    undo_function = in_sync_wait(rw, module, "gather")
+    with rw.step():
+        assert obj.reduce(0.02) == "reduced"
+        assert module.gather(0.01) == "gathered"  # type: ignore[attr-defined]
+    assert _forward_wait_ms(rw) >= 30.0
+    with rw.step():
+        assert obj.nested(0.02) == "reduced"  # the inner call runs inside the outer block
+    assert 20.0 <= _forward_wait_ms(rw) < 40.0
+    with rw.step():  # a call from another thread is not this training loop's wait
+        worker = threading.Thread(target=obj.reduce, args=(0.02,))
+        worker.start()
+        worker.join()
+        obj.reduce(0.0)
+    assert _forward_wait_ms(rw) < 10.0
+    undo_method()
+    undo_nested()
+    undo_function()
+    assert "reduce" not in vars(obj) and "nested" not in vars(obj)
+    assert module.gather is original_gather  # type: ignore[attr-defined]
+    # A later replacement is left alone by the undo.
+    undo = in_sync_wait(rw, obj, "reduce")
+    obj.reduce = lambda seconds: "theirs"  # type: ignore[method-assign]
+    undo()
+    assert obj.reduce(0.0) == "theirs"
+    rw.close(2.0)
+
+
+def test_in_sync_wait_on_a_disabled_rankwatch_calls_through() -> None:
+    rw = RankWatch(config=_config(enabled=False))
+    obj = _Collectives()
+    undo = in_sync_wait(rw, obj, "reduce")
+    assert obj.reduce(0.0) == "reduced"
+    undo()
+    assert "reduce" not in vars(obj)
+
+
 def test_hub_calls_on_incident_with_each_event_and_survives_its_errors(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -123,9 +190,15 @@ def test_lightning_callback_makes_one_row_per_optimizer_step_when_accumulating(
 ) -> None:
     import lightning.pytorch as lp
 
+    from bench.accuracy_frameworks import lightning_regressor
     from rankwatch.exporter.integrations.lightning import RankwatchCallback
-    from tests.e2e.test_integration_lightning import make_module
     from tests.framework_world import pairs_loader
+
+    class AfterBatch(lp.Callback):  # type: ignore[misc]
+        """Work after each batch (logging, checkpointing): in its step, not between steps."""
+
+        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            time.sleep(AFTER_S)
 
     callback = RankwatchCallback(lambda: RankWatch(config=_config()))
     trainer = lp.Trainer(
@@ -133,20 +206,25 @@ def test_lightning_callback_makes_one_row_per_optimizer_step_when_accumulating(
         devices=1,
         max_steps=5,
         accumulate_grad_batches=2,
-        callbacks=[callback],
+        callbacks=[callback, AfterBatch()],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )
-    trainer.fit(make_module(), train_dataloaders=pairs_loader(0, 8 * 10))
+    trainer.fit(lightning_regressor(), train_dataloaders=pairs_loader(0, 8 * 10))
     rw = callback.rankwatch
     assert rw is not None and rw.timer is not None and not rw.active
     rows = rw.timer.ring[: rw.timer.written]
     assert len(rows) == 5  # ten batches, five optimizer steps
     assert not any(math.isnan(v) for v in rows[:, [1, 3, 4, 5]].ravel())
     assert all(math.isnan(v) for v in rows[:, 2])  # h2d is not timed
+    # A step runs to the next iteration's start: both batches' after-work is in it. The last
+    # step ends where its optimizer step ended (only its first batch's after-work is in it).
+    step_ms = rows[:, 6]
+    assert all(v >= 2 * AFTER_S * 1e3 for v in step_ms[:-1]), step_ms
+    assert AFTER_S * 1e3 <= step_ms[-1] < 2 * AFTER_S * 1e3, step_ms
 
 
 def test_trainer_callback_makes_one_row_per_optimizer_step_when_accumulating(
@@ -154,13 +232,9 @@ def test_trainer_callback_makes_one_row_per_optimizer_step_when_accumulating(
 ) -> None:
     from transformers import Trainer
 
+    from bench.accuracy_frameworks import tiny_bert
     from rankwatch.exporter.integrations.transformers import RankwatchCallback
-    from tests.e2e.test_integration_transformers import (
-        SlowCollator,
-        TokenDataset,
-        tiny_bert,
-        training_args,
-    )
+    from tests.e2e.test_integration_transformers import SlowCollator, TokenDataset, training_args
 
     callback = RankwatchCallback(lambda: RankWatch(config=_config()))
     trainer = Trainer(
