@@ -11,7 +11,9 @@ repetitions, so both see the same machine load):
   optimizer hooks) and the same step timed by ``step()`` and five ``phase()`` marks: the
   extra time per step over the same step on an identical unhooked model, the three loops in
   interleaved blocks (median step per block, the block order rotating). Targets: hooks
-  10 us, explicit phases 5 us per step.
+  10 us, explicit phases 5 us per step. Two floors run in the same blocks: no-op hooks of the
+  kinds ``watch()`` installs (torch's own cost), and six context managers that only read the
+  clock around the same step (the least any explicit API of a step and five phases costs).
 
 Usage: ``python -m bench.bench_hot_path``.
 """
@@ -152,6 +154,52 @@ def _explicit_block_us(rw: Any, training: Any, steps: int) -> float:
     return statistics.median(times) / 1e3
 
 
+class _FloorMark:
+    """The least a phase mark can do: read the clock on enter and exit and keep the pair."""
+
+    __slots__ = ("_i", "_marks", "_start")
+
+    def __init__(self, marks: list[tuple[int, int]], index: int) -> None:
+        self._marks, self._i, self._start = marks, index, 0
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter_ns()
+
+    def __exit__(self, *exc: object) -> None:
+        self._marks.append((self._i, time.perf_counter_ns() - self._start))
+
+
+def _floor_block_us(training: Any, steps: int) -> float:
+    """Median step time (us) of the tiny MLP under six :class:`_FloorMark` context managers
+    (a step and five phases): the floor under any explicit API of context managers, with no
+    bookkeeping beyond keeping the clock readings."""
+    import torch
+
+    mse = torch.nn.functional.mse_loss
+    clock = time.perf_counter_ns
+    model, opt, batches = training
+    marks: list[tuple[int, int]] = []
+    step, wait, h2d, fwd, bwd, optim = (_FloorMark(marks, i) for i in range(6))
+    times = []
+    for _ in range(steps):
+        t0 = clock()
+        with step:
+            with wait:
+                x, y = next(batches)
+            with h2d:
+                pass
+            with fwd:
+                loss = mse(model(x), y)
+            with bwd:
+                loss.backward()
+            with optim:
+                opt.step()
+                opt.zero_grad()
+        times.append(clock() - t0)
+    marks.clear()
+    return statistics.median(times) / 1e3
+
+
 def _noop_hooked(steps: int) -> tuple[Any, Any, Any]:
     """The tiny MLP with hooks of the kinds ``watch()`` installs, all doing nothing: forward
     pre and post hooks, a pre hook on the output's autograd node per forward queuing a final
@@ -179,10 +227,10 @@ def _noop_hooked(steps: int) -> tuple[Any, Any, Any]:
 
 
 def _training_blocks(hooked_rw: Any, explicit_rw: Any) -> dict[str, list[float]]:
-    """Per block, in us: the extra step time of hooks, explicit phases and no-op hooks, and
-    the bare step (key ``bare``).
+    """Per block, in us: the extra step time of hooks, explicit phases, no-op hooks and the
+    clock-only context managers, and the bare step (key ``bare``).
 
-    The four loops run the same tiny MLP in interleaved blocks (the order rotating every
+    The five loops run the same tiny MLP in interleaved blocks (the order rotating every
     round), each block's median step against the bare block's of the same round, so all of
     them see the same machine load.
     """
@@ -191,11 +239,13 @@ def _training_blocks(hooked_rw: Any, explicit_rw: Any) -> dict[str, list[float]]
     bare = _tiny_training(None, total * 2)
     explicit = _tiny_training(None, total)
     noop = _noop_hooked(total * 2)
+    floor = _tiny_training(None, total)
     runners = {
         "bare": lambda n: _bare_block_us(bare, n),
         "hooks": lambda n: _bare_block_us(hooked, n),  # the hooks time it: the bare loop
         "explicit": lambda n: _explicit_block_us(explicit_rw, explicit, n),
         "noop": lambda n: _bare_block_us(noop, n),
+        "floor": lambda n: _floor_block_us(floor, n),
     }
     names = list(runners)
     for run_block in runners.values():  # warm-up
@@ -264,6 +314,11 @@ def run() -> list[dict[str, Any]]:
             EXPLICIT_TARGET_US,
         ),
         ("noop", "no-op hooks of the same kinds per tiny-MLP step (torch's own cost)", None),
+        (
+            "floor",
+            "six context managers that only read the clock per tiny-MLP step (the floor)",
+            None,
+        ),
     ):
         row = _row(name, target, blocks[key], "us", plain)
         # The baseline is the unhooked step itself: the ratio is the relative cost.

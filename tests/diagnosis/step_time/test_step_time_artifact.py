@@ -249,3 +249,22 @@ def test_root_stall_benchmark_runs_on_a_small_group() -> None:
         "training time lost to one OTLP export",
     ]
     assert all(math.isfinite(r["median"]) and r["baseline"] > 0 for r in rows)
+
+
+def test_hot_path_benchmark_runs_in_small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The per-step cost benchmark and its two floors (torch's no-op hooks, clock-only context
+    # managers) must keep running between the long runs that write their figures.
+    import bench.bench_hot_path as hot
+
+    for name, value in (("REPEATS", 2), ("MARKS", 200), ("STEPS", 50), ("HOOK_STEPS", 40)):
+        monkeypatch.setattr(hot, name, value)
+    rows = hot.run()
+    assert [r["name"].split(" per ")[0] for r in rows] == [
+        "phase mark (enter + exit), CPU clock",
+        "step bookkeeping (step, 5 phases, collect)",
+        "watch() hooks",
+        "step() + 5 phase()",
+        "no-op hooks of the same kinds",
+        "six context managers that only read the clock",
+    ]
+    assert all(math.isfinite(r["median"]) and r["baseline"] > 0 for r in rows)
