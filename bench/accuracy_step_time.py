@@ -173,7 +173,12 @@ def _run_cell(rank: int, row: str, col: str) -> list[list[float | None]]:
     loader = rw.watch(model, watched_opt, batches())
     if slow and col == "forward":
         inner.register_forward_pre_hook(sleeper(SLOW_S))
-    if slow and col == "backward":
+    if slow and col == "backward" and row == "fsdp":
+        # FSDP hands a sharded parameter its gradient inside the unit's reduce-scatter call,
+        # after the collective: a hook there is not backward compute. The last layer's
+        # backward is (the hook runs once its input gradients are computed).
+        last.register_full_backward_hook(sleeper(SLOW_S))
+    elif slow and col == "backward":
         # The first gradient of the pass (last layer): the rest of backward waits behind it.
         last.weight.register_post_accumulate_grad_hook(sleeper(SLOW_S))
     if slow and col == "optimizer":
@@ -423,13 +428,14 @@ NOTES = """## Reading the matrix
   training thread's wait on the queue is the user's code, which no hook sees. The culprit is
   still named from the sync waits; the input cause is unknowable without timing the queue
   read (wrap the consumer side with `watch()` or time it with `rw.phase("input_wait")`).
-- **FSDP, slow forward or backward: missed (an open bug).** Under FSDP the visible value is
-  the seed's `forward + backward`, and FSDP's collectives (the parameter all-gather, the
-  gradient reduce-scatter) sit inside both: the slow rank's extra compute and its peers' wait
-  for it land in the same sum, which comes out equal on every rank, and no straggler is named.
-  Lateness outside the two phases (data, optimizer, work after the step) is seen. The DDP rows
-  are right because rankwatch times DDP's synchronisation points (`sync_wait`); FSDP's waits
-  (per unit, inside FSDP's own pre-forward and post-backward hooks) are not timed yet.
+- **FSDP** (FSDP2, `fully_shard`) names the culprit from the waits too: `watch()` times each
+  unit's all-gather and reduce-scatter (they block the host on Gloo). Under the seed's
+  `forward + backward` a slow forward or backward was missed (both cells wrong before): the
+  slow rank's extra compute and its peers' wait for it land in the same sum. Compute is never
+  attributed under FSDP (the seed), so those cells are `STRAGGLER`. The backward fault is a
+  full backward hook on the last layer here: FSDP hands a sharded parameter its gradient
+  inside the reduce-scatter call, so a post-accumulate-grad hook there is not backward
+  compute. On accelerators this is not run (see `docs/reliability.md`).
 - **Framework rows** run the framework's own training loop with rankwatch's callback; the
   fault is injected the same way (the optimizer's `step` is a subclass that sleeps after its
   update; work after the step is the framework's end-of-batch callback). Lightning (2.5 and

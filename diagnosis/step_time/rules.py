@@ -5,7 +5,7 @@ rows become means). In short:
 
 * **Straggler.** Each eligible rank has a *visible* synchronisation phase: ``backward``
   (DDP) or ``forward + backward`` (FSDP); rankwatch's extension, when every rank timed them
-  on the CPU clock of a DDP job, compares the waits at the synchronisation points instead
+  on the CPU clock (DDP or FSDP), compares the waits at the synchronisation points instead
   (``forward_wait + backward_wait``, see :func:`_visible`). The rank that waited least in it
   (minimum visible, ties to the lower rank id) arrived last: the *culprit*. The *victim* is
   the upper median of the eligible ranks sorted by ``(visible, rank)``. The score is the
@@ -382,19 +382,21 @@ def _straggler_evidence(
 def _visible(wm: WindowMeans, fsdp: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """``(visible, visible_measured, eligible, definition)`` of the window.
 
-    Rankwatch's extension: on the CPU clock of a DDP/default job whose ranks all timed the
-    waits at the synchronisation points (``forward_wait``, ``backward_wait``), the visible
-    value is that wait, wherever the job synchronises (a buffer broadcast before forward, the
-    gradient reduction after backward). Otherwise the seed's definitions:
-    ``backward`` (DDP/default) or ``forward + backward`` (FSDP).
+    Rankwatch's extension: on the CPU clock of a job whose ranks all timed the waits at the
+    synchronisation points (``forward_wait``, ``backward_wait``), the visible value is that
+    wait, wherever the job synchronises (DDP: a buffer broadcast before forward, the gradient
+    reduction after backward; FSDP: every unit's all-gather and reduce-scatter). Under FSDP
+    the seed's ``forward + backward`` holds the late rank's extra compute and its peers' wait
+    for it alike, so a rank slow in its forward or backward is only seen in the waits.
+    Otherwise the seed's definitions: ``backward`` (DDP/default) or ``forward + backward``
+    (FSDP).
     """
     m, k = wm.means, wm.measured
     outer_positive = (m[:, IW] + m[:, STEP]) > 0
     anchored = k[:, STEP] & k[:, BWD] & (m[:, BWD] > 0) & outer_positive
     has_waits = k[:, FWW] & k[:, BWW]
     if (
-        not fsdp
-        and wm.clock == "cpu"
+        wm.clock == "cpu"
         and bool(has_waits[wm.present].all())
         and int((anchored & has_waits).sum()) >= 2
     ):

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from rankwatch.exporter.step_time.hooks import AttributeShadow
+
 if TYPE_CHECKING:
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
@@ -115,7 +117,6 @@ def in_sync_wait(rw: RankWatch, owner: Any, name: str) -> Callable[[], None]:
     another), run as they are.
     """
     original = getattr(owner, name)
-    had = name in vars(owner)  # a module's function; a method lives on the class
     wait = rw.sync_wait()
     thread = threading.get_ident()
 
@@ -126,17 +127,7 @@ def in_sync_wait(rw: RankWatch, owner: Any, name: str) -> Callable[[], None]:
         with wait:
             return original(*args, **kwargs)
 
-    setattr(owner, name, timed)
-
-    def undo() -> None:
-        if vars(owner).get(name) is not timed:
-            return
-        if had:
-            setattr(owner, name, original)
-        else:
-            delattr(owner, name)
-
-    return undo
+    return AttributeShadow(owner, name, timed).remove
 
 
 class _OriginalIteration:

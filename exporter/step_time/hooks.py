@@ -19,7 +19,9 @@ is replaced):
   reduction wait exactly as the wall time of ``loss.backward()`` does;
 * under DDP, the waits at the synchronisation points: ``forward_wait`` (the wrapper's forward
   outside its module's: the buffer broadcast) and ``backward_wait`` (from the last parameter
-  gradient, seen by post-accumulate-grad hooks, to the end of backward);
+  gradient, seen by post-accumulate-grad hooks, to the end of backward); under FSDP2
+  (``fully_shard``) on collectives that block the host (Gloo on the CPU), each unit's
+  parameter all-gather and gradient reduce-scatter, as ``forward_wait``/``backward_wait``;
 * optimizer step pre/post hooks time ``optimizer``; without a watched loader the post hook of
   the last optimizer closes a step that a hook opened (a step opened by ``step()`` is closed
   by its ``with`` block).
@@ -53,6 +55,7 @@ from rankwatch.exporter.step_time.timer import (
 )
 
 __all__ = [
+    "AttributeShadow",
     "WatchedLoader",
     "detect_strategy",
     "install",
@@ -392,15 +395,16 @@ def install(
     timer: StepTimer,
     model: torch.nn.Module | None,
     optimizers: Sequence[torch.optim.Optimizer],
-) -> list[RemovableHandle]:
+) -> list[RemovableHandle | AttributeShadow]:
     """Install the model and optimizer hooks; returns the handles (``remove()`` undoes them).
 
     Under DDP the waits at the synchronisation points are timed too: ``forward_wait`` is the
     DDP wrapper's forward outside its module's (the buffer broadcast), ``backward_wait`` the
-    trailing wait of backward. Every hook returns at once while ``torch.compile`` traces it:
-    nothing of rankwatch enters a compiled graph.
+    trailing wait of backward; under FSDP2 with collectives that block the host, each unit's
+    all-gather and reduce-scatter (:func:`_fsdp_wait_hooks`). Every hook returns at once
+    while ``torch.compile`` traces it: nothing of rankwatch enters a compiled graph.
     """
-    handles: list[RemovableHandle] = []
+    handles: list[RemovableHandle | AttributeShadow] = []
     if model is not None:
         tracker = _BackwardTracker(timer)
         inner = _ddp_inner(model)
@@ -433,6 +437,8 @@ def install(
         handles.append(model.register_forward_hook(forward_post, always_call=True))
         if inner is not None:
             handles.extend(_sync_wait_hooks(timer, tracker, inner))
+        elif not timer.async_collectives:
+            handles.extend(_fsdp_wait_hooks(timer, model))
     for k, opt in enumerate(optimizers):
         pre, post = _optimizer_hooks(timer, closes_step=k == len(optimizers) - 1)
         handles.append(opt.register_step_pre_hook(pre))
@@ -480,6 +486,75 @@ def _sync_wait_hooks(
         if param.requires_grad:
             handles.append(param.register_post_accumulate_grad_hook(param_grad))
     return handles
+
+
+class AttributeShadow:
+    """``owner.<name>`` set to ``value`` over what was there (an instance's method, a module's
+    function); ``remove()`` puts the previous state back if the attribute is still ``value``
+    (a later replacement is left alone). A handle like torch's hook handles."""
+
+    def __init__(self, owner: Any, name: str, value: Any) -> None:
+        self._owner, self._name, self._value = owner, name, value
+        self._had = name in vars(owner)  # a module's function; a method lives on the class
+        self._before = vars(owner).get(name)
+        setattr(owner, name, value)
+
+    def remove(self) -> None:
+        if vars(self._owner).get(self._name) is not self._value:
+            return
+        if self._had:
+            setattr(self._owner, self._name, self._before)
+        else:
+            delattr(self._owner, self._name)
+
+
+# The methods of an FSDP2 unit's parameter group that run its collectives: the parameter
+# all-gather (``unshard``, before the unit's forward and, resharded, its backward) and the
+# gradient reduce-scatter (``post_backward``).
+FSDP_COLLECTIVES = ("unshard", "post_backward")
+
+
+def _fsdp_wait_hooks(timer: StepTimer, model: torch.nn.Module) -> list[AttributeShadow]:
+    """Under FSDP2 (``fully_shard``) on collectives that block the host (Gloo on the CPU):
+    every unit's all-gather and reduce-scatter credited as sync waits (``forward_wait`` inside
+    forward, ``backward_wait`` inside backward), so a rank slow in its forward or backward is
+    told from its peers waiting for it (both are inside ``forward + backward``). Each call is
+    timed whole: the collective and FSDP's copies around it. Relies on FSDP2's parameter
+    groups (``_get_fsdp_state()._fsdp_param_group``): where they are missing nothing is timed
+    and the diagnosis keeps the seed's FSDP definition.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    groups = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = getattr(module, "_get_fsdp_state", lambda: None)()
+            group = getattr(state, "_fsdp_param_group", None)
+            if all(callable(getattr(group, n, None)) for n in FSDP_COLLECTIVES):
+                groups.append(group)
+    if not groups:
+        return []
+    clock = timer._clock
+
+    def timed(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if _is_compiling():
+                return original(*args, **kwargs)
+            start = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timer.credit_wait(clock() - start)
+
+        return run
+
+    shadows: list[AttributeShadow] = []
+    for group in groups:
+        for name in FSDP_COLLECTIVES:
+            shadows.append(AttributeShadow(group, name, timed(getattr(group, name))))
+    return shadows
 
 
 def _optimizer_hooks(

@@ -140,16 +140,7 @@ class _SyncWait:
         timer = self._timer
         ns = timer._clock() - self._start
         self._start = -1
-        # Inside a timed forward or backward the phase already holds the time: only its wait
-        # grows. Anywhere else the wait is a synchronisation before the forward pass (as DDP's
-        # buffer broadcast is): it counts as forward and as forward_wait, so it leaves the
-        # residual and compute (forward minus its wait) stays what it was.
-        if timer.phase_open(BACKWARD):
-            timer.add(BACKWARD_WAIT, ns)
-            return
-        if not timer.phase_open(FORWARD):
-            timer.add(FORWARD, ns)
-        timer.add(FORWARD_WAIT, ns)
+        timer.credit_wait(ns)
 
 
 class _Step:
@@ -317,6 +308,21 @@ class StepTimer:
         row, col = self._row, _COL[index]
         before = row[col]
         row[col] = ns * _MS + (before if before == before else 0.0)
+
+    def credit_wait(self, ns: int) -> None:
+        """Credit ``ns`` spent waiting at a synchronisation point to the current step.
+
+        Inside a timed forward or backward the phase already holds the time: only its wait
+        grows. Anywhere else the wait is a synchronisation before the forward pass (as DDP's
+        buffer broadcast is): it counts as forward and as forward_wait, so it leaves the
+        residual and compute (forward minus its wait) stays what it was.
+        """
+        if self._start[BACKWARD] >= 0:
+            self.add(BACKWARD_WAIT, ns)
+            return
+        if self._start[FORWARD] < 0:
+            self.add(FORWARD, ns)
+        self.add(FORWARD_WAIT, ns)
 
     def start_step(
         self, step_id: int | None = None, *, auto: bool = False, start_ns: int | None = None

@@ -261,8 +261,11 @@ def scenario_equivalence(rank: int, world: int, result: dict[str, Any]) -> None:
     rw = RankWatch(config=cfg, publishers=[rec])
     _train(rw, sharded, opt, rw.watch(sharded, opt, Loader(n, lambda i: 0.0)))
     result["fsdp_strategy"] = rw.strategy
+    result["fsdp_rows"] = _rows(rw)
     rw.close(10.0)
     result["fsdp_reports"] = rec.reports
+    group = sharded._get_fsdp_state()._fsdp_param_group
+    result["fsdp_collectives_restored"] = not {"unshard", "post_backward"} & set(vars(group))
 
     # One shipment of more rows than a message holds: it travels as several chunks.
     rec = Recorder()
@@ -460,6 +463,10 @@ def test_watch_gives_the_explicit_rows_and_detects_ddp_and_fsdp(tmp_path: Path) 
         assert res[r]["explicit_strategy"] is None  # nothing watched, nothing detected
         assert res[r]["watch_strategy"] == "ddp"
         assert res[r]["fsdp_strategy"] == "fsdp"
+        # FSDP2 on Gloo: the all-gather and reduce-scatter waits timed in every step, and the
+        # parameter group's methods given back at close.
+        assert all(row[13] is not None and row[14] is not None for row in res[r]["fsdp_rows"])
+        assert res[r]["fsdp_collectives_restored"]
     for key, strategy in (("explicit", "ddp"), ("watch", "ddp"), ("fsdp", "fsdp")):
         summaries = [r for r in res[0][f"{key}_reports"] if r["window_kind"] == "summary"]
         assert len(summaries) == 1, key

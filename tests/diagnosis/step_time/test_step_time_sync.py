@@ -94,8 +94,34 @@ def test_seed_definitions_stay_the_fallback() -> None:
     means = backward_straggler()
     means[1] = seed_only(means[1] or {})  # one rank without the waits: seed definition
     assert diagnose_means(means, steps=100).visible_definition == "backward"
-    fsdp = diagnose_means(input_straggler_with_buffers(), steps=100, strategy="fsdp")
+    fsdp = diagnose_means(means, steps=100, strategy="fsdp")
     assert fsdp.visible_definition == "forward+backward"
+
+
+def fsdp_compute_straggler() -> dict[int, Means | None]:
+    """FSDP: rank 2's forward computes 30 ms longer; the others wait 30 ms for it in the next
+    collective (an all-gather or reduce-scatter inside forward or backward)."""
+    victim = rank(backward=80.0, backward_wait=35.0, step=130.0)
+    culprit = rank(forward=70.0, step=130.0)
+    return {0: victim, 1: dict(victim), 2: culprit}
+
+
+def test_fsdp_compute_straggler_is_seen_in_the_waits_not_in_forward_plus_backward() -> None:
+    means = fsdp_compute_straggler()
+    # The seed's FSDP visible value holds the culprit's extra compute and the victims' wait
+    # alike: 110 ms on every rank, no straggler.
+    seed = diagnose_means(
+        {r: seed_only(m) for r, m in means.items() if m}, steps=100, strategy="fsdp"
+    )
+    assert seed.visible_definition == "forward+backward"
+    assert not seed.findings[0].is_straggler
+    r = diagnose_means(means, steps=100, strategy="fsdp")
+    assert r.visible_definition == "sync_wait"
+    top = r.findings[0]
+    # Named from the waits; compute is never attributed under FSDP, and FSDP caps at warning.
+    assert (top.kind, top.culprit_rank, top.severity) == ("STRAGGLER", 2, "warning")
+    assert top.component_excesses_ms["compute"] == 0.0
+    assert r.straggler is not None and r.straggler.score == pytest.approx(30.0 / 135.0)
 
 
 def test_unmeasured_input_wait_still_names_the_culprit_with_sync_waits() -> None:
