@@ -301,6 +301,48 @@ def _accelerate_cell(f: Fault) -> Any:
     return rows
 
 
+def _deepspeed_cell(f: Fault) -> Any:
+    """The loop the integration docs give for DeepSpeed: forward and backward timed by
+    ``phase()`` (``engine.backward`` reduces the gradients after the autograd pass), the
+    torch optimizer inside the ZeRO optimizer handed to ``watch``, the engine's collectives
+    timed as sync waits."""
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import torch
+
+    from rankwatch.exporter.integrations import unwrap_optimizer
+    from rankwatch.exporter.integrations.deepspeed import time_engine_collectives
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    _slow_down(net, f)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=net,
+        optimizer=_slow_sgd(net.parameters(), f.delay_s("optimizer")),
+        config={
+            "train_micro_batch_size_per_gpu": BATCH,
+            "zero_optimization": {"stage": 1},
+            "zero_allow_untested_optimizer": True,
+        },
+    )
+    rw = _rankwatch_factory()()
+    undo = time_engine_collectives(rw, engine)
+    loader = _pairs_loader(f.steps, f.delay_s("data"))  # not sharded: every rank's own
+    for x, y in rw.watch(None, unwrap_optimizer(optimizer), loader):
+        with rw.phase("forward"):
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+        with rw.phase("backward"):
+            engine.backward(loss)
+        engine.step()
+        time.sleep(f.delay_s("after"))
+    rows = _rows_of(rw)
+    undo()
+    rw.close(10.0)
+    return rows
+
+
 # Row -> (its cell on one rank, the cell's options).
 _ROWS: dict[str, tuple[Callable[..., list[list[float | None]]], dict[str, Any]]] = {
     "hf_trainer": (_hf_cell, {}),
@@ -310,6 +352,7 @@ _ROWS: dict[str, tuple[Callable[..., list[list[float | None]]], dict[str, Any]]]
     "lightning_accum": (_lightning_cell, {"accumulate": 2}),
     "lightning_sync_log": (_lightning_cell, {"sync_log": True}),
     "accelerate": (_accelerate_cell, {}),
+    "deepspeed": (_deepspeed_cell, {}),
 }
 FRAMEWORK_ROWS = frozenset(_ROWS)
 

@@ -54,6 +54,7 @@ ROWS: dict[str, str] = {
     "lightning_accum": "the same Lightning Trainer, accumulate_grad_batches=2",
     "lightning_sync_log": "the same, training_step logs its loss with sync_dist=True",
     "accelerate": "plain Accelerate loop (prepare: DDP, AcceleratedOptimizer) around watch()",
+    "deepspeed": "DeepSpeed ZeRO-1 loop, forward and backward timed by phase() (the docs' recipe)",
 }
 COLUMNS: dict[str, str] = {
     "data": "data loading",

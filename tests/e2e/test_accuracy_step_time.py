@@ -7,7 +7,8 @@ accumulation, a job with no slow rank, FSDP2 with slow data, forward and backwar
 inside its all-gathers and reduce-scatters), and the framework rows: Lightning logging with
 ``sync_dist`` (an all-reduce in every forward, the loop's per-iteration broadcast) with slow
 data, optimizer and work after the step, and the Hugging Face Trainer logging every step (its
-loss all-gather) with a slow optimizer and slow work after the step.
+loss all-gather) with a slow optimizer and slow work after the step, and DeepSpeed ZeRO-1 with
+a slow backward and a slow optimizer (its gradient all-reduce and parameter all-gather).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ CELLS = [
     ("lightning_sync_log", "after"),
     ("hf_trainer_logging", "optimizer"),
     ("hf_trainer_logging", "after"),
+    ("deepspeed", "backward"),
+    ("deepspeed", "optimizer"),
 ]
 
 

@@ -2,7 +2,8 @@
 
 ``engine.backward`` reduces the gradients after the autograd pass, where the backward hooks
 no longer look, so the loop times forward and backward explicitly (the recipe the integration
-docs give) and hands the optimizer inside DeepSpeed's ZeRO optimizer to ``watch``. Rank 1's
+docs give), hands the optimizer inside DeepSpeed's ZeRO optimizer to ``watch`` and times the
+engine's collectives as sync waits (``time_engine_collectives``). Rank 1's
 ``collate_fn`` sleeps: the root must name it.
 """
 
@@ -32,10 +33,13 @@ pytestmark = pytest.mark.multiproc
 def scenario_deepspeed(rank: int, world: int, out: str) -> dict[str, Any]:
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
+    import deepspeed.runtime.zero.stage_1_and_2 as zero
     import torch
 
+    from rankwatch.diagnosis.step_time.table import column
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.integrations import unwrap_optimizer
+    from rankwatch.exporter.integrations.deepspeed import time_engine_collectives
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     torch.manual_seed(0)
@@ -53,6 +57,10 @@ def scenario_deepspeed(rank: int, world: int, out: str) -> dict[str, Any]:
     recorder = Recorder()
     config = RankwatchConfig.from_env(interval_seconds=1.0, gather_timeout_seconds=20.0)
     rw = RankWatch(strategy="ddp", config=config, publishers=[recorder])
+    with pytest.raises(TypeError, match="field engine: expected a DeepSpeed engine"):
+        time_engine_collectives(rw, model)
+    all_gather = zero.all_gather_dp_groups
+    undo = time_engine_collectives(rw, engine)  # the gradient all-reduce, ZeRO's all-gather
     inner = unwrap_optimizer(optimizer)
     for x, y in rw.watch(None, inner, loader):
         with rw.phase("forward"):
@@ -61,12 +69,18 @@ def scenario_deepspeed(rank: int, world: int, out: str) -> dict[str, Any]:
             engine.backward(loss)  # the autograd pass, then the gradient reduction
         engine.step()  # steps the torch optimizer inside: its hooks close the step
     rows = rw.timer.ring[: rw.timer.written].tolist() if rw.timer is not None else []
+    undo()
     rw.close(5.0)
     torch.distributed.barrier()
     return {
         "reports": recorder.reports,
         "rows": len(rows),
         "row_signals": [r[1:6] for r in rows],
+        "waits_ms": [
+            (r[column("cpu", "forward_wait")], r[column("cpu", "backward_wait")]) for r in rows
+        ],
+        "restored": zero.all_gather_dp_groups is all_gather
+        and "allreduce_gradients" not in vars(engine),
         "optimizer_types": [type(optimizer).__name__, type(inner).__name__],
     }
 
@@ -79,4 +93,8 @@ def test_deepspeed_loop_names_the_slow_collate_rank_as_input_straggler(tmp_path:
         assert r["rows"] == STEPS
         for wait, h2d, fwd, bwd, opt in r["row_signals"]:  # no h2d: watch() had no model
             assert h2d != h2d and wait == wait and fwd == fwd and bwd == bwd and opt == opt
+        # The engine's all-gather (after the optimizer) and all-reduce (in backward) are the
+        # sync waits of every step; both given back at the end.
+        assert all(fw == fw and bw == bw for fw, bw in r["waits_ms"]), r["waits_ms"]
+        assert r["restored"]
     assert_input_straggler(res[0]["reports"], SLOW_RANK)
