@@ -52,6 +52,7 @@ import torch
 from lightning.pytorch import Callback
 
 from rankwatch.exporter.integrations import RankwatchStarter, in_sync_wait, unwrap_optimizer
+from rankwatch.exporter.step_time.hooks import AttributeShadow
 from rankwatch.exporter.step_time.rank_watch import RankWatch
 
 __all__ = ["FETCH_ACTION_SUFFIX", "RankwatchCallback"]
@@ -122,7 +123,7 @@ class RankwatchCallback(Callback, RankwatchStarter):
             log.warning("rankwatch: no torch optimizer in the Trainer; steps are not closed")
         self._listen_to_fetches(trainer.profiler)
         if getattr(trainer, "world_size", 1) > 1:
-            self._time_sigterm_broadcast(getattr(trainer.fit_loop, "epoch_loop", None))
+            self._time_sigterm_broadcast(rw, getattr(trainer.fit_loop, "epoch_loop", None))
             for name in STRATEGY_COLLECTIVES:
                 if callable(getattr(trainer.strategy, name, None)):
                     self._undo.append(in_sync_wait(rw, trainer.strategy, name))
@@ -175,28 +176,20 @@ class RankwatchCallback(Callback, RankwatchStarter):
         self._step = self._fetch = None
         self._stepped_ns = -1
 
-    def _time_sigterm_broadcast(self, epoch_loop: Any) -> None:
+    def _time_sigterm_broadcast(self, rw: RankWatch, epoch_loop: Any) -> None:
         """Start each iteration at the epoch loop's SIGTERM flag broadcast and time it as a
-        sync wait (an instance attribute shadows the method; removed at the end)."""
-        broadcast = getattr(epoch_loop, SIGTERM_BROADCAST, None)
-        if not callable(broadcast):
+        sync wait (instance attributes shadow the method; removed at the end)."""
+        if not callable(getattr(epoch_loop, SIGTERM_BROADCAST, None)):
             return  # an older Lightning: the fetch starts the iteration
+        self._undo.append(in_sync_wait(rw, epoch_loop, SIGTERM_BROADCAST))
+        timed = getattr(epoch_loop, SIGTERM_BROADCAST)
 
-        def timed() -> Any:
-            rw = self.rankwatch
-            if rw is None or not rw.active:
-                return broadcast()
-            self._iteration_started(rw)
-            with rw.sync_wait():
-                return broadcast()
+        def start_iteration() -> Any:
+            if rw.active:
+                self._iteration_started(rw)
+            return timed()
 
-        setattr(epoch_loop, SIGTERM_BROADCAST, timed)
-
-        def restore() -> None:
-            if vars(epoch_loop).get(SIGTERM_BROADCAST) is timed:
-                delattr(epoch_loop, SIGTERM_BROADCAST)
-
-        self._undo.append(restore)
+        self._undo.append(AttributeShadow(epoch_loop, SIGTERM_BROADCAST, start_iteration).remove)
 
     def _iteration_started(self, rw: RankWatch) -> None:
         """A training loop iteration starts: close the step if it ran its optimizer step (the
