@@ -13,11 +13,10 @@ framework's own collective is timed as a sync wait.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from rankwatch.exporter.step_time.hooks import AttributeShadow
+from rankwatch.exporter.step_time.hooks import time_as_sync_wait
 
 if TYPE_CHECKING:
     from rankwatch.exporter.step_time.rank_watch import RankWatch
@@ -114,20 +113,12 @@ def in_sync_wait(rw: RankWatch, owner: Any, name: str) -> Callable[[], None]:
     For a framework's collectives outside the model (a loss all-reduce, a flag broadcast): the
     ranks that get there early wait for the late one, and the wait joins ``forward_wait``.
     Calls from other threads, and calls inside an open sync wait (one collective calling
-    another), run as they are.
+    another), run as they are (:func:`~rankwatch.exporter.step_time.hooks.time_as_sync_wait`).
+    A disabled RankWatch times nothing and shadows nothing.
     """
-    original = getattr(owner, name)
-    wait = rw.sync_wait()
-    thread = threading.get_ident()
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        # (a disabled RankWatch's wait has no state: nothing to time)
-        if threading.get_ident() != thread or getattr(wait, "open", True):
-            return original(*args, **kwargs)
-        with wait:
-            return original(*args, **kwargs)
-
-    return AttributeShadow(owner, name, timed).remove
+    if rw.timer is None:
+        return lambda: None
+    return time_as_sync_wait(rw.timer, owner, name).remove
 
 
 class _OriginalIteration:

@@ -61,6 +61,7 @@ __all__ = [
     "install",
     "model_device",
     "move_to_device",
+    "time_as_sync_wait",
     "unwrap_optimizer",
 ]
 
@@ -534,27 +535,29 @@ def _fsdp_wait_hooks(timer: StepTimer, model: torch.nn.Module) -> list[Attribute
             group = getattr(state, "_fsdp_param_group", None)
             if all(callable(getattr(group, n, None)) for n in FSDP_COLLECTIVES):
                 groups.append(group)
-    if not groups:
-        return []
-    clock = timer._clock
+    return [time_as_sync_wait(timer, group, name) for group in groups for name in FSDP_COLLECTIVES]
 
-    def timed(original: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if _is_compiling():
-                return original(*args, **kwargs)
-            start = clock()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                timer.credit_wait(clock() - start)
 
-        return run
+def time_as_sync_wait(timer: StepTimer, owner: Any, name: str) -> AttributeShadow:
+    """Shadow ``owner.<name>`` (an object's method, a module's function) so that each call runs
+    inside the timer's sync wait (:meth:`StepTimer.sync_wait`: the wait joins ``forward_wait``,
+    or ``backward_wait`` inside backward); ``remove()`` on the result gives it back.
 
-    shadows: list[AttributeShadow] = []
-    for group in groups:
-        for name in FSDP_COLLECTIVES:
-            shadows.append(AttributeShadow(group, name, timed(getattr(group, name))))
-    return shadows
+    Calls from another thread than the one shadowing it, calls inside an open sync wait (one
+    collective calling another, or a user's ``sync_wait`` block around it) and calls while
+    ``torch.compile`` traces run as they are.
+    """
+    original = getattr(owner, name)
+    wait = timer.sync_wait()
+    thread = get_ident()
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if wait.open or get_ident() != thread or _is_compiling():
+            return original(*args, **kwargs)
+        with wait:
+            return original(*args, **kwargs)
+
+    return AttributeShadow(owner, name, timed)
 
 
 def _optimizer_hooks(
