@@ -21,7 +21,13 @@ from rankwatch.exporter.step_time.hooks import time_as_sync_wait
 if TYPE_CHECKING:
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
-__all__ = ["RankwatchStarter", "in_sync_wait", "unwrap_optimizer", "watch_loader_in_place"]
+__all__ = [
+    "RankwatchStarter",
+    "in_sync_wait",
+    "undo_in_reverse",
+    "unwrap_optimizer",
+    "watch_loader_in_place",
+]
 
 # Optimizer wrappers keep the real optimizer under one of these attributes:
 # Accelerate's AcceleratedOptimizer (``optimizer``), Lightning's LightningOptimizer
@@ -119,6 +125,16 @@ def in_sync_wait(rw: RankWatch, owner: Any, name: str) -> Callable[[], None]:
     if rw.timer is None:
         return lambda: None
     return time_as_sync_wait(rw.timer, owner, name).remove
+
+
+def undo_in_reverse(undos: list[Callable[[], None]]) -> Callable[[], None]:
+    """One undo for several: runs them last first (the latest shadow comes off first), once."""
+
+    def undo_all() -> None:
+        while undos:
+            undos.pop()()
+
+    return undo_all
 
 
 class _OriginalIteration:

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rankwatch.exporter.integrations import in_sync_wait
+from rankwatch.exporter.integrations import in_sync_wait, undo_in_reverse
 
 if TYPE_CHECKING:
     from rankwatch.exporter.step_time.rank_watch import RankWatch
@@ -52,9 +52,4 @@ def time_engine_collectives(rw: RankWatch, engine: Any) -> Callable[[], None]:
     module = sys.modules.get(module_name)
     if module is not None and callable(getattr(module, function, None)):
         undo.append(in_sync_wait(rw, module, function))
-
-    def undo_all() -> None:
-        while undo:
-            undo.pop()()
-
-    return undo_all
+    return undo_in_reverse(undo)

@@ -51,7 +51,12 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from rankwatch.exporter.integrations import RankwatchStarter, in_sync_wait, unwrap_optimizer
+from rankwatch.exporter.integrations import (
+    RankwatchStarter,
+    in_sync_wait,
+    undo_in_reverse,
+    unwrap_optimizer,
+)
 from rankwatch.exporter.step_time.hooks import AttributeShadow
 from rankwatch.exporter.step_time.rank_watch import RankWatch
 
@@ -171,8 +176,7 @@ class RankwatchCallback(Callback, RankwatchStarter):
 
     def _teardown(self) -> None:
         self._finish_stepped()
-        while self._undo:
-            self._undo.pop()()
+        undo_in_reverse(self._undo)()
         self._step = self._fetch = None
         self._stepped_ns = -1
 

@@ -47,6 +47,7 @@ from transformers import TrainerCallback
 from rankwatch.exporter.integrations import (
     RankwatchStarter,
     in_sync_wait,
+    undo_in_reverse,
     unwrap_optimizer,
     watch_loader_in_place,
 )
@@ -118,12 +119,7 @@ def _time_gathers(rw: RankWatch, trainer: Any) -> Callable[[], None]:
         module = sys.modules.get("transformers.trainer")
         if module is not None and callable(getattr(module, "nested_gather", None)):
             undo.append(in_sync_wait(rw, module, "nested_gather"))
-
-    def undo_all() -> None:
-        while undo:
-            undo.pop()()
-
-    return undo_all
+    return undo_in_reverse(undo)
 
 
 def _warn_early_collectives(args: Any, model: Any, *, ddp_seen: bool, gather_timed: bool) -> None:
