@@ -50,8 +50,9 @@ class Fault:
 
 
 def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """The environment ``torchrun`` gives a rank of a one-node job (and no exporters: the
-    cells read the timers' rows)."""
+    """The environment ``torchrun`` gives a rank of a one-node job, offline, and no exporters
+    (every rank its own ``/metrics`` port would collide between worlds: the cells and the
+    framework tests read the timers' rows and the root's reports)."""
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world),

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from bench.accuracy_frameworks import torchrun_env
 from tests.servers import free_port
 
 JOIN_TIMEOUT_S = 240.0
@@ -42,22 +43,7 @@ def require_framework(name: str) -> None:
 
 
 def _entry(rank: int, world: int, port: int, scenario: str, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS="1",
-        # Every rank its own /metrics port would collide between tests: the tests read reports.
-        RANKWATCH_METRICS_ENABLE="0",
-        RANKWATCH_OTLP_ENABLE="0",
-    )
+    os.environ.update(torchrun_env(rank, world, port), OMP_NUM_THREADS="1")
     result: dict[str, Any] = {"rank": rank}
     try:
         import torch
