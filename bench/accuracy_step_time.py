@@ -226,6 +226,12 @@ def _run_cell(rank: int, row: str, col: str) -> list[list[float | None]]:
 
 
 def _worker(rank: int, port: int, cells: list[tuple[str, str]], out: str) -> None:
+    """A rank of one matrix world, running ``cells`` one after the other. Plain rows join the
+    Gloo group here; a framework row (one per world) gets the environment ``torchrun`` would
+    set, and the framework joins it."""
+    framework = any(row in FRAMEWORK_ROWS for row, _ in cells)
+    if framework:
+        os.environ.update(torchrun_env(rank, WORLD, port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result: dict[str, Any] = {}
     try:
@@ -233,44 +239,26 @@ def _worker(rank: int, port: int, cells: list[tuple[str, str]], out: str) -> Non
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-        )
+        if not framework:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+            )
         for row, col in cells:
-            dist.barrier()
-            try:
-                result[f"{row}/{col}"] = _run_cell(rank, row, col)
-            except Exception:
-                result[f"{row}/{col}"] = {"error": traceback.format_exc()}
-                raise
-        dist.destroy_process_group()
-    except BaseException:
-        result["error"] = traceback.format_exc()
-    Path(out, f"{rank}.json").write_text(json.dumps(result))
-
-
-def _framework_worker(rank: int, port: int, row: str, cols: list[str], out: str) -> None:
-    """A rank of a framework row's world: the framework initialises the process group from
-    the environment ``torchrun`` would set; the row's cells run one after the other."""
-    os.environ.update(torchrun_env(rank, WORLD, port), OMP_NUM_THREADS="1")
-    result: dict[str, Any] = {}
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        for col in cols:
-            if dist.is_initialized():
+            if dist.is_initialized():  # a framework joins in its first cell
                 dist.barrier()
             try:
-                result[f"{row}/{col}"] = run_cell(
-                    row,
-                    col,
-                    world=WORLD,
-                    slow=rank == SLOW_RANK,
-                    steps=STEPS,
-                    slow_s=SLOW_S,
-                    base_s=BASE_S,
+                result[f"{row}/{col}"] = (
+                    run_cell(
+                        row,
+                        col,
+                        world=WORLD,
+                        slow=rank == SLOW_RANK,
+                        steps=STEPS,
+                        slow_s=SLOW_S,
+                        base_s=BASE_S,
+                    )
+                    if framework
+                    else _run_cell(rank, row, col)
                 )
             except Exception:
                 result[f"{row}/{col}"] = {"error": traceback.format_exc()}
@@ -291,12 +279,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_world(target: Any, args: tuple[Any, ...]) -> list[dict[str, Any]]:
-    """Spawn ``WORLD`` ranks running ``target(rank, port, *args, out_dir)``; what each wrote."""
+def _run_world(cells: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Spawn ``WORLD`` ranks running ``cells`` (:func:`_worker`); what each wrote."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
-        procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_worker, args=(r, port, cells, out)) for r in range(WORLD)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -327,12 +315,11 @@ def run_matrix(cells: list[tuple[str, str]]) -> list[Cell]:
             results[key] = [res.get(key, {"error": err}) for res in ranks]
 
     plain = [(r, c) for r, c in cells if r not in FRAMEWORK_ROWS]
-    if plain:
-        gather([f"{r}/{c}" for r, c in plain], _run_world(_worker, (plain,)))
+    worlds = [plain] if plain else []
     for fw_row in dict.fromkeys(r for r, _ in cells if r in FRAMEWORK_ROWS):
-        cols = [c for r, c in cells if r == fw_row]
-        ranks = _run_world(_framework_worker, (fw_row, cols))
-        gather([f"{fw_row}/{c}" for c in cols], ranks)
+        worlds.append([(r, c) for r, c in cells if r == fw_row])
+    for world_cells in worlds:
+        gather([f"{r}/{c}" for r, c in world_cells], _run_world(world_cells))
     cells_out: list[Cell] = []
     for row, col in cells:
         key = f"{row}/{col}"
@@ -379,8 +366,8 @@ def render(cells: list[Cell]) -> str:
         f"Every cell is a real run: {WORLD} processes under `torch.distributed` (Gloo, CPU) "
         f"train a small MLP with `RankWatch.watch()` (the framework rows: a tiny BERT under "
         f"the Hugging Face `Trainer` and an MLP under Lightning, each with rankwatch's callback, "
-        f"and an MLP in a plain Accelerate loop; the processes started as `torchrun` starts "
-        f"them) for {STEPS} steps; rank {SLOW_RANK} is "
+        f"an MLP in a plain Accelerate loop and in a DeepSpeed loop; the processes started as "
+        f"`torchrun` starts them) for {STEPS} steps; rank {SLOW_RANK} is "
         f"slowed by {SLOW_S * 1e3:.0f} ms per step where the column says (a sleep), every rank "
         f"sleeps {BASE_S * 1e3:.0f} ms in its forward, and the diagnosis runs on the rows of "
         f"the last {WINDOW} steps. A cell shows the verdict, the culprit rank, the straggler "
@@ -437,8 +424,9 @@ NOTES = """## Reading the matrix
   full backward hook on the last layer here: FSDP hands a sharded parameter its gradient
   inside the reduce-scatter call, so a post-accumulate-grad hook there is not backward
   compute. On accelerators this is not run (see `docs/reliability.md`).
-- **Framework rows** run the framework's own training loop with rankwatch's callback; the
-  fault is injected the same way (the optimizer's `step` is a subclass that sleeps after its
+- **Framework rows** run the framework's own training loop with rankwatch's callback (the
+  Accelerate and DeepSpeed rows: the loops `docs/integration.md` gives); the fault is
+  injected the same way (the optimizer's `step` is a subclass that sleeps after its
   update; work after the step is the framework's end-of-batch callback). Lightning (2.5 and
   later) broadcasts a SIGTERM flag from rank 0 at the start of every iteration: rank 0 waits
   there for the late rank, outside every phase. The callback times it as a sync wait and
