@@ -594,8 +594,11 @@ class OtlpPublisher:
                 self._cond.wait(left)
         return True
 
-    def close(self, timeout_seconds: float = 5.0) -> None:
-        """One last export if time allows, then shut the providers down; bounded."""
+    def close(self, timeout_seconds: float | None = None) -> None:
+        """One last export if time allows, then shut the providers down; bounded by
+        ``timeout_seconds`` (default: the configured ``shutdown_timeout_seconds``)."""
+        if timeout_seconds is None:
+            timeout_seconds = self.config.shutdown_timeout_seconds
         check_timeout_seconds(timeout_seconds)
         if self._closed:
             return
