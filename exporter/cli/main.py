@@ -65,6 +65,11 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def _secret_shown(value: str) -> str:
+    """What ``rankwatch config`` shows of a secret: whether it is set, never the value."""
+    return "(hidden)" if value else ""
+
+
 # --- argument types: each error names the option and the value --------------------------------
 
 
@@ -318,7 +323,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
         {
             "variable": opt.env,
             "option": opt.label,
-            "value": opt.value_in(cfg),
+            # A secret's value is never printed: this output gets pasted into tickets.
+            "value": _secret_shown(opt.value_in(cfg)) if opt.secret else opt.value_in(cfg),
             "default": opt.default,
             "set": opt.env in os.environ,
         }
