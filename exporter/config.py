@@ -18,6 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from rankwatch.diagnosis.config import (
     DeclaredOption,
@@ -39,6 +40,7 @@ __all__ = [
     "bind_address_problem",
     "config_fields",
     "config_options",
+    "redacted_url",
 ]
 
 
@@ -75,6 +77,21 @@ def bind_address_problem(addr: str) -> str | None:
     if not re.fullmatch(_HOST_NAME, addr):
         return "must be an IP address or a host name (no port, scheme or spaces)"
     return None
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with the password of its user part, if any, shown as ``(hidden)``: an OTLP
+    endpoint may carry credentials (``https://user:token@host``), and endpoints are printed by
+    ``rankwatch config`` and in export-failure log lines."""
+    try:
+        parts = urlsplit(url)
+        has_password = parts.password is not None
+    except ValueError:  # not a URL at all: nothing of it is known to be safe
+        return "(unparseable URL, hidden)"
+    if not has_password:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:(hidden)@{host}"))
 
 
 def _variable_name_problem(name: str) -> str | None:

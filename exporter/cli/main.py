@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from rankwatch.exporter.config import RankwatchConfig, config_options
+    from rankwatch.exporter.config import RankwatchConfig, config_options, redacted_url
 
     try:
         # The one object the collectors read (DeepEP settings included, as cfg.deepep).
@@ -345,7 +345,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
             f"{format_value(r['default']):<{dwidth}}  {r['option']}"
         )
     print("OTLP push: standard OTEL_EXPORTER_OTLP_* variables; endpoint", end=" ")
-    print(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "unset (no push)")
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    print(redacted_url(endpoint) if endpoint else "unset (no push)")
     return EXIT_OK
 
 

@@ -26,6 +26,7 @@ from rankwatch.exporter.config import (
     RankwatchConfig,
     all_env_variables,
     config_options,
+    redacted_url,
 )
 from rankwatch.exporter.identity import local_identity, local_rank_from_env, rank_from_env
 
@@ -204,6 +205,19 @@ def test_the_password_is_never_in_repr_or_errors() -> None:
         assert secret not in str(err.value)
     with pytest.raises(ValueError, match=r"\(hidden\)"):
         RankwatchConfig.from_env({"RANKWATCH_METRICS_BASIC_AUTH_PASSWORD": secret + "\udcff"})
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://127.0.0.1:4318", "http://127.0.0.1:4318"),
+        ("https://otel:tok3n@collector:4318/v1", "https://otel:(hidden)@collector:4318/v1"),
+        ("https://user@collector", "https://user@collector"),
+        ("http://[::1", "(unparseable URL, hidden)"),
+    ],
+)
+def test_endpoint_credentials_are_hidden(url: str, shown: str) -> None:
+    assert redacted_url(url) == shown
 
 
 def test_the_bind_address_is_loopback_unless_a_wildcard_is_written_out() -> None:

@@ -129,6 +129,11 @@ def test_config_never_prints_the_basic_auth_password() -> None:
     # Unset, it says so (empty), as any other option.
     rows = {r["variable"]: r for r in json.loads(run_cli("config", "--json").stdout)["variables"]}
     assert rows["RANKWATCH_METRICS_BASIC_AUTH_PASSWORD"]["value"] == ""
+    # Nor the credentials of an OTLP endpoint.
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"https://otel:{secret}@collector:4318"}
+    shown = run_cli("config", env=endpoint)
+    assert secret not in shown.stdout
+    assert "endpoint https://otel:(hidden)@collector:4318" in shown.stdout
     # A bad configuration's error does not print it either.
     bad = run_cli("config", env={**env, "RANKWATCH_METRICS_BASIC_AUTH_USER": "p:rom"})
     assert bad.returncode == 2
