@@ -107,6 +107,16 @@ def _int_in(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+def _bind_address(raw: str) -> str:
+    # The rule RANKWATCH_METRICS_ADDR follows, so the message names --addr rather than it.
+    from rankwatch.exporter.config import bind_address_problem
+
+    problem = bind_address_problem(raw)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{problem}, got {raw!r}")
+    return raw
+
+
 def _timeline(raw: str) -> Any:
     from rankwatch.exporter.cli.demo_plan import parse_timeline
 
@@ -180,7 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="/metrics port; 0 picks a free one (default 9464)",
     )
     demo.add_argument(
-        "--addr", default="127.0.0.1", metavar="ADDRESS", help="/metrics address (127.0.0.1)"
+        "--addr",
+        type=_bind_address,
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="/metrics address (127.0.0.1; 0.0.0.0 for every interface)",
     )
     demo.add_argument(
         "--out",

@@ -165,6 +165,8 @@ def test_config_refuses_a_bad_environment(name: str, value: str, fragment: str) 
         (["--duration", "-5"], "argument --duration: must be > 0 seconds, got '-5'"),
         (["--duration", "0"], "argument --duration: must be > 0 seconds, got '0'"),
         (["--duration", "nan"], "argument --duration: must be finite, got 'nan'"),
+        (["--addr", ""], "argument --addr: must not be empty (an empty address listens on"),
+        (["--addr", "0.0.0.0:9464"], "argument --addr: must be an IP address or a host name"),
         (["--duration", "soon"], "argument --duration: must be a number, got 'soon'"),
         (["--ranks", "1"], "argument --ranks: must be in 2..8, got '1'"),
         (["--ranks", "9"], "argument --ranks: must be in 2..8, got '9'"),
