@@ -11,25 +11,35 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import Field, dataclass, field, fields, is_dataclass
 from typing import Any, TypeVar, get_type_hints
 
 __all__ = [
+    "MAX_TEXT_CHARS",
     "DeclaredOption",
     "DiagnosisConfig",
     "EnvOptions",
     "LowLatencyConfig",
     "NormalConfig",
     "StepTimeConfig",
+    "allowed_range",
+    "check_value",
     "config_or_default",
     "declared_options",
     "from_env",
     "option",
     "option_env",
+    "option_label",
     "parse_bool",
+    "shown_value",
     "validate_options",
 ]
+
+
+# Strings are bounded too: a label value or a path longer than this is a mistake (a file pasted
+# into a variable), and every series would carry it.
+MAX_TEXT_CHARS = 4096
 
 
 def option(
@@ -39,9 +49,27 @@ def option(
     *,
     lo_open: bool = False,
     choices: tuple[str, ...] | None = None,
+    max_chars: int = MAX_TEXT_CHARS,
+    rule: Callable[[str], str | None] | None = None,
+    secret: bool = False,
 ) -> Any:
-    """Field metadata: the overriding environment variable and the allowed range or choices."""
-    return {"env": env, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices}
+    """Field metadata: the overriding environment variable and what values it allows.
+
+    Numbers: the range ``lo`` (exclusive with ``lo_open``) to ``hi``, both inclusive by
+    default. Text: ``choices``, at most ``max_chars`` characters, and ``rule`` (a function
+    returning what is wrong with a value, or None). ``secret``: the value is never printed (not
+    in errors, ``repr`` or ``rankwatch config``); declare such a field with ``repr=False``.
+    """
+    return {
+        "env": env,
+        "lo": lo,
+        "hi": hi,
+        "lo_open": lo_open,
+        "choices": choices,
+        "max_chars": max_chars,
+        "rule": rule,
+        "secret": secret,
+    }
 
 
 def parse_bool(name: str, raw: str) -> bool:
@@ -54,44 +82,84 @@ def parse_bool(name: str, raw: str) -> bool:
     raise ValueError(f"{name}: expected a boolean (1/0, true/false, on/off), got {raw!r}")
 
 
+def allowed_range(meta: Mapping[str, Any]) -> str:
+    """The range an option's metadata allows, as errors and the docs say it (``> 0, <= 3600``)."""
+    parts = []
+    if meta["lo"] is not None:
+        parts.append(f"{'>' if meta['lo_open'] else '>='} {_number_text(meta['lo'])}")
+    if meta["hi"] is not None:
+        parts.append(f"<= {_number_text(meta['hi'])}")
+    return ", ".join(parts)
+
+
+def _number_text(bound: float) -> str:
+    # 3600 rather than 3600.0; fractions as they are
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
+
+
+def shown_value(meta: Mapping[str, Any], value: Any) -> str:
+    """How an error shows an option's value: its repr, or ``(hidden)`` for a secret."""
+    return "(hidden)" if meta.get("secret") else repr(value)
+
+
+def check_value(label: str, meta: Mapping[str, Any], kind: type, value: Any, shown: str) -> None:
+    """Check one option's value against its declaration; ``shown`` is what errors print of it
+    (the text as written in the environment, or the value's repr). Raises ``ValueError`` /
+    ``TypeError`` naming ``label`` (field and variable), the value and what is allowed."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{label}: expected a boolean, got {shown}")
+        return
+    if kind is str:
+        _check_text(label, meta, value, shown)
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{label}: expected a number, got {shown}")
+    if kind is int and not isinstance(value, int):
+        raise TypeError(f"{label}: expected an int, got {shown}")
+    span = allowed_range(meta)
+    if not math.isfinite(value):
+        raise ValueError(f"{label}: must be a finite number {span}, got {shown}")
+    lo, hi = meta["lo"], meta["hi"]
+    too_low = lo is not None and (value <= lo if meta["lo_open"] else value < lo)
+    if too_low or (hi is not None and value > hi):
+        raise ValueError(f"{label}: must be {span}, got {shown}")
+
+
+def _check_text(label: str, meta: Mapping[str, Any], value: Any, shown: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{label}: expected a string, got {shown}")
+    try:
+        # A byte that is not UTF-8 in an environment variable arrives as a lone surrogate; as a
+        # label value it would make every /metrics scrape fail.
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{label}: must be valid UTF-8 text, got {shown}") from None
+    if len(value) > meta["max_chars"]:
+        shown = shown if meta.get("secret") else f"{value[:40]!r}... ({len(value)} characters)"
+        raise ValueError(f"{label}: must be at most {meta['max_chars']} characters, got {shown}")
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ValueError(f"{label}: must be one of {list(meta['choices'])}, got {shown}")
+    problem = None if meta["rule"] is None else meta["rule"](value)
+    if problem is not None:
+        raise ValueError(f"{label}: {problem}, got {shown}")
+
+
+def option_label(cls: type, name: str) -> str:
+    """How errors name field ``name`` of the config class ``cls``: ``Class.field (VARIABLE)``."""
+    return f"{cls.__name__}.{name} ({option_env(cls, name)})"
+
+
 def validate_options(obj: Any) -> None:
-    """Check every field that carries ``option`` metadata; raise naming field, variable, value."""
+    """Check every field that carries ``option`` metadata; raise naming field, variable, value
+    and what is allowed (see :func:`check_value`)."""
     for f in fields(obj):
         meta = f.metadata
         if "env" not in meta:
             continue
         value = getattr(obj, f.name)
         label = f"{type(obj).__name__}.{f.name} ({meta['env']})"
-        kind = _field_kind(f.type)
-        if kind is bool:
-            if not isinstance(value, bool):
-                raise TypeError(f"{label}: expected a boolean, got {value!r}")
-            continue
-        if kind is str:
-            if not isinstance(value, str):
-                raise TypeError(f"{label}: expected a string, got {value!r}")
-            try:
-                # A byte that is not UTF-8 in an environment variable arrives as a lone
-                # surrogate; as a label value it would make every /metrics scrape fail.
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                shown = "a secret" if "password" in f.name else repr(value)
-                raise ValueError(f"{label}: must be valid UTF-8 text, got {shown}") from None
-            if meta["choices"] is not None and value not in meta["choices"]:
-                raise ValueError(f"{label}: must be one of {list(meta['choices'])}, got {value!r}")
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{label}: expected a number, got {value!r}")
-        if kind is int and not isinstance(value, int):
-            raise TypeError(f"{label}: expected an int, got {value!r}")
-        if not math.isfinite(value):
-            raise ValueError(f"{label}: must be finite, got {value!r}")
-        lo, hi = meta["lo"], meta["hi"]
-        if lo is not None and (value <= lo if meta["lo_open"] else value < lo):
-            bound = ">" if meta["lo_open"] else ">="
-            raise ValueError(f"{label}: must be {bound} {lo}, got {value!r}")
-        if hi is not None and value > hi:
-            raise ValueError(f"{label}: must be <= {hi}, got {value!r}")
+        check_value(label, meta, _field_kind(f.type), value, shown_value(meta, value))
     # Nested config objects are read by background threads: a wrong type fails here, by name.
     cls: type = type(obj)
     for name, kind in _nested_configs(cls):
@@ -132,17 +200,26 @@ def _field_kind(annotation: Any) -> type:
     return {"int": int, "float": float, "str": str, "bool": bool}.get(name, float)
 
 
-def _parse(cls_name: str, f_name: str, env_name: str, kind: type, raw: str) -> Any:
+def _parse(cls_name: str, f: Field[Any], raw: str) -> Any:
+    """One variable's text as the field's value, checked against its declaration; errors show
+    the text as written (``'1e10'``, not ``10000000000.0``)."""
+    meta, kind = f.metadata, _field_kind(f.type)
+    label = f"{cls_name}.{f.name} ({meta['env']})"
+    shown = shown_value(meta, raw)
     if kind is bool:
-        return parse_bool(f"{cls_name}.{f_name} ({env_name})", raw)
+        return parse_bool(label, raw)
     if kind is str:
-        return raw
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(
-            f"{cls_name}.{f_name} ({env_name}): expected {kind.__name__}, got {raw!r}"
-        ) from None
+        value: Any = raw
+    else:
+        try:
+            value = kind(raw)
+        except ValueError:
+            noun = "an int" if kind is int else "a number"
+            raise ValueError(
+                f"{label}: expected {noun} {allowed_range(meta)}, got {shown}"
+            ) from None
+    check_value(label, meta, kind, value, shown)
+    return value
 
 
 _C = TypeVar("_C")
@@ -160,7 +237,7 @@ def from_env(cls: type[_C], env: Mapping[str, str] | None = None, **overrides: A
         name = f.metadata.get("env")
         if name is None or name not in source:
             continue
-        kwargs[f.name] = _parse(cls.__name__, f.name, name, _field_kind(f.type), source[name])
+        kwargs[f.name] = _parse(cls.__name__, f, source[name])
     unknown = set(overrides) - {f.name for f in fields(cls)}  # type: ignore[arg-type]
     if unknown:
         raise TypeError(f"{cls.__name__}: unknown option(s) {sorted(unknown)}")
@@ -180,6 +257,10 @@ class DeclaredOption:
     # "notify_ratio")`` from a ``RankwatchConfig``.
     path: tuple[str, ...]
     default: Any
+    # Never printed: ``rankwatch config`` and errors show ``(hidden)`` instead.
+    secret: bool = False
+    # What the option allows, e.g. ``> 0, <= 3600`` (empty for switches and free text).
+    allowed: str = ""
 
     def value_in(self, root: Any) -> Any:
         """This option's value in ``root``, an instance of the class that was walked."""
@@ -214,7 +295,9 @@ def declared_options(root: type) -> tuple[DeclaredOption, ...]:
                         "a variable must have exactly one field"
                     )
                 owner[env] = where
-                found.append(DeclaredOption(env, label, path, f.default))
+                allowed = "" if _field_kind(f.type) in (bool, str) else allowed_range(f.metadata)
+                secret = bool(f.metadata.get("secret"))
+                found.append(DeclaredOption(env, label, path, f.default, secret, allowed))
                 continue
             if f.name in nested:
                 walk(nested[f.name], path)
@@ -253,15 +336,27 @@ def config_or_default(config: object, kind: type[_O], error: type[Exception] = T
     return config
 
 
+# Upper bounds of the diagnosis options: generous for any real use, low enough that no value
+# that passes can exhaust memory (the summary window's block sums grow with its steps and the
+# ranks) or make a rule meaningless.
+MAX_WINDOW_STEPS = 100_000
+MAX_LIVE_WINDOW_STEPS = 10_000  # the root keeps about twice this many rows per rank
+MAX_FACTOR = 100.0  # slowdown factors and robust scores
+MAX_HISTORY_WINDOWS = 1_000
+# Low-latency ratios compare a row, column or cell with the matrix mean: above the EP size
+# they can never fire, and no EP group is larger than this.
+MAX_MATRIX_RATIO = 100_000.0
+
+
 @dataclass(frozen=True)
 class StepTimeConfig(EnvOptions):
     """Step-time rank-straggler policy (TraceML's Step Time rules)."""
 
     straggler_warning_score: float = field(
-        default=0.10, metadata=option("RANKWATCH_STRAGGLER_WARNING_SCORE", 0.0, lo_open=True)
+        default=0.10, metadata=option("RANKWATCH_STRAGGLER_WARNING_SCORE", 0.0, 1.0, lo_open=True)
     )
     straggler_critical_score: float = field(
-        default=0.20, metadata=option("RANKWATCH_STRAGGLER_CRITICAL_SCORE", 0.0, lo_open=True)
+        default=0.20, metadata=option("RANKWATCH_STRAGGLER_CRITICAL_SCORE", 0.0, 1.0, lo_open=True)
     )
     cause_coverage_min: float = field(
         default=0.80, metadata=option("RANKWATCH_CAUSE_COVERAGE_MIN", 0.0, 1.0, lo_open=True)
@@ -275,29 +370,37 @@ class StepTimeConfig(EnvOptions):
     compute_bound_share: float = field(
         default=0.90, metadata=option("RANKWATCH_COMPUTE_BOUND_SHARE", 0.0, 1.0, lo_open=True)
     )
-    min_steps_warning: int = field(default=2, metadata=option("RANKWATCH_MIN_STEPS_WARNING", 1))
-    min_steps_critical: int = field(default=20, metadata=option("RANKWATCH_MIN_STEPS_CRITICAL", 1))
-    live_window_steps: int = field(default=100, metadata=option("RANKWATCH_LIVE_WINDOW_STEPS", 2))
+    min_steps_warning: int = field(
+        default=2, metadata=option("RANKWATCH_MIN_STEPS_WARNING", 1, MAX_WINDOW_STEPS)
+    )
+    min_steps_critical: int = field(
+        default=20, metadata=option("RANKWATCH_MIN_STEPS_CRITICAL", 1, MAX_WINDOW_STEPS)
+    )
+    live_window_steps: int = field(
+        default=100, metadata=option("RANKWATCH_LIVE_WINDOW_STEPS", 2, MAX_LIVE_WINDOW_STEPS)
+    )
     summary_window_steps: int = field(
-        default=10_000, metadata=option("RANKWATCH_SUMMARY_WINDOW_STEPS", 2)
+        default=10_000, metadata=option("RANKWATCH_SUMMARY_WINDOW_STEPS", 2, MAX_WINDOW_STEPS)
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.straggler_critical_score < self.straggler_warning_score:
             raise ValueError(
-                "StepTimeConfig.straggler_critical_score: must be >= straggler_warning_score "
-                f"({self.straggler_warning_score}), got {self.straggler_critical_score}"
+                f"{option_label(StepTimeConfig, 'straggler_critical_score')}: must be >= "
+                f"straggler_warning_score ({self.straggler_warning_score}), "
+                f"got {self.straggler_critical_score}"
             )
         if self.bottleneck_critical_share < self.bottleneck_warning_share:
             raise ValueError(
-                "StepTimeConfig.bottleneck_critical_share: must be >= bottleneck_warning_share "
-                f"({self.bottleneck_warning_share}), got {self.bottleneck_critical_share}"
+                f"{option_label(StepTimeConfig, 'bottleneck_critical_share')}: must be >= "
+                f"bottleneck_warning_share ({self.bottleneck_warning_share}), "
+                f"got {self.bottleneck_critical_share}"
             )
         if self.min_steps_critical < self.min_steps_warning:
             raise ValueError(
-                "StepTimeConfig.min_steps_critical: must be >= min_steps_warning "
-                f"({self.min_steps_warning}), got {self.min_steps_critical}"
+                f"{option_label(StepTimeConfig, 'min_steps_critical')}: must be >= "
+                f"min_steps_warning ({self.min_steps_warning}), got {self.min_steps_critical}"
             )
 
 
@@ -313,38 +416,45 @@ class NormalConfig(EnvOptions):
         default=0.25, metadata=option("DEEPEP_DIAGNOSE_NOTIFY_RATIO", 0.0, 1.0, lo_open=True)
     )
     axis_slowdown: float = field(
-        default=1.25, metadata=option("DEEPEP_DIAGNOSE_AXIS_SLOWDOWN", 1.0, lo_open=True)
+        default=1.25,
+        metadata=option("DEEPEP_DIAGNOSE_AXIS_SLOWDOWN", 1.0, MAX_FACTOR, lo_open=True),
     )
     point_slowdown: float = field(
-        default=2.0, metadata=option("DEEPEP_DIAGNOSE_POINT_SLOWDOWN", 1.0, lo_open=True)
+        default=2.0,
+        metadata=option("DEEPEP_DIAGNOSE_POINT_SLOWDOWN", 1.0, MAX_FACTOR, lo_open=True),
     )
     global_slowdown: float = field(
-        default=1.3, metadata=option("DEEPEP_DIAGNOSE_GLOBAL_SLOWDOWN", 1.0, lo_open=True)
+        default=1.3,
+        metadata=option("DEEPEP_DIAGNOSE_GLOBAL_SLOWDOWN", 1.0, MAX_FACTOR, lo_open=True),
     )
     robust_score: float = field(
-        default=3.5, metadata=option("RANKWATCH_NORMAL_ROBUST_SCORE", 0.0, lo_open=True)
+        default=3.5, metadata=option("RANKWATCH_NORMAL_ROBUST_SCORE", 0.0, MAX_FACTOR, lo_open=True)
     )
     history_bootstrap: int = field(
-        default=3, metadata=option("RANKWATCH_NORMAL_HISTORY_BOOTSTRAP", 1)
+        default=3, metadata=option("RANKWATCH_NORMAL_HISTORY_BOOTSTRAP", 1, MAX_HISTORY_WINDOWS)
     )
-    history_horizon: int = field(default=16, metadata=option("RANKWATCH_NORMAL_HISTORY_HORIZON", 1))
+    history_horizon: int = field(
+        default=16, metadata=option("RANKWATCH_NORMAL_HISTORY_HORIZON", 1, MAX_HISTORY_WINDOWS)
+    )
     # The creep guard: a class aggregate further than this factor from its history's median
     # (either way) is never learned, even when it is not slow enough to be a global slowdown.
     history_band: float = field(
-        default=1.15, metadata=option("RANKWATCH_NORMAL_HISTORY_BAND", 1.0, lo_open=True)
+        default=1.15,
+        metadata=option("RANKWATCH_NORMAL_HISTORY_BAND", 1.0, MAX_FACTOR, lo_open=True),
     )
     # Load context: a slow scope whose tokens per sample exceed its peers' by this factor also
     # carried much more traffic (an expert hot spot rather than a hardware fault).
     hot_load_ratio: float = field(
-        default=1.5, metadata=option("RANKWATCH_NORMAL_HOT_LOAD_RATIO", 1.0, lo_open=True)
+        default=1.5,
+        metadata=option("RANKWATCH_NORMAL_HOT_LOAD_RATIO", 1.0, MAX_FACTOR, lo_open=True),
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.history_horizon < self.history_bootstrap:
             raise ValueError(
-                "NormalConfig.history_horizon: must be >= history_bootstrap "
-                f"({self.history_bootstrap}), got {self.history_horizon}"
+                f"{option_label(NormalConfig, 'history_horizon')}: must be >= "
+                f"history_bootstrap ({self.history_bootstrap}), got {self.history_horizon}"
             )
 
 
@@ -353,13 +463,16 @@ class LowLatencyConfig(EnvOptions):
     """DeepEP low-latency receive-wait matrix rule (DeepXTrace's names and defaults)."""
 
     thres_col: float = field(
-        default=3.0, metadata=option("DEEPEP_DIAGNOSE_THRESHOLD_COL", 0.0, lo_open=True)
+        default=3.0,
+        metadata=option("DEEPEP_DIAGNOSE_THRESHOLD_COL", 0.0, MAX_MATRIX_RATIO, lo_open=True),
     )
     thres_row: float = field(
-        default=3.0, metadata=option("DEEPEP_DIAGNOSE_THRESHOLD_ROW", 0.0, lo_open=True)
+        default=3.0,
+        metadata=option("DEEPEP_DIAGNOSE_THRESHOLD_ROW", 0.0, MAX_MATRIX_RATIO, lo_open=True),
     )
     thres_point: float = field(
-        default=5.0, metadata=option("DEEPEP_DIAGNOSE_THRESHOLD_POINT", 0.0, lo_open=True)
+        default=5.0,
+        metadata=option("DEEPEP_DIAGNOSE_THRESHOLD_POINT", 0.0, MAX_MATRIX_RATIO, lo_open=True),
     )
     excluding_zeros: int = field(
         default=0, metadata=option("DEEPEP_DIAGNOSE_EXCLUDING_ZEROS", 0, 1)

@@ -12,21 +12,24 @@ DeepEP collector of one process read the same object. Every variable is declared
 
 from __future__ import annotations
 
-import math
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from rankwatch.diagnosis.config import (
     DeclaredOption,
     DiagnosisConfig,
     EnvOptions,
+    check_value,
     declared_options,
     from_env,
     option,
     option_env,
+    option_label,
     validate_options,
 )
 
@@ -34,9 +37,72 @@ __all__ = [
     "DeepEPConfig",
     "RankwatchConfig",
     "all_env_variables",
+    "bind_address_problem",
     "config_fields",
     "config_options",
+    "redacted_url",
 ]
+
+
+# Upper bounds shared by several options: generous for any real job, far below what breaks
+# Python's timed waits (about 9.2e9 s) or a timedelta, or what memory can hold.
+MAX_INTERVAL_SECONDS = 3600.0  # window intervals, export intervals and gather timeouts
+MAX_WARMUP_SECONDS = 86_400.0
+MAX_SYNC_STEP = 1_000_000
+MAX_RETAINED_FILES = 100_000
+MAX_INCIDENT_WINDOWS = 1_000
+MAX_LABEL_CHARS = 256  # run id, group and user: label values on every series
+
+
+# A DNS host name: dot-separated labels of letters, digits and '-', at most 253 characters.
+_HOST_NAME = r"(?=.{1,253}$)[A-Za-z0-9][A-Za-z0-9-]{0,62}(\.[A-Za-z0-9-]{1,63})*\.?"
+
+
+def bind_address_problem(addr: str) -> str | None:
+    """What is wrong with ``addr`` as the ``/metrics`` bind address, or None.
+
+    An empty address would make the server listen on every interface without anyone asking
+    for it, so it is refused: serving the world must be spelled ``0.0.0.0`` (or ``::``).
+    """
+    if not addr.strip():
+        return (
+            "must not be empty (an empty address listens on every interface; write "
+            "0.0.0.0 or :: to mean that, or 127.0.0.1 for this host only)"
+        )
+    try:
+        ipaddress.ip_address(addr)
+        return None
+    except ValueError:
+        pass
+    if not re.fullmatch(_HOST_NAME, addr):
+        return "must be an IP address or a host name (no port, scheme or spaces)"
+    return None
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with the password of its user part, if any, shown as ``(hidden)``: an OTLP
+    endpoint may carry credentials (``https://user:token@host``), and endpoints are printed by
+    ``rankwatch config`` and in export-failure log lines."""
+    try:
+        parts = urlsplit(url)
+        has_password = parts.password is not None
+    except ValueError:  # not a URL at all: nothing of it is known to be safe
+        return "(unparseable URL, hidden)"
+    if not has_password:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:(hidden)@{host}"))
+
+
+def _variable_name_problem(name: str) -> str | None:
+    if name and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        return "must name an environment variable (letters, digits, _)"
+    return None
+
+
+def _basic_auth_problem(user: str) -> str | None:
+    # Basic auth joins user and password with ':' (RFC 7617), so a user may not contain one.
+    return "must not contain ':'" if ":" in user else None
 
 
 @dataclass(frozen=True)
@@ -50,16 +116,21 @@ class DeepEPConfig(EnvOptions):
     enable: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_ENABLE"))
     async_mode: bool = field(default=True, metadata=option("DEEPEP_DIAGNOSE_ASYNC"))
     interval_seconds: float = field(
-        default=10.0, metadata=option("DEEPEP_DIAGNOSE_INTERVAL", 0.0, lo_open=True)
+        default=10.0,
+        metadata=option("DEEPEP_DIAGNOSE_INTERVAL", 0.0, MAX_INTERVAL_SECONDS, lo_open=True),
     )
-    sync_step: int = field(default=580, metadata=option("DEEPEP_DIAGNOSE_SYNC_STEP", 1))
+    sync_step: int = field(
+        default=580, metadata=option("DEEPEP_DIAGNOSE_SYNC_STEP", 1, MAX_SYNC_STEP)
+    )
     warmup_seconds: float = field(
-        default=0.0, metadata=option("DEEPEP_DIAGNOSE_WARMUP_SECONDS", 0.0)
+        default=0.0, metadata=option("DEEPEP_DIAGNOSE_WARMUP_SECONDS", 0.0, MAX_WARMUP_SECONDS)
     )
     log_path: str = field(default=".", metadata=option("DEEPEP_DIAGNOSE_LOG_PATH"))
     log_details: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_LOG_DETAILS"))
     export_npz: bool = field(default=False, metadata=option("DEEPEP_DIAGNOSE_EXPORT_NPZ"))
-    npz_retention: int = field(default=100, metadata=option("DEEPEP_DIAGNOSE_NPZ_RETENTION", 1))
+    npz_retention: int = field(
+        default=100, metadata=option("DEEPEP_DIAGNOSE_NPZ_RETENTION", 1, MAX_RETAINED_FILES)
+    )
 
 
 @dataclass(frozen=True)
@@ -67,23 +138,31 @@ class RankwatchConfig:
     """Settings of the in-process exporter (step timer, windows, publishers)."""
 
     # identity
-    run_id: str = field(default="", metadata=option("RANKWATCH_RUN_ID"))
-    group_name: str = field(default="world", metadata=option("RANKWATCH_GROUP"))
+    run_id: str = field(default="", metadata=option("RANKWATCH_RUN_ID", max_chars=MAX_LABEL_CHARS))
+    group_name: str = field(
+        default="world", metadata=option("RANKWATCH_GROUP", max_chars=MAX_LABEL_CHARS)
+    )
     # Kubernetes identity: the variable holding the node name (downward API spec.nodeName), as
     # dcgm-exporter reads it; the `hostname` label and k8s.node.name come from it when set.
-    node_name_env: str = field(default="NODE_NAME", metadata=option("RANKWATCH_NODE_NAME_ENV"))
+    node_name_env: str = field(
+        default="NODE_NAME", metadata=option("RANKWATCH_NODE_NAME_ENV", rule=_variable_name_problem)
+    )
     # collection
     enabled: bool = field(default=True, metadata=option("RANKWATCH_ENABLE"))
     async_mode: bool = field(default=True, metadata=option("RANKWATCH_ASYNC"))
     interval_seconds: float = field(
-        default=5.0, metadata=option("RANKWATCH_INTERVAL_SECONDS", 0.0, lo_open=True)
+        default=5.0,
+        metadata=option("RANKWATCH_INTERVAL_SECONDS", 0.0, MAX_INTERVAL_SECONDS, lo_open=True),
     )
-    sync_step: int = field(default=100, metadata=option("RANKWATCH_SYNC_STEP", 1))
+    sync_step: int = field(default=100, metadata=option("RANKWATCH_SYNC_STEP", 1, MAX_SYNC_STEP))
     gather_timeout_seconds: float = field(
-        default=30.0, metadata=option("RANKWATCH_GATHER_TIMEOUT_SECONDS", 0.0, lo_open=True)
+        default=30.0,
+        metadata=option(
+            "RANKWATCH_GATHER_TIMEOUT_SECONDS", 0.0, MAX_INTERVAL_SECONDS, lo_open=True
+        ),
     )
     max_buffered_steps: int = field(
-        default=20_000, metadata=option("RANKWATCH_MAX_BUFFERED_STEPS", 2)
+        default=20_000, metadata=option("RANKWATCH_MAX_BUFFERED_STEPS", 2, 1_000_000)
     )
     # How rankwatch's Gloo group connects (see ``gloo.create_gloo_group``): lazily, a rank
     # connects to its root only; off, every member to every member (a full mesh takes 4,096
@@ -94,33 +173,44 @@ class RankwatchConfig:
     )
     # watch(): fetched batches without an optimizer step before one warning says so
     optimizer_silent_batches: int = field(
-        default=50, metadata=option("RANKWATCH_OPTIMIZER_SILENT_BATCHES", 1)
+        default=50, metadata=option("RANKWATCH_OPTIMIZER_SILENT_BATCHES", 1, 1_000_000)
     )
     # Prometheus pull path
     metrics_enabled: bool = field(default=True, metadata=option("RANKWATCH_METRICS_ENABLE"))
-    metrics_addr: str = field(default="127.0.0.1", metadata=option("RANKWATCH_METRICS_ADDR"))
+    metrics_addr: str = field(
+        default="127.0.0.1", metadata=option("RANKWATCH_METRICS_ADDR", rule=bind_address_problem)
+    )
     metrics_port: int = field(default=9464, metadata=option("RANKWATCH_METRICS_PORT", 0, 65535))
     metrics_tls_cert_file: str = field(
         default="", metadata=option("RANKWATCH_METRICS_TLS_CERT_FILE")
     )
     metrics_tls_key_file: str = field(default="", metadata=option("RANKWATCH_METRICS_TLS_KEY_FILE"))
     metrics_basic_auth_user: str = field(
-        default="", metadata=option("RANKWATCH_METRICS_BASIC_AUTH_USER")
+        default="",
+        metadata=option(
+            "RANKWATCH_METRICS_BASIC_AUTH_USER", max_chars=MAX_LABEL_CHARS, rule=_basic_auth_problem
+        ),
     )
+    # Secret: hidden from repr(), errors and `rankwatch config`.
     metrics_basic_auth_password: str = field(
-        default="", metadata=option("RANKWATCH_METRICS_BASIC_AUTH_PASSWORD")
+        default="",
+        repr=False,
+        metadata=option("RANKWATCH_METRICS_BASIC_AUTH_PASSWORD", secret=True),
     )
-    cell_budget: int = field(default=1024, metadata=option("RANKWATCH_CELL_BUDGET", 1))
+    cell_budget: int = field(default=1024, metadata=option("RANKWATCH_CELL_BUDGET", 1, 1_048_576))
     # OTLP push path (endpoint, protocol, headers: the standard OTEL_EXPORTER_OTLP_* variables)
     otlp_enabled: bool = field(default=True, metadata=option("RANKWATCH_OTLP_ENABLE"))
     otlp_export_interval_seconds: float = field(
-        default=10.0, metadata=option("RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS", 0.0, lo_open=True)
+        default=10.0,
+        metadata=option(
+            "RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS", 0.0, MAX_INTERVAL_SECONDS, lo_open=True
+        ),
     )
     # OTLP exports of at least this many points run in a child process, off the training
     # process's interpreter lock (the SDK's Python per point would otherwise stall training on
     # a large group's root); 0 keeps every export in the process.
     otlp_process_min_points: int = field(
-        default=2000, metadata=option("RANKWATCH_OTLP_PROCESS_MIN_POINTS", 0)
+        default=2000, metadata=option("RANKWATCH_OTLP_PROCESS_MIN_POINTS", 0, 100_000_000)
     )
     # Publish through the application's global OTel MeterProvider/LoggerProvider when it has set
     # them (the library guideline), instead of providers and exporters of rankwatch's own.
@@ -128,15 +218,23 @@ class RankwatchConfig:
         default=False, metadata=option("RANKWATCH_OTLP_USE_GLOBAL_PROVIDERS")
     )
     shutdown_timeout_seconds: float = field(
-        default=5.0, metadata=option("RANKWATCH_SHUTDOWN_TIMEOUT_SECONDS", 0.0, lo_open=True)
+        default=5.0, metadata=option("RANKWATCH_SHUTDOWN_TIMEOUT_SECONDS", 0.0, 600.0, lo_open=True)
     )
     # incidents: open after k of the last n windows agree, close after m clean windows
-    incident_open_k: int = field(default=2, metadata=option("RANKWATCH_INCIDENT_OPEN_K", 1))
-    incident_open_n: int = field(default=3, metadata=option("RANKWATCH_INCIDENT_OPEN_N", 1))
-    incident_close_m: int = field(default=3, metadata=option("RANKWATCH_INCIDENT_CLOSE_M", 1))
+    incident_open_k: int = field(
+        default=2, metadata=option("RANKWATCH_INCIDENT_OPEN_K", 1, MAX_INCIDENT_WINDOWS)
+    )
+    incident_open_n: int = field(
+        default=3, metadata=option("RANKWATCH_INCIDENT_OPEN_N", 1, MAX_INCIDENT_WINDOWS)
+    )
+    incident_close_m: int = field(
+        default=3, metadata=option("RANKWATCH_INCIDENT_CLOSE_M", 1, MAX_INCIDENT_WINDOWS)
+    )
     # artifacts and logs
     artifact_dir: str = field(default="", metadata=option("RANKWATCH_ARTIFACT_DIR"))
-    artifact_retention: int = field(default=100, metadata=option("RANKWATCH_ARTIFACT_RETENTION", 0))
+    artifact_retention: int = field(
+        default=100, metadata=option("RANKWATCH_ARTIFACT_RETENTION", 0, MAX_RETAINED_FILES)
+    )
     log_json: bool = field(default=True, metadata=option("RANKWATCH_LOG_JSON"))
     # Nested objects: their fields declare their own variables (walked by all_env_variables).
     # The DeepEP collector's settings (Diagnose.create_from_env(config=...) reads them here).
@@ -147,13 +245,9 @@ class RankwatchConfig:
         validate_options(self)  # options and the nested objects' types
         if self.incident_open_k > self.incident_open_n:
             raise ValueError(
-                "RankwatchConfig.incident_open_k (RANKWATCH_INCIDENT_OPEN_K): must be <= "
-                f"incident_open_n ({self.incident_open_n}), got {self.incident_open_k}"
-            )
-        if self.node_name_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.node_name_env):
-            raise ValueError(
-                "RankwatchConfig.node_name_env (RANKWATCH_NODE_NAME_ENV): must name an "
-                f"environment variable (letters, digits, _), got {self.node_name_env!r}"
+                f"{option_label(RankwatchConfig, 'incident_open_k')}: must be <= "
+                f"incident_open_n ({option_env(RankwatchConfig, 'incident_open_n')}) "
+                f"{self.incident_open_n}, got {self.incident_open_k}"
             )
         if bool(self.metrics_tls_cert_file) != bool(self.metrics_tls_key_file):
             raise ValueError(
@@ -195,20 +289,21 @@ class RankwatchConfig:
 
 def _otel_metric_export_interval(env: Mapping[str, str]) -> float | None:
     """The standard ``OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds) in seconds, when it is set and
-    rankwatch's own ``RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS`` is not (ours wins)."""
+    rankwatch's own ``RANKWATCH_OTLP_EXPORT_INTERVAL_SECONDS`` is not (ours wins); checked
+    against the option's range, in milliseconds."""
     ours = option_env(RankwatchConfig, "otlp_export_interval_seconds")
     raw = env.get("OTEL_METRIC_EXPORT_INTERVAL", "").strip()
     if not raw or env.get(ours, "").strip():
         return None
+    label = "RankwatchConfig.otlp_export_interval_seconds (OTEL_METRIC_EXPORT_INTERVAL)"
+    millis_option = option(
+        "OTEL_METRIC_EXPORT_INTERVAL", 0.0, MAX_INTERVAL_SECONDS * 1000.0, lo_open=True
+    )
     try:
         millis = float(raw)
     except ValueError:
-        millis = float("nan")
-    if not math.isfinite(millis) or millis <= 0:
-        raise ValueError(
-            "RankwatchConfig.otlp_export_interval_seconds (OTEL_METRIC_EXPORT_INTERVAL): "
-            f"expected a number of milliseconds > 0, got {raw!r}"
-        )
+        raise ValueError(f"{label}: expected a number of milliseconds, got {raw!r}") from None
+    check_value(label, millis_option, float, millis, f"{raw!r} (milliseconds)")
     return millis / 1000.0
 
 

@@ -65,6 +65,11 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def _secret_shown(value: str) -> str:
+    """What ``rankwatch config`` shows of a secret: whether it is set, never the value."""
+    return "(hidden)" if value else ""
+
+
 # --- argument types: each error names the option and the value --------------------------------
 
 
@@ -100,6 +105,16 @@ def _int_in(lo: int, hi: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _bind_address(raw: str) -> str:
+    # The rule RANKWATCH_METRICS_ADDR follows, so the message names --addr rather than it.
+    from rankwatch.exporter.config import bind_address_problem
+
+    problem = bind_address_problem(raw)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{problem}, got {raw!r}")
+    return raw
 
 
 def _timeline(raw: str) -> Any:
@@ -175,7 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="/metrics port; 0 picks a free one (default 9464)",
     )
     demo.add_argument(
-        "--addr", default="127.0.0.1", metavar="ADDRESS", help="/metrics address (127.0.0.1)"
+        "--addr",
+        type=_bind_address,
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="/metrics address (127.0.0.1; 0.0.0.0 for every interface)",
     )
     demo.add_argument(
         "--out",
@@ -307,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from rankwatch.exporter.config import RankwatchConfig, config_options
+    from rankwatch.exporter.config import RankwatchConfig, config_options, redacted_url
 
     try:
         # The one object the collectors read (DeepEP settings included, as cfg.deepep).
@@ -318,7 +337,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
         {
             "variable": opt.env,
             "option": opt.label,
-            "value": opt.value_in(cfg),
+            # A secret's value is never printed: this output gets pasted into tickets.
+            "value": _secret_shown(opt.value_in(cfg)) if opt.secret else opt.value_in(cfg),
             "default": opt.default,
             "set": opt.env in os.environ,
         }
@@ -339,7 +359,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
             f"{format_value(r['default']):<{dwidth}}  {r['option']}"
         )
     print("OTLP push: standard OTEL_EXPORTER_OTLP_* variables; endpoint", end=" ")
-    print(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "unset (no push)")
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    print(redacted_url(endpoint) if endpoint else "unset (no push)")
     return EXIT_OK
 
 

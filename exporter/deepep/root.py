@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
+from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig, option_env
 from rankwatch.diagnosis.deepep.artifact import ArtifactStore
 from rankwatch.diagnosis.deepep.log_lines import LINE_PREFIX, invalid_window_line, normal_log_lines
 from rankwatch.diagnosis.deepep.low_latency import LowLatencyResult, diagnose_low_latency
@@ -34,12 +34,14 @@ from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.config import DeepEPConfig
 from rankwatch.exporter.deepep.counters import LOW_LATENCY_PHASES
 from rankwatch.exporter.deepep.snapshot import CounterWindows, DeepEPWindow, PendingSnapshot
+from rankwatch.exporter.folders import usable_folder
 from rankwatch.exporter.publish.protocol import Publisher, publish_to_all
 
 __all__ = ["HISTORY_WINDOWS", "DeepEPRoot"]
 
 # The log lines keep the logger name they always had, so existing log routing still applies.
 log = logging.getLogger("rankwatch.exporter.deepep")
+_LOG_PATH_ENV = option_env(DeepEPConfig, "log_path")
 
 # Windows the root keeps for inspection and artifacts; bounded like every other history.
 HISTORY_WINDOWS = 16
@@ -123,7 +125,9 @@ class DeepEPRoot:
         if self.enable_normal_diagnose:
             self._normal_diagnoser = NormalDiagnoser(self.normal_config)
         self._attach_log_file()
-        if self.config.export_npz:
+        if self.config.export_npz and usable_folder(
+            self.config.log_path, _LOG_PATH_ENV, "DeepEP NPZ windows are not saved"
+        ):
             self._artifacts = ArtifactStore(self.config.log_path, self.config.npz_retention)
         self._worker = threading.Thread(
             target=self._work, name="rankwatch-deepep-root", daemon=True
@@ -285,11 +289,14 @@ class DeepEPRoot:
         if not self._log_to_file:
             return
         path = os.path.join(self.config.log_path, f"deepep_diagnose_rank{self._log_rank}.log")
+        # An unusable log folder must not stop training: one warning, and no log file.
+        without = "DeepEP log lines go to the application's logging only"
+        if not usable_folder(self.config.log_path, _LOG_PATH_ENV, without):
+            return
         try:
-            os.makedirs(self.config.log_path, exist_ok=True)
             handler = logging.FileHandler(path, encoding="utf-8")
-        except OSError as exc:  # an unwritable log folder must not stop training
-            log.warning("DeepEP log file %s cannot be opened: %s", path, exc)
+        except OSError as exc:
+            log.warning("DeepEP log file %s cannot be opened: %s; %s", path, exc, without)
             return
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
         handler.setLevel(logging.INFO)

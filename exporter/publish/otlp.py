@@ -85,7 +85,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
 import rankwatch
-from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.config import RankwatchConfig, redacted_url
 from rankwatch.exporter.identity import k8s_attributes, node_hostname
 from rankwatch.exporter.publish.catalogue import CATALOGUE
 from rankwatch.exporter.publish.events import event_log_record
@@ -369,10 +369,11 @@ def _log_exporter(protocol: str) -> LogRecordExporter:
 
 
 def _endpoint_of(exporter: Any) -> str:
+    """The exporter's endpoint as failure logs may print it (credentials hidden)."""
     for attr in ("_endpoint", "_endpoint_url"):
         value = getattr(exporter, attr, None)
         if isinstance(value, str):
-            return value
+            return redacted_url(value)
     return type(exporter).__name__
 
 
@@ -594,8 +595,11 @@ class OtlpPublisher:
                 self._cond.wait(left)
         return True
 
-    def close(self, timeout_seconds: float = 5.0) -> None:
-        """One last export if time allows, then shut the providers down; bounded."""
+    def close(self, timeout_seconds: float | None = None) -> None:
+        """One last export if time allows, then shut the providers down; bounded by
+        ``timeout_seconds`` (default: the configured ``shutdown_timeout_seconds``)."""
+        if timeout_seconds is None:
+            timeout_seconds = self.config.shutdown_timeout_seconds
         check_timeout_seconds(timeout_seconds)
         if self._closed:
             return

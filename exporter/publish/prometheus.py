@@ -31,6 +31,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from rankwatch.diagnosis.config import option_env
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.catalogue import CATALOGUE, MetricSpec
 from rankwatch.exporter.publish.samples import Sample
@@ -39,6 +40,7 @@ __all__ = [
     "MetricsServer",
     "RankwatchCollector",
     "SampleParts",
+    "TlsFilesError",
     "families_from_samples",
     "start_metrics_server",
 ]
@@ -46,6 +48,10 @@ __all__ = [
 # (samples that change once per window report, samples rebuilt for every read). The first
 # list must be the same object for as long as the report is the same: it is the cache key.
 SampleParts = tuple[Sequence[Sample], Sequence[Sample]]
+
+
+class TlsFilesError(ValueError):
+    """The TLS certificate or key of ``/metrics`` cannot be loaded (the message says which)."""
 
 
 def _family(spec: MetricSpec) -> Metric:
@@ -270,7 +276,7 @@ class MetricsServer:
             try:
                 tls.load_cert_chain(certfile, keyfile)
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(
+                raise TlsFilesError(
                     f"certfile/keyfile: cannot load {certfile!r} / {keyfile!r}: {exc}"
                 ) from None
         auth: bytes | None = None
@@ -355,9 +361,18 @@ def start_metrics_server(
             keyfile=config.metrics_tls_key_file,
             basic_auth=auth,
         )
+    except TlsFilesError as exc:
+        # Serving /metrics without the TLS that was asked for would be worse than not starting.
+        raise ValueError(
+            f"RankwatchConfig.metrics_tls_cert_file/metrics_tls_key_file "
+            f"({option_env(RankwatchConfig, 'metrics_tls_cert_file')}/"
+            f"{option_env(RankwatchConfig, 'metrics_tls_key_file')}): {exc}"
+        ) from None
     except OSError as exc:
         raise OSError(
             exc.errno,
-            f"RankwatchConfig.metrics_addr/metrics_port (RANKWATCH_METRICS_ADDR/PORT): "
+            f"RankwatchConfig.metrics_addr/metrics_port "
+            f"({option_env(RankwatchConfig, 'metrics_addr')}="
+            f"{config.metrics_addr!r}/{option_env(RankwatchConfig, 'metrics_port')}={port}): "
             f"{exc.strerror}",
         ) from None

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from rankwatch.diagnosis.config import option_env
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.retention import prune_oldest
 from rankwatch.diagnosis.step_time.artifact import save_window
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.folders import usable_folder
 
 __all__ = ["StepArtifactWriter", "safe_name"]
 
@@ -45,8 +47,12 @@ class StepArtifactWriter:
 
     @classmethod
     def from_config(cls, config: RankwatchConfig) -> StepArtifactWriter | None:
-        """A writer when the config asks for artifacts (a folder and retention >= 1), else None."""
+        """A writer when the config asks for artifacts (a folder and retention >= 1), else None;
+        None with one warning, too, when the folder cannot be used (training goes on)."""
         if not config.artifact_dir or config.artifact_retention < 1:
+            return None
+        variable = option_env(RankwatchConfig, "artifact_dir")
+        if not usable_folder(config.artifact_dir, variable, "step windows are not saved"):
             return None
         return cls(config.artifact_dir, config.group_name, config.artifact_retention)
 

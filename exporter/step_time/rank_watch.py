@@ -376,10 +376,13 @@ class RankWatch:
 
     # ---- shutdown ------------------------------------------------------------------------
 
-    def close(self, timeout_seconds: float = 5.0) -> None:
-        """Stop within ``timeout_seconds``: remove hooks, ship the last rows, let the root
-        publish the summary window, stop the thread, close the publishers. Call it before
+    def close(self, timeout_seconds: float | None = None) -> None:
+        """Stop within ``timeout_seconds`` (default: the configured
+        ``shutdown_timeout_seconds``): remove hooks, ship the last rows, let the root publish
+        the summary window, stop the thread, close the publishers. Call it before
         ``torch.distributed.destroy_process_group()``. Idempotent."""
+        if timeout_seconds is None:
+            timeout_seconds = self.config.shutdown_timeout_seconds
         if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)):
             raise TypeError(
                 f"close: field timeout_seconds: expected a number, got {timeout_seconds!r}"

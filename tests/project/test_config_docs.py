@@ -6,9 +6,10 @@ import re
 
 import pytest
 
+from rankwatch.diagnosis.config import DeclaredOption
 from rankwatch.exporter.cli.demo_plan import SCENARIOS
 from rankwatch.exporter.cli.main import build_parser, format_value
-from rankwatch.exporter.config import all_env_variables
+from rankwatch.exporter.config import all_env_variables, config_options
 from tests.servers import REPO
 
 DOC = REPO / "docs" / "configuration.md"
@@ -36,6 +37,12 @@ def test_every_variable_is_documented_with_its_option_and_default(env_name: str)
     assert option == f"`{path.split('.')[1]}`"
     assert doc_default == format_value(default), f"{env_name}: default differs from the code"
     assert allowed and meaning
+
+
+@pytest.mark.parametrize("opt", [o for o in config_options() if o.allowed], ids=lambda o: o.env)
+def test_every_documented_range_is_the_checked_one(opt: DeclaredOption) -> None:
+    allowed = _table_rows()[opt.env][3]
+    assert allowed == opt.allowed or allowed.startswith(opt.allowed + ", "), (opt.env, allowed)
 
 
 def test_no_documented_variable_is_unknown() -> None:

@@ -110,12 +110,43 @@ def test_config_json_is_complete() -> None:
     }
 
 
+def test_config_never_prints_the_basic_auth_password() -> None:
+    secret = "hunter2-s3cret"
+    env = {
+        "RANKWATCH_METRICS_BASIC_AUTH_USER": "prom",
+        "RANKWATCH_METRICS_BASIC_AUTH_PASSWORD": secret,
+    }
+    table = run_cli("config", env=env)
+    as_json = run_cli("config", "--json", env=env)
+    for result in (table, as_json):
+        assert result.returncode == 0, result.stderr
+        assert secret not in result.stdout + result.stderr
+    (line,) = [ln for ln in table.stdout.splitlines() if "_AUTH_PASSWORD" in ln]
+    assert line.split()[1:3] == ["RANKWATCH_METRICS_BASIC_AUTH_PASSWORD", "(hidden)"]
+    rows = {r["variable"]: r for r in json.loads(as_json.stdout)["variables"]}
+    assert rows["RANKWATCH_METRICS_BASIC_AUTH_PASSWORD"]["value"] == "(hidden)"
+    assert rows["RANKWATCH_METRICS_BASIC_AUTH_USER"]["value"] == "prom"
+    # Unset, it says so (empty), as any other option.
+    rows = {r["variable"]: r for r in json.loads(run_cli("config", "--json").stdout)["variables"]}
+    assert rows["RANKWATCH_METRICS_BASIC_AUTH_PASSWORD"]["value"] == ""
+    # Nor the credentials of an OTLP endpoint.
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"https://otel:{secret}@collector:4318"}
+    shown = run_cli("config", env=endpoint)
+    assert secret not in shown.stdout
+    assert "endpoint https://otel:(hidden)@collector:4318" in shown.stdout
+    # A bad configuration's error does not print it either.
+    bad = run_cli("config", env={**env, "RANKWATCH_METRICS_BASIC_AUTH_USER": "p:rom"})
+    assert bad.returncode == 2
+    assert "RANKWATCH_METRICS_BASIC_AUTH_USER" in bad.stderr
+    assert secret not in bad.stdout + bad.stderr
+
+
 @pytest.mark.parametrize(
     ("name", "value", "fragment"),
     [
-        ("RANKWATCH_METRICS_PORT", "70000", "must be <= 65535, got 70000"),
-        ("RANKWATCH_INTERVAL_SECONDS", "soon", "expected float, got 'soon'"),
-        ("DEEPEP_DIAGNOSE_NOTIFY_RATIO", "0", "must be > 0.0, got 0.0"),
+        ("RANKWATCH_METRICS_PORT", "70000", "must be >= 0, <= 65535, got '70000'"),
+        ("RANKWATCH_INTERVAL_SECONDS", "soon", "expected a number > 0, <= 3600, got 'soon'"),
+        ("DEEPEP_DIAGNOSE_NOTIFY_RATIO", "0", "must be > 0, <= 1, got '0'"),
     ],
 )
 def test_config_refuses_a_bad_environment(name: str, value: str, fragment: str) -> None:
@@ -134,6 +165,8 @@ def test_config_refuses_a_bad_environment(name: str, value: str, fragment: str) 
         (["--duration", "-5"], "argument --duration: must be > 0 seconds, got '-5'"),
         (["--duration", "0"], "argument --duration: must be > 0 seconds, got '0'"),
         (["--duration", "nan"], "argument --duration: must be finite, got 'nan'"),
+        (["--addr", ""], "argument --addr: must not be empty (an empty address listens on"),
+        (["--addr", "0.0.0.0:9464"], "argument --addr: must be an IP address or a host name"),
         (["--duration", "soon"], "argument --duration: must be a number, got 'soon'"),
         (["--ranks", "1"], "argument --ranks: must be in 2..8, got '1'"),
         (["--ranks", "9"], "argument --ranks: must be in 2..8, got '9'"),
@@ -183,7 +216,7 @@ def test_demo_refuses_a_bad_environment(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "RANKWATCH_INCIDENT_OPEN_K" in result.stderr
-    assert "must be <= incident_open_n (3), got 5" in result.stderr
+    assert "must be <= incident_open_n (RANKWATCH_INCIDENT_OPEN_N) 3, got 5" in result.stderr
 
 
 # --- diagnose --------------------------------------------------------------------------------

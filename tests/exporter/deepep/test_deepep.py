@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,3 +295,45 @@ def test_ranks_per_node_is_inferred_from_contiguous_equal_host_blocks() -> None:
         infer_ranks_per_node([])
     with pytest.raises(ValueError, match="hostnames"):
         infer_ranks_per_node("aabb")
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_an_unusable_log_path_warns_by_variable_and_diagnosis_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """DEEPEP_DIAGNOSE_LOG_PATH that cannot hold files: one warning per output naming the
+    variable, the value and what is wrong; no log file, no NPZ store, the root still runs."""
+    import logging
+
+    from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig
+    from rankwatch.diagnosis.report import RankInfo
+    from rankwatch.exporter.config import DeepEPConfig
+    from rankwatch.exporter.deepep.root import DeepEPRoot
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    folder = str(a_file) if kind == "a file" else str(a_file / "logs")
+    problem = "exists and is not a folder" if kind == "a file" else "is under a file, not a folder"
+    root = DeepEPRoot(
+        members=[RankInfo(r, "node-0", r) for r in range(2)],
+        ranks_per_node=2,
+        config=DeepEPConfig(log_path=folder, export_npz=True),
+        normal_config=NormalConfig(),
+        low_latency_config=LowLatencyConfig(),
+        normal=True,
+        low_latency=False,
+        instance_id="test",
+        group_name="ep",
+        log_to_file=True,
+    )
+    with caplog.at_level(logging.WARNING, logger="rankwatch.exporter.folders"):
+        root.start(0.0)
+    try:
+        head = f"rankwatch: DEEPEP_DIAGNOSE_LOG_PATH={folder!r} {problem}; "
+        assert caplog.messages == [
+            head + "DeepEP log lines go to the application's logging only",
+            head + "DeepEP NPZ windows are not saved",
+        ]
+        assert root._log_handler is None and root._artifacts is None
+    finally:
+        root.stop(2.0)

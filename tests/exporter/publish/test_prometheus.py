@@ -327,6 +327,30 @@ def test_bad_input_is_refused_by_name(tls_files):
         families_from_samples([Sample("rankwatch_unknown", ("", ""), 1.0)])
 
 
+def test_configured_tls_files_that_cannot_be_loaded_are_named_by_variable(tls_files, tmp_path):
+    """A TLS file error names both variables and the files; no server starts (serving without
+    the TLS that was asked for would be worse than not serving)."""
+    missing = str(tmp_path / "missing.pem")
+    for cert, key in ((missing, tls_files[1]), (tls_files[1], tls_files[1])):
+        cfg = RankwatchConfig(metrics_port=0, metrics_tls_cert_file=cert, metrics_tls_key_file=key)
+        with pytest.raises(ValueError) as err:
+            start_metrics_server(cfg, 0, lambda: ([], []))
+        message = str(err.value)
+        assert "(RANKWATCH_METRICS_TLS_CERT_FILE/RANKWATCH_METRICS_TLS_KEY_FILE)" in message
+        assert f"cannot load {cert!r} / {key!r}" in message
+
+
+def test_a_busy_port_names_variables_and_values():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError) as err:
+            start_metrics_server(RankwatchConfig(metrics_port=port), 0, lambda: ([], []))
+    message = str(err.value)
+    assert f"RANKWATCH_METRICS_ADDR='127.0.0.1'/RANKWATCH_METRICS_PORT={port}" in message
+
+
 PROM_CONFIG = """
 global:
   scrape_interval: 1s

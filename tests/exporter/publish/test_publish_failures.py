@@ -82,7 +82,8 @@ def test_unreachable_endpoint_is_counted_logged_once_and_costs_publish_nothing(
 ):
     caplog.set_level(logging.DEBUG)
     port = free_port() if kind == "refused" else black_hole
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    # Credentials in the endpoint are never logged.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://otel:s3cr3t@127.0.0.1:{port}")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")  # seconds, in the Python exporters
     config = RankwatchConfig(
         metrics_port=0, otlp_export_interval_seconds=0.2, shutdown_timeout_seconds=2.0
@@ -116,6 +117,8 @@ def test_unreachable_endpoint_is_counted_logged_once_and_costs_publish_nothing(
     warned = rankwatch_warnings(caplog)
     assert sorted(r.getMessage().split()[1] for r in warned) == ["otlp_logs", "otlp_metrics"]
     assert otel_logs(caplog) == []
+    assert all(f"http://otel:(hidden)@127.0.0.1:{port}/v1/" in r.getMessage() for r in warned)
+    assert not [r for r in caplog.records if "s3cr3t" in r.getMessage()]
 
 
 def test_close_is_bounded_while_an_export_hangs(black_hole, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,31 @@ def test_windows_are_saved_replayable_and_pruned(tmp_path: Path) -> None:
 def test_no_folder_or_zero_retention_writes_nothing(tmp_path: Path) -> None:
     assert StepArtifactWriter.from_config(config(tmp_path, artifact_dir="")) is None
     assert StepArtifactWriter.from_config(config(tmp_path, artifact_retention=0)) is None
+
+
+def test_an_unusable_folder_warns_by_variable_and_the_job_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file, a device or a path under a file as RANKWATCH_ARTIFACT_DIR: no writer, one
+    warning naming the variable, the value and what is wrong (training is not stopped)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = [
+        (str(a_file), "exists and is not a folder"),
+        ("/dev/null", "exists and is not a folder"),
+        (str(a_file / "under"), "is under a file, not a folder"),
+    ]
+    for folder, problem in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rankwatch.exporter.folders"):
+            assert StepArtifactWriter.from_config(config(tmp_path, artifact_dir=folder)) is None
+        assert caplog.messages == [
+            f"rankwatch: RANKWATCH_ARTIFACT_DIR={folder!r} {problem}; step windows are not saved"
+        ]
+    # A folder that does not exist yet is created, as before.
+    made = tmp_path / "new" / "deeper"
+    writer = StepArtifactWriter.from_config(config(tmp_path, artifact_dir=str(made)))
+    assert writer is not None and made.is_dir()
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
