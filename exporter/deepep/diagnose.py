@@ -581,7 +581,11 @@ class Diagnose:
         if pending is None:
             return collected, None
         assert self._root is not None  # only the root holds gathered rows
-        return collected, self._root.process((part,), pending)
+        try:
+            return collected, self._root.process((part,), pending)
+        except Exception as exc:  # a window that cannot be processed must not end training
+            log.exception("DeepEP window processing failed: %s", exc)
+            return collected, None
 
     def _sync_call(self, part: str, diagnose_step: int, caller: str) -> None:
         _, pending = self._sync_collect(part, diagnose_step, caller)

@@ -31,6 +31,12 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 EP = 2
 
 
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert isinstance(group, dist.ProcessGroup)
+    return group
+
+
 def _environment(**extra: str) -> None:
     for name in list(os.environ):
         if name.startswith("DEEPEP_DIAGNOSE_"):
@@ -66,7 +72,7 @@ def _low_latency_sync(rank: int, world: int) -> dict[str, Any]:
     install_as_deepxtrace()
     from deepxtrace import diagnose as ds
 
-    diag = ds.Diagnose(group=dist.group.WORLD, enable_async=False)
+    diag = ds.Diagnose(group=_world(), enable_async=False)
     dispatch, combine = diag.get_stats_ll_stats_tensor()
     results = []
     for step in range(4):
@@ -83,7 +89,7 @@ def _normal_buffer_sync(rank: int, world: int) -> dict[str, Any]:
 
     _environment()  # DeepXTrace's defaults: enabled, synchronous through Buffer's flag
     install_as_deepxtrace()
-    buffer = BufferCalls(dist.group.WORLD, enable_async=False)
+    buffer = BufferCalls(_world(), enable_async=False)
     sim = NormalSimulator(ep_size=world, ranks_per_node=world, seed=7, slow_rank=1)
     want = []
     results = []
@@ -105,7 +111,7 @@ def _normal_buffer_async(rank: int, world: int) -> dict[str, Any]:
     _environment(DEEPEP_DIAGNOSE_INTERVAL="0.3", DEEPEP_DIAGNOSE_WARMING_TIME="0")
     pub = Collect()
     install_as_deepxtrace(publishers=[pub])
-    buffer = BufferCalls(dist.group.WORLD, enable_async=True)
+    buffer = BufferCalls(_world(), enable_async=True)
     collector = buffer.diagnose.collector
     sim = NormalSimulator(ep_size=world, ranks_per_node=world, seed=11, slow_rank=1)
     want = [sim.window("baseline", k) for k in range(3)]

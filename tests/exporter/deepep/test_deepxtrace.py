@@ -99,10 +99,14 @@ def world() -> Iterator[dist.ProcessGroup]:
 # --------------------------------------------------------------------------- installing
 
 
-def test_schema_is_deepeps_and_follows_rankwatchs_block_order() -> None:
+def test_schema_is_deepeps_and_names_every_block_row_once() -> None:
     assert shim.NORMAL_STATS_SCHEMA == REQUIRED_NORMAL_STATS_SCHEMA
-    # The 15 tensors are views into the block in its own order, so DeepEP's order is ours.
-    assert [row for _, row in shim._NORMAL_STATS_FIELDS] == [(p, f) for p, f, _ in SCHEMA]
+    rows = [row for _, row in shim._NORMAL_STATS_FIELDS]
+    assert sorted(rows) == sorted((p, f) for p, f, _ in SCHEMA) and len(set(rows)) == 15
+    field_words = {"duration_ns": "duration_ns", "count": "_count", "cost": "cost"}
+    field_words |= {"sample": "sample_count", "token": "token_count"}
+    for name, (probe, field) in shim._NORMAL_STATS_FIELDS:
+        assert name.startswith(f"normal_{probe}_") and field_words[field] in name, name
 
 
 def test_every_import_form_gives_the_shim(installed: None) -> None:
@@ -239,7 +243,12 @@ def test_disabled_by_environment_returns_nothing(
     assert ds.Diagnose(group=world, enable_async=True).start_async_diagnose() is None
     assert ds.Diagnose.create_from_env(world) is None
     env.setenv("DEEPEP_DIAGNOSE_ENABLE", "1")
-    assert ds.Diagnose.create_from_env(world) is not None
+    made = ds.Diagnose.create_from_env(world)  # pull request 17: normal mode, asynchronous
+    assert made is not None and made.enable_async and made.enable_normal_diagnose
+    assert len(made.get_normal_dispatch_stats_tensor()) == 10
+    assert len(made.get_normal_combine_stats_tensor()) == 5
+    made.start()
+    made.stop()
 
 
 def test_low_latency_sync_returns_results_and_writes_deepxtraces_log(
