@@ -84,6 +84,32 @@ def _low_latency_sync(rank: int, world: int) -> dict[str, Any]:
     return {"results": results, "all": diag.get_all_stats_tensor()}
 
 
+def _low_latency_async(rank: int, world: int) -> None:
+    from rankwatch.exporter.deepep import install_as_deepxtrace
+
+    log_dir = os.path.join(os.environ["RANKWATCH_TEST_OUT"], "logs")
+    _environment(
+        DEEPEP_DIAGNOSE_LOG_PATH=log_dir,
+        DEEPEP_DIAGNOSE_LOG_DETAILS="1",
+        DEEPEP_DIAGNOSE_INTERVAL="0.3",
+        DEEPEP_DIAGNOSE_WARMING_TIME="0",
+    )
+    install_as_deepxtrace()
+    from deepxtrace import diagnose as ds
+
+    # DeepXTrace's README, asynchronous mode: build, start the thread, hand the kernels the
+    # counters; the results go to rank 0's log file.
+    diag = ds.Diagnose(group=_world(), enable_async=True)
+    diag.start_async_diagnose()
+    dispatch, combine = diag.get_stats_ll_stats_tensor()
+    for step in range(3):
+        dispatch += torch.tensor([100, 200], dtype=torch.int64) * (rank + 1) * (step + 1)
+        combine += 7
+        time.sleep(0.4)
+    diag.stop_async_diagnose()
+    assert diag.collector is not None and diag.collector.collector_error is None
+
+
 def _normal_buffer_sync(rank: int, world: int) -> dict[str, Any]:
     from rankwatch.exporter.deepep import install_as_deepxtrace
 
@@ -156,6 +182,18 @@ def test_low_latency_sync_results_on_rank0_and_deepxtrace_log(tmp_path: Path) ->
     summaries = [ln for ln in text.splitlines() if "Wait Recv Cost Per Token" in ln]
     assert len(summaries) == 4
     assert re.search(r"EPSize: 2, diagnose: \{'abnormal_cols': \[\[1, ", summaries[0])
+
+
+def test_low_latency_async_log_holds_every_count(tmp_path: Path) -> None:
+    run_world(_low_latency_async, EP, tmp_path)
+    text = (tmp_path / "logs" / "diagnose_rank0.log").read_text()
+    rows = np.array([list(map(int, s.split())) for s in HEATMAP_ROW.findall(text)])
+    assert len(rows) >= 4 and len(rows) % 4 == 0  # per window: 2 dispatch + 2 combine rows
+    blocks = rows.reshape(-1, 2, EP, EP)  # [window, phase, receiver, peer]
+    # Window boundaries depend on timing; their sum is what the kernels added (6 x per call).
+    np.testing.assert_array_equal(blocks[:, 0].sum(axis=0), [[600, 1_200], [1_200, 2_400]])
+    np.testing.assert_array_equal(blocks[:, 1].sum(axis=0), [[21, 21], [21, 21]])
+    assert text.count("Dispatch Wait Recv Cost Per Token") == len(blocks)
 
 
 def test_normal_buffer_sync_windows_are_the_kernels_counts(tmp_path: Path) -> None:
