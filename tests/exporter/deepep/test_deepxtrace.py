@@ -13,6 +13,7 @@ import importlib
 import re
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rankwatch.diagnosis.deepep.low_latency import diagnose_low_latency
 from rankwatch.diagnosis.deepep.normal.schema import SCHEMA
+from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.deepep import deepxtrace as shim
 from rankwatch.exporter.deepep import install_as_deepxtrace, uninstall_deepxtrace
 from tests.servers import free_port
@@ -398,3 +401,40 @@ def test_pr720_buffer_sequence_sync(installed: None, env: Any, world: dist.Proce
     assert final["aggregate"] == pytest.approx(3_000.0)  # 17 x 9,000 cycles over 17 x 3 samples
     assert buffer.diagnose.collector.latest_report is not None
     buffer.destroy()
+
+
+def test_blocking_sync_bad_inputs(installed: None, env: Any, world: dist.ProcessGroup) -> None:
+    from deepxtrace import diagnose as ds
+
+    diag = ds.Diagnose(group=world, enable_async=False)
+    assert diag.collector is not None
+    with pytest.raises(ValueError, match="part: must be 'normal' or 'low_latency', got 'll'"):
+        diag.collector.diagnose_sync_blocking("ll")
+    with pytest.raises(TypeError, match=r"diagnose_step: expected an int, got 1\.5"):
+        diag.diagnose_ll_sync(1.5)
+    with pytest.raises(ValueError, match="diagnose_step: must be >= 0, got -2"):
+        diag.diagnose_ll_sync(-2)
+    assert diag.diagnose_normal_sync(1) is None  # normal mode is off on this instance
+    diag.stop()
+
+
+def test_deepxtrace_log_in_an_unwritable_folder_warns_and_writes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with caplog.at_level("WARNING"):
+        log = shim.DeepXTraceLog(str(blocker), 0, ep_size=2, instance_id=uuid.uuid4(), details=True)
+    assert "cannot be opened" in caplog.text
+    mat = np.array([[1, 9], [1, 9]], dtype=np.int64)
+    report = WindowReport(
+        group="ep",
+        window_index=0,
+        created_at_s=0.0,
+        ranks=(RankInfo(0, "h", 0), RankInfo(1, "h", 1)),
+        low_latency={p: diagnose_low_latency(mat, p) for p in ("dispatch", "combine")},
+    )
+    log.publish(report)  # no file, no error
+    log.close(1.0)
+    assert len(log.lines(report)) == 6  # summary + 2 rows per phase
+    assert blocker.read_text() == ""
