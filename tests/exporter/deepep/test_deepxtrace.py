@@ -220,7 +220,9 @@ def test_defaults_are_deepxtraces(installed: None, env: Any, world: dist.Process
         assert diag.rank == 0 and diag.group_size == 1
         dispatch, combine = diag.get_stats_ll_stats_tensor()
         assert dispatch is not None and combine is not None
-        assert dispatch.dtype == torch.int64 and tuple(dispatch.shape) == (1,)
+        # What upstream DeepEP asserts (csrc/legacy/buffer.hpp): int64, 1-D, contiguous, EP.
+        for t in (dispatch, combine):
+            assert t.dtype == torch.int64 and tuple(t.shape) == (1,) and t.is_contiguous()
         assert diag.get_stats_normal_stats_tensor() == (None,) * 15
         assert diag.get_instance_id() is not None
     finally:
