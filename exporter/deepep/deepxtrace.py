@@ -463,6 +463,10 @@ class Diagnose:
                 instance_id=self.instance_id,
                 details=deepep.log_details,
             )
+        if collector.counters.low_latency is not None:
+            # DeepXTrace's documented attributes, for code that reads them directly.
+            self.ll_dispatch_wait_recv_cost_stats = collector.counters.low_latency[0]
+            self.ll_combine_wait_recv_cost_stats = collector.counters.low_latency[1]
         if collector.counters.normal is not None:
             views = bundle_views(collector.counters.normal, self.group_size, _NORMAL_STATS_ROWS)
             check_normal_stats_tensors(views, self.group_size)

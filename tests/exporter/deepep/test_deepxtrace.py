@@ -223,6 +223,8 @@ def test_defaults_are_deepxtraces(installed: None, env: Any, world: dist.Process
         # What upstream DeepEP asserts (csrc/legacy/buffer.hpp): int64, 1-D, contiguous, EP.
         for t in (dispatch, combine):
             assert t.dtype == torch.int64 and tuple(t.shape) == (1,) and t.is_contiguous()
+        assert diag.ll_dispatch_wait_recv_cost_stats.data_ptr() == dispatch.data_ptr()
+        assert diag.ll_combine_wait_recv_cost_stats.data_ptr() == combine.data_ptr()
         assert diag.get_stats_normal_stats_tensor() == (None,) * 15
         assert diag.get_instance_id() is not None
     finally:
