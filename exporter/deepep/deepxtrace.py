@@ -189,14 +189,28 @@ __rankwatch_served__ = True
 def check_normal_stats_tensors(tensors: object, ep_size: int) -> dict[str, torch.Tensor]:
     """Check a normal-mode counter set against :data:`NORMAL_STATS_SCHEMA`; name -> tensor.
 
-    ``tensors`` must be 15 contiguous 1-D int64 tensors in schema order: the notify counters hold
-    one value, the completion counters ``ep_size``. Raises ``ValueError``/``TypeError`` naming
-    the counter and what is wrong.
+    ``tensors`` is either the 15 tensors in schema order (what
+    ``get_stats_normal_stats_tensor()`` returns) or a mapping from the 15 names to them (how
+    DeepEP's ``Buffer`` holds them). Each must be a contiguous 1-D int64 tensor: the notify
+    counters hold one value, the completion counters ``ep_size``. Raises
+    ``ValueError``/``TypeError`` naming the counter (or the missing and unknown names) and what
+    is wrong.
     """
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
         raise ValueError(f"ep_size: must be a positive int, got {ep_size!r}")
+    if isinstance(tensors, Mapping):
+        missing = [n for n in NORMAL_STATS_SCHEMA if n not in tensors]
+        unknown = sorted(str(n) for n in tensors if n not in NORMAL_STATS_SCHEMA)
+        if missing or unknown:
+            raise ValueError(
+                f"tensors: not the NORMAL_STATS_SCHEMA names: missing {missing}, unknown {unknown}"
+            )
+        tensors = [tensors[n] for n in NORMAL_STATS_SCHEMA]
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
-        raise TypeError(f"tensors: expected a sequence of 15 tensors, got {type(tensors).__name__}")
+        raise TypeError(
+            "tensors: expected 15 tensors or a mapping of their names, "
+            f"got {type(tensors).__name__}"
+        )
     if len(tensors) != len(NORMAL_STATS_SCHEMA):
         raise ValueError(
             f"tensors: expected {len(NORMAL_STATS_SCHEMA)} tensors (NORMAL_STATS_SCHEMA), "

@@ -193,6 +193,21 @@ def test_normal_stats_check_names_the_bad_counter() -> None:
         shim.check_normal_stats_tensors(bad_items, 4)
     with pytest.raises(ValueError, match="ep_size: must be a positive int, got 0"):
         shim.check_normal_stats_tensors(good, 0)
+    # As Buffer holds them: by name. A schema of other names is refused, naming the names.
+    by_name = dict(zip(REQUIRED_NORMAL_STATS_SCHEMA, good, strict=True))
+    assert list(shim.check_normal_stats_tensors(by_name, 4)) == list(REQUIRED_NORMAL_STATS_SCHEMA)
+    legacy = dict(by_name)
+    legacy["normal_dispatch_wait_recv_cost_stats"] = legacy.pop(
+        "normal_dispatch_final_completion_cost_stats"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"missing \['normal_dispatch_final_completion_cost_stats'\], "
+        r"unknown \['normal_dispatch_wait_recv_cost_stats'\]",
+    ):
+        shim.check_normal_stats_tensors(legacy, 4)
+    with pytest.raises(TypeError, match="tensors: expected 15 tensors or a mapping"):
+        shim.check_normal_stats_tensors(torch.zeros(15, dtype=torch.int64), 4)
 
 
 def test_diagnose_matrix_is_deepxtraces_static_rule(installed: None) -> None:
@@ -338,11 +353,12 @@ def test_constructor_bad_inputs_name_the_argument(
 class BufferCalls:
     """The calls DeepEP's Buffer makes on DeepXTrace, in Buffer's order and form.
 
-    Follows pull request 720 (Marsssqqq/DeepEP): deep_ep/buffer.py at 4365d77
-    (``_validate_deepxtrace_normal_stats_schema``: ``tuple(module.NORMAL_STATS_SCHEMA)`` against
-    the required names, ``RuntimeError`` otherwise; ``_get_normal_diagnose_stats``: the getter's
-    length checked, then ``dict(zip(schema, tensors))``; the tensors passed to the kernels by
-    name) and tests/test_deepxtrace_integration.py at 7d672b0 (``_load_deepxtrace`` through
+    Follows pull request 720 (Marsssqqq/DeepEP): deep_ep/buffer.py at 4365d77, lines 12-39
+    (``_REQUIRED_NORMAL_STATS_SCHEMA``; ``_validate_deepxtrace_normal_stats_schema`` compares
+    ``tuple(module.NORMAL_STATS_SCHEMA)`` with it and raises ``RuntimeError`` otherwise),
+    ``Buffer._get_normal_diagnose_stats`` (the getter's length checked, then
+    ``dict(zip(schema, tensors))``; the kernels take the tensors by name), and
+    tests/test_deepxtrace_integration.py at 7d672b0 (``_load_deepxtrace`` through
     ``importlib.import_module``; ``diagnose_normal_sync(step)`` forwarded with its step and its
     result returned; ``destroy`` stops asynchronous diagnosis before the runtime). The
     constructor keywords are the ones the pull request's Buffer passes.
