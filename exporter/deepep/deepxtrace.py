@@ -29,6 +29,7 @@ call diagnoses on the calling thread of rank 0, as DeepXTrace's does.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.machinery
 import importlib.util
 import logging
@@ -48,7 +49,7 @@ import torch.distributed as dist
 from rankwatch.diagnosis.config import option_env
 from rankwatch.diagnosis.deepep.low_latency import LowLatencyResult, diagnose_matrix
 from rankwatch.diagnosis.report import WindowReport
-from rankwatch.exporter.config import DeepEPConfig
+from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig
 from rankwatch.exporter.deepep.counters import LOW_LATENCY_PHASES, bundle_views
 from rankwatch.exporter.deepep.diagnose import Diagnose as _Collector
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
@@ -119,6 +120,7 @@ _PHASE_TITLES = {"dispatch": "Dispatch", "combine": "Combine"}
 _PACKAGE = "deepxtrace"
 _MODULE = "deepxtrace.diagnose"
 _installed_publishers: tuple[Publisher, ...] = ()
+_installed_config: RankwatchConfig | None = None
 
 
 # --------------------------------------------------------------------------- installing
@@ -139,19 +141,30 @@ def _real_deepxtrace() -> str | None:
     return str(spec.origin or list(spec.submodule_search_locations or []) or spec.name)
 
 
-def install_as_deepxtrace(force: bool = False, *, publishers: Sequence[Publisher] = ()) -> None:
+def install_as_deepxtrace(
+    force: bool = False,
+    *,
+    publishers: Sequence[Publisher] = (),
+    config: RankwatchConfig | None = None,
+) -> None:
     """Serve ``deepxtrace`` and ``deepxtrace.diagnose`` from rankwatch (``sys.modules``).
 
     Call it before DeepEP (or your code) imports DeepXTrace. A real DeepXTrace that is installed
     or already imported is left alone: this raises ``RuntimeError`` naming where it is, unless
     ``force=True``. ``publishers`` (e.g. ``rw.publishers`` from ``rankwatch.exporter.init()``)
-    receive every window report of the diagnosis objects created afterwards. Calling it again
-    replaces the publishers.
+    receive every window report of the diagnosis objects created afterwards; ``config`` (e.g.
+    ``rw.config``) gives them rankwatch's other settings (run id, node name, thresholds) while
+    the ``DEEPEP_DIAGNOSE_*`` ones keep DeepXTrace's meaning. Calling it again replaces both.
     """
-    global _installed_publishers
+    global _installed_publishers, _installed_config
     if not isinstance(force, bool):
         raise TypeError(f"force: expected a bool, got {force!r}")
     checked = check_publishers(publishers, "install_as_deepxtrace")
+    if config is not None and not isinstance(config, RankwatchConfig):
+        raise TypeError(
+            "config: expected a RankwatchConfig (e.g. rw.config) or None, "
+            f"got {type(config).__name__}"
+        )
     real = _real_deepxtrace()
     if real is not None and not force:
         raise RuntimeError(
@@ -167,16 +180,18 @@ def install_as_deepxtrace(force: bool = False, *, publishers: Sequence[Publisher
     sys.modules[_PACKAGE] = package
     sys.modules[_MODULE] = this
     _installed_publishers = checked
+    _installed_config = config
 
 
 def uninstall_deepxtrace() -> None:
     """Undo :func:`install_as_deepxtrace` (a real DeepXTrace in ``sys.modules`` stays)."""
-    global _installed_publishers
+    global _installed_publishers, _installed_config
     if _served_by_us(sys.modules.get(_PACKAGE)):
         del sys.modules[_PACKAGE]
     if sys.modules.get(_MODULE) is sys.modules[__name__]:
         del sys.modules[_MODULE]
     _installed_publishers = ()
+    _installed_config = None
 
 
 # Marks this module for _served_by_us when it stands in sys.modules["deepxtrace.diagnose"].
@@ -434,6 +449,13 @@ class Diagnose:
         env: Mapping[str, str],
     ) -> None:
         self._log = _LateLog()
+        config = _installed_config
+        if config is not None:
+            try:
+                config = dataclasses.replace(config, deepep=DeepEPConfig.from_env(env))
+            except (TypeError, ValueError):
+                # Let the factory read the same bad value: it reports it on every rank.
+                config = None
         try:
             collector = _Collector.create_from_env(
                 group,
@@ -442,6 +464,7 @@ class Diagnose:
                 snapshot_stream=snapshot_stream,
                 publishers=(*_installed_publishers, self._log),
                 env=env,
+                config=config,
             )
         except ValueError as exc:
             if WARMING_TIME_ENV in env and _WARMUP_ENV in str(exc):

@@ -458,3 +458,43 @@ def test_deepxtrace_log_in_an_unwritable_folder_warns_and_writes_nothing(
     log.close(1.0)
     assert len(log.lines(report)) == 6  # summary + 2 rows per phase
     assert blocker.read_text() == ""
+
+
+class Keep:
+    """A real publisher that keeps every report."""
+
+    def __init__(self) -> None:
+        self.reports: list[WindowReport] = []
+
+    def publish(self, report: WindowReport) -> None:
+        self.reports.append(report)
+
+    def close(self, timeout_seconds: float) -> None:
+        pass
+
+
+def test_installed_config_and_publishers_reach_the_collector(
+    env: Any, world: dist.ProcessGroup
+) -> None:
+    from rankwatch.exporter.config import RankwatchConfig
+
+    keep = Keep()
+    env.setenv("DEEPEP_DIAGNOSE_SYNC_STEP", "2")
+    uninstall_deepxtrace()
+    install_as_deepxtrace(publishers=[keep], config=RankwatchConfig(run_id="run-7"))
+    try:
+        from deepxtrace import diagnose as ds
+
+        diag = ds.Diagnose(world)
+        assert diag.interval == 20 and diag.sync_step == 2  # DEEPEP_DIAGNOSE_*: DeepXTrace's
+        dispatch, _ = diag.get_stats_ll_stats_tensor()
+        dispatch += 3
+        assert diag.diagnose_ll_sync() is None
+        assert diag.diagnose_ll_sync() is not None
+        diag.stop()
+    finally:
+        uninstall_deepxtrace()
+    assert [r.run for r in keep.reports] == ["run-7"]  # the rest: the installed config's
+    with pytest.raises(TypeError, match="config: expected a RankwatchConfig"):
+        install_as_deepxtrace(config={"run_id": "x"})
+    assert "deepxtrace" not in sys.modules
