@@ -113,7 +113,9 @@ def _low_latency_async(rank: int, world: int) -> None:
 def _normal_buffer_sync(rank: int, world: int) -> dict[str, Any]:
     from rankwatch.exporter.deepep import install_as_deepxtrace
 
-    _environment()  # DeepXTrace's defaults: enabled, synchronous through Buffer's flag
+    # DeepXTrace's defaults (enabled; synchronous through Buffer's flag); logs under the test's
+    # folder instead of DeepXTrace's default, the working folder.
+    _environment(DEEPEP_DIAGNOSE_LOG_PATH=os.environ["RANKWATCH_TEST_OUT"])
     install_as_deepxtrace()
     buffer = BufferCalls(_world(), enable_async=False)
     sim = NormalSimulator(ep_size=world, ranks_per_node=world, seed=7, slow_rank=1)
@@ -134,7 +136,11 @@ def _normal_buffer_sync(rank: int, world: int) -> dict[str, Any]:
 def _normal_buffer_async(rank: int, world: int) -> dict[str, Any]:
     from rankwatch.exporter.deepep import install_as_deepxtrace
 
-    _environment(DEEPEP_DIAGNOSE_INTERVAL="0.3", DEEPEP_DIAGNOSE_WARMING_TIME="0")
+    _environment(
+        DEEPEP_DIAGNOSE_INTERVAL="0.3",
+        DEEPEP_DIAGNOSE_WARMING_TIME="0",
+        DEEPEP_DIAGNOSE_LOG_PATH=os.environ["RANKWATCH_TEST_OUT"],
+    )
     pub = Collect()
     install_as_deepxtrace(publishers=[pub])
     buffer = BufferCalls(_world(), enable_async=True)
