@@ -28,6 +28,7 @@ from rankwatch.diagnosis.deepep.normal.schema import SCHEMA
 from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.deepep import deepxtrace as shim
 from rankwatch.exporter.deepep import install_as_deepxtrace, uninstall_deepxtrace
+from tests.e2e.test_deepep_gloo import Collect
 from tests.servers import free_port
 
 # The names and order DeepEP's Buffer requires, copied by hand from pull request 720
@@ -460,25 +461,12 @@ def test_deepxtrace_log_in_an_unwritable_folder_warns_and_writes_nothing(
     assert blocker.read_text() == ""
 
 
-class Keep:
-    """A real publisher that keeps every report."""
-
-    def __init__(self) -> None:
-        self.reports: list[WindowReport] = []
-
-    def publish(self, report: WindowReport) -> None:
-        self.reports.append(report)
-
-    def close(self, timeout_seconds: float) -> None:
-        pass
-
-
 def test_installed_config_and_publishers_reach_the_collector(
     env: Any, world: dist.ProcessGroup
 ) -> None:
     from rankwatch.exporter.config import RankwatchConfig
 
-    keep = Keep()
+    keep = Collect()
     env.setenv("DEEPEP_DIAGNOSE_SYNC_STEP", "2")
     uninstall_deepxtrace()
     install_as_deepxtrace(publishers=[keep], config=RankwatchConfig(run_id="run-7"))
