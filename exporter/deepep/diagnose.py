@@ -424,6 +424,11 @@ class Diagnose:
         return self._root.rejected_windows if self._root is not None else Counter()
 
     @property
+    def collector_thread(self) -> threading.Thread | None:
+        """The asynchronous collection thread once started (None in synchronous mode)."""
+        return self._collector
+
+    @property
     def dropped_snapshots(self) -> int:
         """Snapshots the root dropped because its worker was behind."""
         return 0 if self._root is None else self._root.dropped_snapshots
@@ -556,7 +561,42 @@ class Diagnose:
                 f"this instance has async={int(self.enable_async)}"
             )
 
+    def diagnose_sync_blocking(
+        self, part: str, diagnose_step: int = 0
+    ) -> tuple[bool, WindowReport | None]:
+        """Like :meth:`diagnose_normal_sync` / :meth:`diagnose_ll_sync` (``part`` is
+        ``"normal"`` or ``"low_latency"``), but the root forms, diagnoses and publishes the
+        window on the calling thread and returns it.
+
+        Returns ``(collected, report)``: ``collected`` is True on every member when this call
+        gathered a snapshot; ``report`` is the root's report of the window (None on the other
+        members, and when the snapshot was only a boundary). This is what DeepXTrace's
+        synchronous calls promise (results on rank 0); it costs the root one diagnosis per
+        collection on the training thread, so the non-blocking calls are preferred otherwise.
+        """
+        if part not in ("normal", "low_latency"):
+            raise ValueError(f"part: must be 'normal' or 'low_latency', got {part!r}")
+        caller = "diagnose_normal_sync" if part == "normal" else "diagnose_ll_sync"
+        collected, pending = self._sync_collect(part, diagnose_step, caller)
+        if pending is None:
+            return collected, None
+        assert self._root is not None  # only the root holds gathered rows
+        try:
+            return collected, self._root.process((part,), pending)
+        except Exception as exc:  # a window that cannot be processed must not end training
+            log.exception("DeepEP window processing failed: %s", exc)
+            return collected, None
+
     def _sync_call(self, part: str, diagnose_step: int, caller: str) -> None:
+        _, pending = self._sync_collect(part, diagnose_step, caller)
+        if pending is not None:
+            self._enqueue((part,), pending)
+
+    def _sync_collect(
+        self, part: str, diagnose_step: int, caller: str
+    ) -> tuple[bool, PendingSnapshot | None]:
+        """Count one call; every ``sync_step`` calls gather a snapshot through the EP group.
+        Returns whether this call gathered, and the gathered rows on the root."""
         if isinstance(diagnose_step, bool) or not isinstance(diagnose_step, int):
             raise TypeError(f"diagnose_step: expected an int, got {diagnose_step!r}")
         if diagnose_step < 0:
@@ -564,23 +604,21 @@ class Diagnose:
         self._require_mode(False, caller)
         enabled = self.enable_normal_diagnose if part == "normal" else self.enable_ll_diagnose
         if not enabled:
-            return
+            return False, None
         with self._lock:
             if self._state != "started":
                 raise RuntimeError(f"Diagnose.{caller}: call start() first (state: {self._state})")
         self._calls[part] += 1
         step_round = diagnose_step if diagnose_step > 0 else self.sync_step
         if self._calls[part] % step_round:
-            return
+            return False, None
         region = (
             self.counters.normal_region if part == "normal" else self.counters.low_latency_region
         )
         local = self._snapshotter.device_copy(region)
         if local is None:
-            return
-        pending = gather_rows(local, self.group, self.root_global_rank, self.is_root)
-        if pending is not None:
-            self._enqueue((part,), pending)
+            return False, None
+        return True, gather_rows(local, self.group, self.root_global_rank, self.is_root)
 
     # ------------------------------------------------------------------ asynchronous mode
 

@@ -93,6 +93,9 @@ class DeepEPRoot:
         self._run = run
         self._copy_stream = copy_stream
         self._lock = threading.Lock()
+        # Windows are formed in order by one thread at a time: the worker, or a caller of
+        # process() (DeepXTrace's synchronous calls return the window's results).
+        self._process_lock = threading.Lock()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._worker: threading.Thread | None = None
         self._windows: CounterWindows | None = None
@@ -166,7 +169,21 @@ class DeepEPRoot:
             except Exception as exc:  # one bad window must not end diagnosis
                 log.exception("DeepEP window processing failed: %s", exc)
 
-    def _process(self, parts: tuple[str, ...], pending: PendingSnapshot) -> None:
+    def process(self, parts: tuple[str, ...], pending: PendingSnapshot) -> WindowReport | None:
+        """Form, diagnose and publish one snapshot's window on the calling thread; its report,
+        or None when the snapshot was only a boundary. For callers that must return the
+        results (DeepXTrace's synchronous calls); :meth:`submit` is the non-blocking way."""
+        if self._windows is None:
+            raise RuntimeError("DeepEPRoot.process: call start() first")
+        return self._process(parts, pending)
+
+    def _process(self, parts: tuple[str, ...], pending: PendingSnapshot) -> WindowReport | None:
+        with self._process_lock:
+            return self._process_locked(parts, pending)
+
+    def _process_locked(
+        self, parts: tuple[str, ...], pending: PendingSnapshot
+    ) -> WindowReport | None:
         assert self._windows is not None
         rows = pending.to_numpy(self._copy_stream)
         ep = self.ep_size
@@ -181,9 +198,11 @@ class DeepEPRoot:
             low_latency = rows[:, offset : offset + n_ll].reshape(ep, len(LOW_LATENCY_PHASES), ep)
         window = self._windows.feed(pending.taken_at_s, normal=normal, low_latency=low_latency)
         if window is None:
-            return
+            return None
         self.recent_windows.append(window)
-        self._publish(self._diagnose(window))
+        report = self._diagnose(window)
+        self._publish(report)
+        return report
 
     def _diagnose(self, window: DeepEPWindow) -> WindowReport:
         seconds: dict[str, float] = {}
