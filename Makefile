@@ -80,7 +80,7 @@ test-floors: backends
 # generators and fails on a stale file. Accuracy and benchmark tables are measurements: their
 # own targets below.
 generate: venv
-	$(PY) dashboards/generate.py
+	$(PY) -m rankwatch.exporter.assets .
 	$(PY) -m rankwatch.exporter.publish.catalogue docs/metrics.md
 	rm -f docs/img/deepep-*.png
 	$(PY) -c "from rankwatch.exporter.cli.heatmap import render_phase_gallery; \

@@ -18,7 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CATALOGUE", "COMMON_LABELS", "MetricSpec", "by_name", "markdown_table", "render_doc"]
+__all__ = [
+    "CATALOGUE",
+    "COMMON_LABELS",
+    "METRIC_NAMES",
+    "MetricNames",
+    "MetricSpec",
+    "by_name",
+    "markdown_table",
+    "render_doc",
+]
 
 COMMON_LABELS: tuple[str, ...] = ("run", "group")
 
@@ -297,6 +306,21 @@ _BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
 def by_name(name: str) -> MetricSpec:
     """The catalogue entry for a Prometheus metric name (KeyError if unknown)."""
     return _BY_NAME[name]
+
+
+class MetricNames:
+    """The catalogue's names by attribute, for code that writes queries: ``METRIC_NAMES.
+    straggler_score`` is ``"rankwatch_straggler_score"``. A name the catalogue does not hold
+    raises ``AttributeError`` naming it, so a renamed metric cannot leave a query behind."""
+
+    def __getattr__(self, short: str) -> str:
+        name = "rankwatch_" + short
+        if name not in _BY_NAME:
+            raise AttributeError(f"metric {name!r} is not in the catalogue")
+        return name
+
+
+METRIC_NAMES = MetricNames()
 
 
 # docs/metrics.md holds the generated table between these markers; the prose around it is kept.
