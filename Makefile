@@ -49,10 +49,13 @@ typecheck: venv
 unit: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The pure unit tests (engines, collectors' and publishers' parts): no process worlds, no real
-# servers, nothing marked slow; under a minute. The full suite is `make test`.
+# The quick checks: the engines' and exporter's unit tests, and the dashboard, rule and project
+# checks (generated files current, thresholds drawn from the configuration, docs, packaging
+# inputs). No process worlds, no real servers or promtool, nothing marked slow. The full suite
+# is `make test`.
 test-fast: venv
-	$(PY) -m pytest -q -m "(diagnosis or exporter) and not (multiproc or servers or slow)" \
+	$(PY) -m pytest -q \
+		-m "(diagnosis or exporter or dashboards or project) and not (multiproc or servers or slow)" \
 		$(PYTEST_ARGS)
 
 test: venv backends lint typecheck unit

@@ -60,15 +60,29 @@ def _plain_allowed(text: str) -> bool:
 
 
 def _literal_allowed(text: str) -> bool:
-    """A ``|`` block keeps every line as is; it needs one final newline and no edge spaces."""
-    lines = text.split("\n")[:-1]
+    """A ``|`` block keeps every line as is; no line may end in a space (it would be kept, but
+    a reader cannot see it) and no character may need escaping."""
     return (
-        text.endswith("\n")
-        and not text.endswith("\n\n")
-        and _printable(text)
-        and not text.startswith((" ", "\n"))
-        and all(line == line.rstrip(" ") for line in lines)
+        _printable(text)
+        and not text.endswith(" ")
+        and all(line == line.rstrip(" ") for line in text.split("\n")[:-1])
     )
+
+
+def _literal(text: str, indent: int) -> str:
+    """``text`` as a literal block whose lines start at ``indent``. The header says how to read
+    its ends: an indentation digit when the first line starts with a space or is empty, ``-``
+    without a final newline, ``+`` to keep more than one."""
+    header = str(_INDENT) if text.startswith((" ", "\n")) else ""
+    lines = text.split("\n")
+    if not text.endswith("\n"):
+        header += "-"
+    else:
+        lines.pop()
+        if text.endswith("\n\n") or text == "\n":
+            header += "+"
+    pad = " " * indent
+    return f" |{header}\n" + "\n".join(pad + line if line else "" for line in lines)
 
 
 def _folded(text: str, column: int, indent: int, quoted: bool) -> str:
@@ -101,10 +115,7 @@ def _scalar(value: Any, column: int, indent: int) -> str:
     if not isinstance(value, str):
         raise TypeError(f"yaml_text: cannot write a {type(value).__name__} ({value!r})")
     if "\n" in value:
-        if _literal_allowed(value):
-            pad = " " * indent
-            return " |\n" + "\n".join(pad + line if line else "" for line in value.split("\n")[:-1])
-        return " " + json.dumps(value)
+        return _literal(value, indent) if _literal_allowed(value) else " " + json.dumps(value)
     if _plain_allowed(value):
         return " " + _folded(value, column + 1, indent, quoted=False)
     if _printable(value):

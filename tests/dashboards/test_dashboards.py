@@ -461,6 +461,7 @@ print(json.dumps(json.loads(json.dumps(decoded, cls=JSONEncoder))))
 """
 
 
+@pytest.mark.slow
 def test_oldest_claimed_grafana_schema_loads_the_dashboards() -> None:
     """docs/grafana.md claims Grafana 10.4 and newer: the 10.4 schema knows every field."""
     oldest = OLDEST_GRAFANA

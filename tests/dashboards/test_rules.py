@@ -68,12 +68,14 @@ def github_anchor(heading: str) -> str:
     return slug.replace(" ", "-")
 
 
+@pytest.mark.servers
 def test_promtool_check_rules() -> None:
     result = _promtool("check", "rules", str(RULES), cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("test_file", sorted(p.name for p in TESTS_DIR.glob("*.yml")))
 def test_promtool_unit_tests(test_file: str) -> None:
     result = _promtool("test", "rules", f"tests/{test_file}", cwd=RULES_DIR)
@@ -81,6 +83,7 @@ def test_promtool_unit_tests(test_file: str) -> None:
     assert "SUCCESS" in result.stdout
 
 
+@pytest.mark.servers
 def test_unit_tests_fail_when_debouncing_is_removed(tmp_path: Path) -> None:
     """The unit tests have teeth: the same tests against rules without for: must fail."""
     rules_dir = tmp_path / "rules"
@@ -207,6 +210,7 @@ def test_diagnosis_alert_labels_do_not_carry_the_cause() -> None:
 # --- the generator's settings ------------------------------------------------------------------
 
 
+@pytest.mark.servers
 def test_settings_render_a_different_installation(tmp_path: Path) -> None:
     """Runbook base, job selector and for: come from `rankwatch assets export`'s settings
     (a JSON file and options, which win); the result passes promtool."""
@@ -356,6 +360,7 @@ def _post_alerts(am_url: str, alerts: list[dict[str, str]]) -> None:
     )
 
 
+@pytest.mark.servers
 def test_inhibition_in_a_real_alertmanager() -> None:
     """The shipped inhibition rules, on the alerts' real label sets, in a real Alertmanager."""
     fired = _tested_alert_labels()

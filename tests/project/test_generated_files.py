@@ -20,6 +20,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 import PIL
+import pytest
 from PIL import Image
 
 from rankwatch.exporter.assets import render
@@ -59,6 +60,7 @@ def _pixels(path: Path) -> np.ndarray:
         return np.asarray(im.convert("RGB"))
 
 
+@pytest.mark.slow
 def test_doc_pictures_are_current(tmp_path: Path) -> None:
     # Pixels, not bytes: the bytes are reproducible on one machine (no Software tag, no
     # timestamp), but the PNG's compressed stream depends on the zlib Pillow was built with
