@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rankwatch.diagnosis.config import NormalConfig, StepTimeConfig
+
 __all__ = [
     "CATALOGUE",
     "COMMON_LABELS",
@@ -76,6 +78,11 @@ class MetricSpec:
         return {"s": "seconds", "1": "ratio"}.get(self.unit, "")
 
 
+# The default thresholds the help texts state (read, not repeated: a changed default follows).
+_STEP_TIME = StepTimeConfig()
+_NORMAL = NormalConfig()
+
+
 def _m(name: str, type_: str, unit: str, labels: tuple[str, ...], help_: str) -> MetricSpec:
     return MetricSpec("rankwatch_" + name, type_, unit, labels, help_)
 
@@ -92,7 +99,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "",
         (),
         "Straggler score of the current window: (visible_victim - visible_culprit) / "
-        "(input_wait_victim + step_victim). Warning from 0.10, critical from 0.20.",
+        "(input_wait_victim + step_victim). Warning from "
+        f"{_STEP_TIME.straggler_warning_score:.2f}, critical from "
+        f"{_STEP_TIME.straggler_critical_score:.2f}.",
     ),
     _m(
         "cause_coverage_ratio",
@@ -138,7 +147,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gauge",
         "1",
         ("probe", "rank"),
-        "Notify kernel duration of a rank divided by the median of its peers; <= 0.25 is "
+        "Notify kernel duration of a rank divided by the median of its peers; "
+        f"<= {_NORMAL.notify_ratio:g} is "
         "late-arrival evidence.",
     ),
     _m(
@@ -184,7 +194,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "",
         ("probe",),
         "Completion cost of the probe's slowest link class (intra-node, inter-node, gateway) "
-        "over the median of that class's recent normal windows; >= 1.3 is a global slowdown. "
+        "over the median of that class's recent normal windows; "
+        f">= {_NORMAL.global_slowdown:g} is a global slowdown. "
         "Absent until the history is bootstrapped.",
     ),
     _m(

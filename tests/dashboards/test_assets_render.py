@@ -21,6 +21,7 @@ from rankwatch.diagnosis.config import DiagnosisConfig, NormalConfig, StepTimeCo
 from rankwatch.exporter.assets import ALERT_TIMING, GENERATED, Settings, render
 from rankwatch.exporter.assets import yaml_text as yaml_writer
 from rankwatch.exporter.assets.grafana import with_runbooks
+from rankwatch.exporter.assets.prose import number, percent
 from rankwatch.exporter.assets.settings import duration_seconds
 from rankwatch.exporter.cli import main as rankwatch_main
 from rankwatch.exporter.publish.catalogue import METRIC_NAMES
@@ -92,10 +93,14 @@ def test_a_changed_configuration_moves_every_band_and_sentence() -> None:
         in alerts["RankwatchDeepEPPreStageArrivalSkew"]["annotations"]["description"]
     )
     # No sentence still states a default: the old figures are gone from every changed file.
+    defaults = DiagnosisConfig()
+    warning = percent(defaults.step_time.straggler_warning_score)
+    slowdown = number(defaults.normal.global_slowdown)
     for name in GENERATED:
         if name.endswith(".json"):
-            assert "10 %" not in changed[name] and "1.3x" not in changed[name], name
-    assert "10%" not in changed["dashboards/rules/rankwatch.rules.yml"]
+            assert f"{warning} %" in default[name] or name.endswith("deepep-normal.json")
+            assert f"{warning} %" not in changed[name] and f"{slowdown}x" not in changed[name]
+    assert f"{warning}%" not in changed["dashboards/rules/rankwatch.rules.yml"]
     # The rules' expressions do not depend on thresholds (they read the incidents).
     exprs = {n: a["expr"] for n, a in alerts.items()}
     assert exprs == {
