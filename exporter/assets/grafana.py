@@ -117,6 +117,7 @@ def panel(
 
 
 def stat(title: str, description: str, expr: str, unit: str, **kw: Any) -> Panel:
+    """A 4 x 4 single-value panel of an instant query, coloured by its thresholds."""
     options = {
         "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
         "colorMode": "background",
@@ -146,6 +147,7 @@ def timeseries(
     line_thresholds: bool = False,
     **kw: Any,
 ) -> Panel:
+    """A time series panel with a table legend; ``line_thresholds`` draws the threshold bands."""
     custom = {
         "drawStyle": "line",
         "lineWidth": 1,
@@ -178,6 +180,7 @@ def table(
     cell: str = "auto",
     **kw: Any,
 ) -> Panel:
+    """A table panel; ``transformations`` shape the query results, ``cell`` is the cell type."""
     custom = {"align": "auto", "cellOptions": {"type": cell}, "inspect": False}
     options = {"showHeader": True, "cellHeight": "sm", "footer": {"show": False}}
     return panel(
@@ -195,6 +198,7 @@ def table(
 
 
 def organize(exclude: tuple[str, ...], rename: dict[str, str] | None = None) -> dict[str, Any]:
+    """The table transformation that hides ``exclude`` columns and renames others."""
     return {
         "id": "organize",
         "options": {
@@ -206,6 +210,7 @@ def organize(exclude: tuple[str, ...], rename: dict[str, str] | None = None) -> 
 
 
 def state_timeline(title: str, description: str, expr: str, legend: str, **kw: Any) -> Panel:
+    """A 12 x 8 state timeline: one row per series, coloured by its value mappings."""
     options = {
         "mergeValues": True,
         "showValue": "never",
@@ -267,6 +272,8 @@ def variable(
 
 
 def variables(multi: bool) -> list[dict[str, Any]]:
+    """The data source and scope variables every dashboard starts with (cluster, namespace,
+    job, run, group); ``multi`` lets the scope variables select several values."""
     optional = {"selected": True, "text": "All", "value": "$__all"}
     cluster = variable(
         "cluster", "Cluster", f"label_values({M.window_index}, cluster)", multi, True
@@ -340,6 +347,7 @@ DEEPEP_ALERTS = (
 
 
 def link(title: str, uid: str, tooltip: str) -> dict[str, Any]:
+    """A dashboard link to ``uid`` that carries the time range and the variables."""
     return {
         "title": title,
         "type": "link",
