@@ -32,13 +32,13 @@ RANK_DIGITS = 5
 OLDEST_GRAFANA = "10.4.0"
 GRAFANA_SCHEMA_VERSION = 41
 Panel = dict[str, Any]
+Dashboard = dict[str, Any]
 
 # Query string a panel link carries to another dashboard: time range and the three variables.
 VAR_PARAMS = (
     "${__url_time_range}&${datasource:queryparam}&${cluster:queryparam}&${namespace:queryparam}"
     "&${job:queryparam}&${run:queryparam}&${group:queryparam}"
 )
-Dashboard = dict[str, Any]
 GREEN, YELLOW, ORANGE, RED, BLUE = "green", "#EAB839", "orange", "red", "blue"
 
 

@@ -1,10 +1,11 @@
 """What an installation may change in the generated rules and dashboards, and the alert timing.
 
 Alert timing is a choice with a price, so it is stated here once. A critical step-time
-straggler pages about 100 s after its first bad window: the exporter's tracker opens the
-incident after k of n windows (a few seconds), Prometheus sees it at the next scrape and
-evaluation, the alert stays pending for its ``for:`` (1 minute), and Alertmanager holds the first
-notification of a group for ``group_wait``. An incident shorter than its ``for:`` never pages;
+straggler pages about 110 s after the fault starts: the exporter's tracker opens the incident
+after k of n windows (~10 s), Prometheus sees it at the next scrape and evaluation, the alert
+stays pending for its ``for:`` (1 minute), and Alertmanager holds the first notification of a
+group for ``group_wait`` (101 s from the incident opening to the page, measured). An incident
+shorter than its ``for:`` never pages, nor may one up to two scrape/evaluation intervals longer;
 ``keep_firing_for:`` holds an alert over a failed scrape or a briefly closed incident. The
 figures, measured and computed, are in docs/runbooks.md ("Alert timing"); ``rankwatch assets
 export DIR --for ALERT=DURATION`` renders the rules with other durations.
