@@ -4,7 +4,7 @@ A real Prometheus (the compose stack's 15 s scrape and evaluation intervals, the
 file) scrapes a stand-in ``/metrics`` that serves the incident series a rank's exporter serves
 while its incident tracker holds a critical step-time straggler open; a real Alertmanager with
 the shipped routing (``group_wait: 30s``, ``group_interval: 5m``) sends to a local webhook. Each
-group below holds its incident open for a different time, all at once (Alertmanager groups by
+group holds its incident open for a different time, all at once (Alertmanager groups by
 run and group, so they do not share notifications):
 
 - ``open_to_page_s``: from the incident series appearing on /metrics to the page;
@@ -14,12 +14,14 @@ run and group, so they do not share notifications):
 What is measured starts at the incident: the tracker opens it after ``incident_open_k`` of
 ``incident_open_n`` windows of ``interval_seconds`` (computed, not measured here) and closes it
 after ``incident_close_m`` clean windows. Takes about 7 minutes (the resolved notification
-waits for ``group_interval``). Run: ``python -m bench.bench_alert_timing``.
+waits for ``group_interval``). Run: ``python -m bench.bench_alert_timing [SECONDS ...]`` (how
+long each incident stays open; default 45 80 150).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,8 +31,8 @@ from rankwatch.exporter.config import RankwatchConfig
 from tests.servers import REPO, alertmanager, free_port, prometheus
 
 ALERT = "RankwatchStepTimeStragglerCritical"
-# How long each group's incident stays open (seconds).
-OPEN_SECONDS = {"short-45s": 45.0, "medium-80s": 80.0, "long-150s": 150.0}
+# How long each group's incident stays open (seconds), unless given on the command line.
+DEFAULT_OPEN_SECONDS = (45.0, 80.0, 150.0)
 # After the longest incident closes: long enough for keep_firing_for and group_interval.
 TAIL_SECONDS = 330.0
 
@@ -63,8 +65,8 @@ def _shipped_alertmanager(webhook_url: str) -> str:
 class _Clock:
     """Which incidents are open now: group -> (opened, closed) in time.time()."""
 
-    def __init__(self, start: float) -> None:
-        self.windows = {g: (start, start + s) for g, s in OPEN_SECONDS.items()}
+    def __init__(self, start: float, open_seconds: tuple[float, ...]) -> None:
+        self.windows = {f"open-{s:g}s": (start, start + s) for s in open_seconds}
         self.first_scraped: dict[str, float] = {}
         self.last_scraped: dict[str, float] = {}
 
@@ -95,10 +97,10 @@ def _serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, 
     return server, port
 
 
-def run() -> dict[str, Any]:
-    """Run the three incidents through Prometheus and Alertmanager; the timings by group."""
+def run(open_seconds: tuple[float, ...] = DEFAULT_OPEN_SECONDS) -> dict[str, Any]:
+    """Run the incidents through Prometheus and Alertmanager; the timings by group."""
     received: list[tuple[float, dict[str, Any]]] = []
-    clock = _Clock(time.time() + 20.0)  # the servers start first
+    clock = _Clock(time.time() + 20.0, open_seconds)  # the servers start first
 
     class Metrics(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -164,7 +166,8 @@ def main() -> None:
         f"{cfg.interval_seconds:g} s) and closes it ~{closing:g} s after it ends "
         f"(m={cfg.incident_close_m})"
     )
-    results = run()
+    open_seconds = tuple(float(a) for a in sys.argv[1:]) or DEFAULT_OPEN_SECONDS
+    results = run(open_seconds)
     print(json.dumps(results, indent=2))
 
 
