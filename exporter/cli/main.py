@@ -288,11 +288,46 @@ def build_parser() -> argparse.ArgumentParser:
         "export",
         help="write every asset under DIR (dashboards/..., deploy/...)",
         description="Write every asset under DIR, keeping the repository layout. A file "
-        "already there with other content is refused unless --force.",
+        "already there with other content is refused unless --force. The dashboards, the rule "
+        "file and their Kubernetes objects are rendered from the options below and the "
+        "diagnosis thresholds of the environment (RANKWATCH_*, DEEPEP_DIAGNOSE_*); with "
+        "neither they are the shipped files.",
     )
     export.add_argument("dir", type=Path, metavar="DIR")
     export.add_argument(
         "--force", action="store_true", help="overwrite files whose content differs"
+    )
+    export.add_argument(
+        "--for",
+        dest="for_",
+        action="append",
+        default=[],
+        metavar="ALERT=DURATION",
+        help="an alert's for: (pending time before it fires), e.g. "
+        "RankwatchStepTimeStragglerCritical=30s; repeatable",
+    )
+    export.add_argument(
+        "--keep-firing-for",
+        action="append",
+        default=[],
+        metavar="ALERT=DURATION",
+        help="an alert's keep_firing_for: (hold after its condition clears); repeatable",
+    )
+    export.add_argument("--runbook-url", help="the runbooks page the alerts and panels link to")
+    export.add_argument(
+        "--job-selector", help="the label matcher of the rules' selectors, e.g. 'job=\"train\"'"
+    )
+    export.add_argument(
+        "--stale-window-seconds",
+        type=int,
+        help="window age from which RankwatchNoFreshWindows counts (default 180)",
+    )
+    export.add_argument(
+        "--settings",
+        type=Path,
+        metavar="FILE",
+        help="a JSON object of the same settings (for, keep_firing_for, runbook_url, ...); "
+        "options win",
     )
     export.set_defaults(handler=_cmd_assets_export)
     listing = assets_sub.add_parser("list", help="list the shipped files")
@@ -365,10 +400,23 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_assets_export(args: argparse.Namespace) -> int:
-    from rankwatch.exporter.cli.assets import export_assets, list_assets
+    from rankwatch.diagnosis.config import DiagnosisConfig
+    from rankwatch.exporter.cli.assets import export_assets, list_assets, settings_from_options
 
     try:
-        written = export_assets(args.dir, force=args.force)
+        settings = settings_from_options(
+            args.settings,
+            for_=args.for_,
+            keep_firing_for=args.keep_firing_for,
+            runbook_url=args.runbook_url,
+            job_selector=args.job_selector,
+            stale_window_seconds=args.stale_window_seconds,
+        )
+        config = DiagnosisConfig.from_env()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        written = export_assets(args.dir, force=args.force, settings=settings, config=config)
     except FileNotFoundError as exc:
         print(f"rankwatch assets: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE

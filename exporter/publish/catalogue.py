@@ -18,7 +18,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CATALOGUE", "COMMON_LABELS", "MetricSpec", "by_name", "markdown_table", "render_doc"]
+from rankwatch.diagnosis.config import NormalConfig, StepTimeConfig
+
+__all__ = [
+    "CATALOGUE",
+    "COMMON_LABELS",
+    "METRIC_NAMES",
+    "MetricNames",
+    "MetricSpec",
+    "by_name",
+    "markdown_table",
+    "render_doc",
+]
 
 COMMON_LABELS: tuple[str, ...] = ("run", "group")
 
@@ -67,6 +78,11 @@ class MetricSpec:
         return {"s": "seconds", "1": "ratio"}.get(self.unit, "")
 
 
+# The default thresholds the help texts state (read, not repeated: a changed default follows).
+_STEP_TIME = StepTimeConfig()
+_NORMAL = NormalConfig()
+
+
 def _m(name: str, type_: str, unit: str, labels: tuple[str, ...], help_: str) -> MetricSpec:
     return MetricSpec("rankwatch_" + name, type_, unit, labels, help_)
 
@@ -83,7 +99,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "",
         (),
         "Straggler score of the current window: (visible_victim - visible_culprit) / "
-        "(input_wait_victim + step_victim). Warning from 0.10, critical from 0.20.",
+        "(input_wait_victim + step_victim). Warning from "
+        f"{_STEP_TIME.straggler_warning_score:.2f}, critical from "
+        f"{_STEP_TIME.straggler_critical_score:.2f}.",
     ),
     _m(
         "cause_coverage_ratio",
@@ -129,7 +147,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gauge",
         "1",
         ("probe", "rank"),
-        "Notify kernel duration of a rank divided by the median of its peers; <= 0.25 is "
+        "Notify kernel duration of a rank divided by the median of its peers; "
+        f"<= {_NORMAL.notify_ratio:g} is "
         "late-arrival evidence.",
     ),
     _m(
@@ -175,7 +194,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "",
         ("probe",),
         "Completion cost of the probe's slowest link class (intra-node, inter-node, gateway) "
-        "over the median of that class's recent normal windows; >= 1.3 is a global slowdown. "
+        "over the median of that class's recent normal windows; "
+        f">= {_NORMAL.global_slowdown:g} is a global slowdown. "
         "Absent until the history is bootstrapped.",
     ),
     _m(
@@ -297,6 +317,21 @@ _BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
 def by_name(name: str) -> MetricSpec:
     """The catalogue entry for a Prometheus metric name (KeyError if unknown)."""
     return _BY_NAME[name]
+
+
+class MetricNames:
+    """The catalogue's names by attribute, for code that writes queries: ``METRIC_NAMES.
+    straggler_score`` is ``"rankwatch_straggler_score"``. A name the catalogue does not hold
+    raises ``AttributeError`` naming it, so a renamed metric cannot leave a query behind."""
+
+    def __getattr__(self, short: str) -> str:
+        name = "rankwatch_" + short
+        if name not in _BY_NAME:
+            raise AttributeError(f"metric {name!r} is not in the catalogue")
+        return name
+
+
+METRIC_NAMES = MetricNames()
 
 
 # docs/metrics.md holds the generated table between these markers; the prose around it is kept.

@@ -15,7 +15,6 @@ checked here against the SDK's own tables.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -30,6 +29,8 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as grafana_dashboard
 from grafana_foundation_sdk.models import units as grafana_units
 
+from rankwatch.diagnosis.config import DiagnosisConfig
+from rankwatch.exporter.assets.grafana import OLDEST_GRAFANA
 from rankwatch.exporter.publish.catalogue import CATALOGUE
 from tests.servers import REPO
 
@@ -41,18 +42,6 @@ OLDEST_SDK = REPO / ".venv" / "grafana-sdk-oldest"
 GRAFANA_DOCS = REPO / "docs" / "grafana.md"
 
 grafana_plugins.register_default_plugins()
-
-
-def generator() -> Any:
-    """dashboards/generate.py as a module (registered first: its dataclasses need that)."""
-    if "rw_generate" in sys.modules:
-        return sys.modules["rw_generate"]
-    spec = importlib.util.spec_from_file_location("rw_generate", DASHBOARD_DIR / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rw_generate"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def load(name: str) -> dict[str, Any]:
@@ -136,7 +125,7 @@ def test_import_envelope_and_datasource_variable(name: str) -> None:
     assert ("datasource", "prometheus") in required
     assert {("panel", p["type"]) for p in data["panels"]} <= required
     grafana = {r["id"]: r["version"] for r in data["__requires"] if r["type"] == "grafana"}
-    assert grafana == {"grafana": generator().OLDEST_GRAFANA}
+    assert grafana == {"grafana": OLDEST_GRAFANA}
     # The input is only the initial value of the datasource variable that every panel reads.
     ds_var = data["templating"]["list"][0]
     assert ds_var["name"] == "datasource"
@@ -238,16 +227,30 @@ def _threshold_values(panel: dict[str, Any]) -> list[float]:
 
 
 def test_policy_thresholds_are_drawn() -> None:
-    """The diagnosis thresholds appear where a reader needs them."""
+    """The diagnosis thresholds (the configuration's defaults) appear where a reader needs them."""
+    step_time, normal = DiagnosisConfig().step_time, DiagnosisConfig().normal
+    score = [step_time.straggler_warning_score, step_time.straggler_critical_score]
     st = _by_title("rankwatch-step-time.json")
-    assert _threshold_values(st["Straggler score"]) == [0.10, 0.20]
+    assert _threshold_values(st["Straggler score"]) == score
+    assert _threshold_values(st["Straggler score over time"]) == score
+    assert _threshold_values(st["Window steps"]) == [
+        step_time.min_steps_warning,
+        step_time.min_steps_critical,
+    ]
     ts = next(p for p in panels("rankwatch-step-time.json") if p["type"] == "timeseries")
     assert ts["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "line+area"
-    assert _threshold_values(st["Cause coverage by component"]) == [0.8]
+    assert _threshold_values(st["Cause coverage by component"]) == [step_time.cause_coverage_min]
     dn = _by_title("rankwatch-deepep-normal.json")
-    assert _threshold_values(dn["Notify ratio per rank and probe"]) == [0.25]
-    assert _threshold_values(dn["Global slowdown factor per probe"]) == [1.3]
-    assert _threshold_values(dn["Residual slowdown factors by scope"]) == [1.25, 2.0]
+    assert _threshold_values(dn["Notify ratio per rank and probe"]) == [normal.notify_ratio]
+    (green_from,) = _threshold_values(dn["Lowest Notify ratio"])
+    assert normal.notify_ratio < green_from < normal.notify_ratio + 0.001
+    assert _threshold_values(dn["Global slowdown factor per probe"]) == [normal.global_slowdown]
+    assert _threshold_values(dn["Residual slowdown factors by scope"]) == [
+        normal.axis_slowdown,
+        normal.point_slowdown,
+    ]
+    ov = _by_title("rankwatch-overview.json")
+    assert _threshold_values(ov["Straggler score by group"]) == score
 
 
 MATRIX_PROBES = ("dispatch_final", "dispatch_rdma_recv", "combine_logical_recv")
@@ -458,9 +461,10 @@ print(json.dumps(json.loads(json.dumps(decoded, cls=JSONEncoder))))
 """
 
 
+@pytest.mark.slow
 def test_oldest_claimed_grafana_schema_loads_the_dashboards() -> None:
     """docs/grafana.md claims Grafana 10.4 and newer: the 10.4 schema knows every field."""
-    oldest = generator().OLDEST_GRAFANA
+    oldest = OLDEST_GRAFANA
     assert f"Grafana {oldest.rsplit('.', 1)[0]} and newer" in GRAFANA_DOCS.read_text()
     meta = list(OLDEST_SDK.glob("grafana_foundation_sdk-*.dist-info"))
     assert meta, f"{OLDEST_SDK} is missing: run make venv"

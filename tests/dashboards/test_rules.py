@@ -21,8 +21,10 @@ from typing import Any
 import pytest
 import yaml
 
+from rankwatch.exporter.assets import ALERT_TIMING, Settings
+from rankwatch.exporter.assets.settings import DEFAULT_RUNBOOK_URL
+from rankwatch.exporter.cli import main as rankwatch_main
 from rankwatch.exporter.publish.catalogue import CATALOGUE, COMMON_LABELS
-from tests.dashboards.test_dashboards import generator
 from tests.servers import REPO, alertmanager, http_get, http_post, require_binary, wait_until
 
 RULES_DIR = REPO / "dashboards" / "rules"
@@ -66,12 +68,14 @@ def github_anchor(heading: str) -> str:
     return slug.replace(" ", "-")
 
 
+@pytest.mark.servers
 def test_promtool_check_rules() -> None:
     result = _promtool("check", "rules", str(RULES), cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("test_file", sorted(p.name for p in TESTS_DIR.glob("*.yml")))
 def test_promtool_unit_tests(test_file: str) -> None:
     result = _promtool("test", "rules", f"tests/{test_file}", cwd=RULES_DIR)
@@ -79,6 +83,7 @@ def test_promtool_unit_tests(test_file: str) -> None:
     assert "SUCCESS" in result.stdout
 
 
+@pytest.mark.servers
 def test_unit_tests_fail_when_debouncing_is_removed(tmp_path: Path) -> None:
     """The unit tests have teeth: the same tests against rules without for: must fail."""
     rules_dir = tmp_path / "rules"
@@ -114,7 +119,7 @@ def test_alert_metadata(alert: dict[str, Any]) -> None:
     url = annotations["runbook_url"]
     path, _, fragment = url.partition("#")
     # Absolute by default, so a page opened from a notification reaches it.
-    assert path == generator().DEFAULT_RUNBOOK_URL
+    assert path == DEFAULT_RUNBOOK_URL
     assert path.startswith("https://") and path.endswith("/docs/runbooks.md")
     headings = [
         github_anchor(line.lstrip("#"))
@@ -205,37 +210,30 @@ def test_diagnosis_alert_labels_do_not_carry_the_cause() -> None:
 # --- the generator's settings ------------------------------------------------------------------
 
 
+@pytest.mark.servers
 def test_settings_render_a_different_installation(tmp_path: Path) -> None:
-    """Runbook base, job selector and for: come from the settings; the result passes promtool."""
-    gen = generator()
-    settings_file = tmp_path / "settings.yaml"
+    """Runbook base, job selector and for: come from `rankwatch assets export`'s settings
+    (a JSON file and options, which win); the result passes promtool."""
+    settings_file = tmp_path / "settings.json"
     settings_file.write_text(
-        yaml.safe_dump(
+        json.dumps(
             {
                 "runbook_url": "https://wiki.example.com/ops/rankwatch.md",
-                "for": {"RankwatchStepTimeStragglerWarning": "10m"},
+                "for": {"RankwatchStepTimeStragglerWarning": "10m", "RankwatchExporterDown": "1m"},
             }
         )
     )
     out = tmp_path / "out"
-    gen.main(
-        [
-            "--settings",
-            str(settings_file),
-            "--job-selector",
-            'job="training"',
-            "--for",
-            "RankwatchExporterDown=15m",
-            "--out",
-            str(out),
-        ]
-    )
+    argv = ["assets", "export", str(out), "--settings", str(settings_file)]
+    argv += ["--job-selector", 'job="training"', "--for", "RankwatchExporterDown=15m"]
+    assert rankwatch_main(argv) == 0
     rules_file = out / "dashboards/rules/rankwatch.rules.yml"
     doc = yaml.safe_load(rules_file.read_text())
     alerts = {r["alert"]: r for g in doc["groups"] for r in g["rules"] if "alert" in r}
     assert alerts["RankwatchStepTimeStragglerWarning"]["for"] == "10m"
     assert alerts["RankwatchExporterDown"]["for"] == "15m"
-    assert alerts["RankwatchStepTimeStragglerCritical"]["for"] == "1m"  # the default stays
+    critical = ALERT_TIMING["RankwatchStepTimeStragglerCritical"].for_
+    assert alerts["RankwatchStepTimeStragglerCritical"]["for"] == critical  # the default stays
     for alert in alerts.values():
         assert alert["annotations"]["runbook_url"].startswith(
             "https://wiki.example.com/ops/rankwatch.md#rankwatch"
@@ -244,10 +242,52 @@ def test_settings_render_a_different_installation(tmp_path: Path) -> None:
         assert ".*rankwatch.*" not in alert["expr"]
     result = _promtool("check", "rules", str(rules_file), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+    # The PrometheusRule carries the same rules.
+    (rule_object,) = yaml.safe_load_all((out / "deploy/kubernetes/prometheusrule.yaml").read_text())
+    assert rule_object["spec"] == doc
     # The dashboards' runbook links follow the same setting.
     overview = (out / "dashboards/rankwatch-overview.json").read_text()
     assert "https://wiki.example.com/ops/rankwatch.md#rankwatch" in overview
-    assert gen.DEFAULT_RUNBOOK_URL not in overview
+    assert DEFAULT_RUNBOOK_URL not in overview
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--for", "RankwatchNoSuchAlert=5m"], "--for 'RankwatchNoSuchAlert=5m': for: unknown"),
+        (["--for", "RankwatchExporterDown=5 minutes"], "got '5 minutes'"),
+        (["--for", "RankwatchExporterDown=1.5m"], "got '1.5m'"),
+        (["--for", "RankwatchExporterDown"], "--for 'RankwatchExporterDown': expected ALERT="),
+        (["--for", "=1m"], "--for '=1m': expected ALERT=DURATION"),
+        (["--keep-firing-for", "RankwatchExporterDown=soon"], "--keep-firing-for"),
+        (["--job-selector", "training"], "job_selector"),
+        (["--stale-window-seconds", "0"], "stale_window_seconds"),
+        (["--settings", "missing.json"], "--settings 'missing.json'"),
+    ],
+)
+def test_export_refuses_bad_settings_with_one_line(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert rankwatch_main(["assets", "export", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("rankwatch assets: error: "), err
+    assert message in err
+    assert not out.exists()  # nothing written
+
+
+def test_export_refuses_a_settings_file_that_is_not_a_json_object(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for text in ("for: {}\n", "[1, 2]"):  # YAML is not read (no PyYAML at run time)
+        (tmp_path / "s.json").write_text(text)
+        assert (
+            rankwatch_main(
+                ["assets", "export", str(tmp_path / "o"), "--settings", str(tmp_path / "s.json")]
+            )
+            == 2
+        )
+        assert "--settings" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -264,7 +304,7 @@ def test_settings_render_a_different_installation(tmp_path: Path) -> None:
 )
 def test_bad_settings_name_the_field(overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=re.escape(field)):
-        generator().Settings.load(overrides)
+        Settings.load(overrides)
 
 
 # --- Alertmanager inhibition --------------------------------------------------------------------
@@ -320,6 +360,7 @@ def _post_alerts(am_url: str, alerts: list[dict[str, str]]) -> None:
     )
 
 
+@pytest.mark.servers
 def test_inhibition_in_a_real_alertmanager() -> None:
     """The shipped inhibition rules, on the alerts' real label sets, in a real Alertmanager."""
     fired = _tested_alert_labels()

@@ -4,7 +4,7 @@
 touching the checkout and names every committed file that differs, so CI (``make test``) fails
 on a stale file. This is the only freshness check of these files:
 
-- ``dashboards/generate.py``: the dashboards, the alert rules and their Kubernetes objects;
+- ``rankwatch.exporter.assets``: the dashboards, the alert rules and their Kubernetes objects;
 - ``rankwatch.exporter.publish.catalogue``: the metric table in ``docs/metrics.md``;
 - ``rankwatch.exporter.cli.heatmap.render_phase_gallery``: the pictures ``docs/img/deepep-*.png``.
 
@@ -20,11 +20,12 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 import PIL
+import pytest
 from PIL import Image
 
+from rankwatch.exporter.assets import render
 from rankwatch.exporter.cli.heatmap import render_phase_gallery
 from rankwatch.exporter.publish.catalogue import render_doc
-from tests.dashboards.test_dashboards import generator
 from tests.servers import REPO
 
 FIX = "run `make generate`"
@@ -37,14 +38,13 @@ def _fail_if_stale(stale: list[str]) -> None:
 
 
 def test_dashboards_rules_and_manifests_are_current() -> None:
-    rendered: dict[Path, str] = generator().render(root=REPO)
     stale = []
-    for path, text in rendered.items():
-        name = path.relative_to(REPO).as_posix()
+    for name, text in render().items():
+        path = REPO / name
         if not path.exists():
             stale.append(f"{name}: missing")
         elif path.read_text() != text:
-            stale.append(f"{name}: differs from dashboards/generate.py's output")
+            stale.append(f"{name}: differs from rankwatch.exporter.assets' output")
     _fail_if_stale(stale)
 
 
@@ -60,6 +60,7 @@ def _pixels(path: Path) -> np.ndarray:
         return np.asarray(im.convert("RGB"))
 
 
+@pytest.mark.slow
 def test_doc_pictures_are_current(tmp_path: Path) -> None:
     # Pixels, not bytes: the bytes are reproducible on one machine (no Software tag, no
     # timestamp), but the PNG's compressed stream depends on the zlib Pillow was built with

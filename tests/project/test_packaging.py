@@ -13,7 +13,17 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.servers import REPO
+
+
+def _third_party_paths() -> str:
+    """The site-packages folders this interpreter reads, one a line (a .pth file's body): its
+    own and any another .pth file chains in, since a borrowed folder's .pth files are not read."""
+    folders = [sysconfig.get_paths()["purelib"]]
+    folders += [p for p in sys.path if p.endswith("site-packages") and p not in folders]
+    return "".join(f"{folder}\n" for folder in folders)
 
 
 def test_editable_install_imports_from_the_source_tree() -> None:
@@ -24,6 +34,7 @@ def test_editable_install_imports_from_the_source_tree() -> None:
     assert Path(cat.__file__).resolve().parent == REPO / "exporter" / "publish"
 
 
+@pytest.mark.slow
 def test_wheel_installs_and_imports_outside_the_tree(tmp_path: Path) -> None:
     wheel_dir = tmp_path / "wheels"
     subprocess.run(
@@ -73,7 +84,7 @@ def test_wheel_installs_and_imports_outside_the_tree(tmp_path: Path) -> None:
     )
     # Third-party packages come from this environment's site-packages, added as a plain path
     # entry: its .pth files (including the editable finder) are not processed that way.
-    (site / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (site / "borrowed.pth").write_text(_third_party_paths())
     probe = (
         "import rankwatch.diagnosis.config as c, rankwatch.exporter.publish.catalogue as k;"
         "print(c.__file__); print(k.__file__)"
@@ -92,6 +103,7 @@ def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload, no-any-return]
 
 
+@pytest.mark.slow
 def test_release_build_installs_exports_the_assets_and_runs_the_demo(tmp_path: Path) -> None:
     """`python -m build` (sdist, then the wheel built from that sdist) passes `twine check`;
     the wheel, installed into a fresh virtual environment, writes out exactly the repository's
@@ -140,13 +152,27 @@ def test_release_build_installs_exports_the_assets_and_runs_the_demo(tmp_path: P
         ]
     )
     # Third-party packages (torch included) come from this environment, as in the test above.
-    (site / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (site / "borrowed.pth").write_text(_third_party_paths())
     python = str(venv / "bin" / "python")
     where = _run([python, "-c", "import rankwatch; print(rankwatch.__file__)"], cwd=tmp_path)
     assert str(site) in where.stdout
 
+    # PyYAML is not a runtime dependency: the export must not import it (it is blocked here,
+    # since the borrowed third-party packages include it).
+    def export(out: Path, *options: str) -> None:
+        argv = ["assets", "export", str(out), *options]
+        script = (
+            "import sys; sys.modules['yaml'] = None\n"
+            "from rankwatch.exporter.cli import main\n"
+            f"sys.exit(main({argv!r}))\n"
+        )
+        done = subprocess.run(
+            [python, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
     out = tmp_path / "exported"
-    _run([python, "-m", "rankwatch.exporter.cli", "assets", "export", str(out)], cwd=tmp_path)
+    export(out)
     from rankwatch.exporter.cli.assets import list_assets
 
     expected = {a.relative: a.source.read_bytes() for a in list_assets(REPO)}
@@ -160,6 +186,29 @@ def test_release_build_installs_exports_the_assets_and_runs_the_demo(tmp_path: P
         "deploy/compose/compose.yaml",
     ):
         assert key in got
+    assert not any(name.endswith(".py") for name in got if name.startswith("dashboards/"))
+
+    # Alert timing changed from the installed package: only the for: lines move.
+    timed = tmp_path / "exported-timing"
+    export(timed, "--for", "RankwatchStepTimeStragglerCritical=30s")
+    rules = "dashboards/rules/rankwatch.rules.yml"
+    changed = (timed / rules).read_text()
+    assert changed != got[rules].decode()
+    import yaml
+
+    from rankwatch.exporter.assets import ALERT_TIMING
+
+    alerts = {
+        r["alert"]: r for g in yaml.safe_load(changed)["groups"] for r in g["rules"] if "alert" in r
+    }
+    assert alerts["RankwatchStepTimeStragglerCritical"]["for"] == "30s"
+    assert alerts["RankwatchExporterDown"]["for"] == ALERT_TIMING["RankwatchExporterDown"].for_
+    assert (timed / "deploy/kubernetes/prometheusrule.yaml").read_bytes() != got[
+        "deploy/kubernetes/prometheusrule.yaml"
+    ]
+    assert (timed / "dashboards/rankwatch-overview.json").read_bytes() == got[
+        "dashboards/rankwatch-overview.json"
+    ]
 
     demo_out = tmp_path / "demo-out"
     demo = subprocess.run(
@@ -178,6 +227,7 @@ def test_release_build_installs_exports_the_assets_and_runs_the_demo(tmp_path: P
     assert (demo_out / "summary.txt").read_text().strip()
 
 
+@pytest.mark.slow
 def test_commands_name_the_extra_to_install_when_it_is_missing() -> None:
     # rich and matplotlib are optional extras: blocked here as if they were not installed.
     for blocked, argv, extra in (
