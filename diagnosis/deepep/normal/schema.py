@@ -14,7 +14,7 @@ cached_notify_combine  count         1
 dispatch_final         cost          EP        logical source rank
 dispatch_final         sample        EP
 dispatch_final         token         EP
-dispatch_rdma_recv     cost          EP        source gateway proxy rank
+dispatch_rdma_recv     cost          EP        RDMA sender rank (same GPU index, see below)
 dispatch_rdma_recv     sample        EP
 dispatch_rdma_recv     token         EP
 combine_logical_recv   cost          EP        logical source rank
