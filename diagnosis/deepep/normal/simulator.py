@@ -49,6 +49,10 @@ Further faults (``FAULT_PHASES``), for the accuracy matrix:
     receives that many more tokens in dispatch and sends that many back in combine, and its
     cost per sample rises with the load (no hardware is slow).
 
+``rank_hang``
+    rank ``hang_rank`` stops: its counters advance by nothing and no rank receives anything
+    from it, while every other rank goes on (the window in which a hang begins).
+
 ``window`` takes one phase or a sequence of phases applied together (a persistent local
 fault while all HCAs are loaded). Randomness comes from one ``numpy`` generator seeded at
 construction: the same seed and calls give the same counters.
@@ -90,7 +94,13 @@ PHASES: tuple[str, ...] = (
 )
 
 # Faults beyond the validation run's five phases (see the module docstring).
-FAULT_PHASES: tuple[str, ...] = ("node_pair_pressure", "slow_link", "slow_row", "hot_expert")
+FAULT_PHASES: tuple[str, ...] = (
+    "node_pair_pressure",
+    "slow_link",
+    "slow_row",
+    "hot_expert",
+    "rank_hang",
+)
 ALL_PHASES: tuple[str, ...] = PHASES + FAULT_PHASES
 
 # Completion cost growth of the all-HCA phase, per probe (the validation run's medians).
@@ -164,6 +174,7 @@ class NormalSimulator:
         pressured_nodes: tuple[int, int] | None = None,
         slow_link: tuple[int, int] | None = None,
         hot_rank: int | None = None,
+        hang_rank: int | None = None,
     ) -> None:
         for name, value in (("ep_size", ep_size), ("ranks_per_node", ranks_per_node)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -190,14 +201,16 @@ class NormalSimulator:
         )
         self.slow_link = (min(1, ep_size - 1), ep_size - 1) if slow_link is None else slow_link
         self.hot_rank = ep_size // 2 if hot_rank is None else hot_rank
+        self.hang_rank = slow_rank if hang_rank is None else hang_rank
         for name, pair, bound in (
             ("pressured_nodes", self.pressured_nodes, n_nodes),
             ("slow_link", self.slow_link, ep_size),
         ):
             if len(pair) != 2 or not all(isinstance(v, int) and 0 <= v < bound for v in pair):
                 raise ValueError(f"{name}: expected two ints in [0, {bound}), got {pair!r}")
-        if not isinstance(self.hot_rank, int) or not 0 <= self.hot_rank < ep_size:
-            raise ValueError(f"hot_rank: must be in [0, {ep_size}), got {hot_rank!r}")
+        for name, rank in (("hot_rank", self.hot_rank), ("hang_rank", self.hang_rank)):
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ep_size:
+                raise ValueError(f"{name}: must be in [0, {ep_size}), got {rank!r}")
         self.ep_size = ep_size
         self.ranks_per_node = ranks_per_node
         self.slow_rank = slow_rank
@@ -386,11 +399,23 @@ class NormalSimulator:
                 if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
                     raise ValueError(f"extra_cost_factor[{probe}]: must be finite and > 0")
         index = self.window_index if window_index is None else window_index
+        notify = self._notify(phases)
+        completion = self._completion(phases, extra_cost_factor)
+        if "rank_hang" in phases:
+            # The hung rank's own block stands still and nobody receives from it.
+            h = self.hang_rank
+            for pair in notify.values():
+                for arr in pair:
+                    arr[h] = 0.0
+            for triple in completion.values():
+                for mat in triple:
+                    mat[h, :] = 0.0
+                    mat[:, h] = 0.0
         return NormalWindow(
             ep_size=self.ep_size,
             ranks_per_node=self.ranks_per_node,
-            notify=self._notify(phases),
-            completion=self._completion(phases, extra_cost_factor),
+            notify=notify,
+            completion=completion,
             window_index=index,
             extra={"phase": "+".join(phases)},
         )
