@@ -1,4 +1,5 @@
-"""Who hung: a stalled rank or a silent source is a hang suspect; an idle window is nothing."""
+"""Who hung: a stalled rank or a silent source is a hang suspect; an idle window is nothing;
+a one-node group without counters is on DeepEP's intranode path, which records none."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from rankwatch.diagnosis.deepep.normal import (
     NormalWindow,
     find_stall,
 )
+from rankwatch.diagnosis.deepep.normal.schema import internode_ranks_per_node
 from rankwatch.diagnosis.vocabulary import HANG_SUSPECT
 
 from .normal_support import make_window
@@ -107,3 +109,47 @@ def test_the_finding_is_json_ready():
     finding = find_stall(_hung())
     assert finding is not None
     json.dumps(finding.to_dict(), allow_nan=False)
+
+
+# --- one node: no counters is not idleness -------------------------------------------------------
+
+
+def test_a_one_node_group_whose_counters_never_moved_is_on_the_intranode_path():
+    zero = NormalSimulator(8, 8, seed=0, slow_rank=1).zero_snapshot()
+    later = type(zero)(zero.counters.copy(), sequence=1, taken_at_s=5.0)
+    with pytest.raises(InvalidWindowError) as info:
+        NormalWindow.from_snapshots(zero, later, 8)
+    assert info.value.reason == "intranode_path"
+    assert "no normal-mode counters on the intranode path" in str(info.value)
+    with pytest.raises(InvalidWindowError) as first:
+        NormalWindow.from_snapshots(None, zero, 8)
+    assert first.value.reason == "intranode_path"
+
+
+def test_a_one_node_group_that_had_counts_and_pauses_is_idle():
+    sim = NormalSimulator(8, 8, seed=0, slow_rank=1)
+    moved = sim.advance("baseline")
+    same = type(moved)(moved.counters.copy(), sequence=moved.sequence + 1, taken_at_s=9.0)
+    with pytest.raises(InvalidWindowError) as info:
+        NormalWindow.from_snapshots(moved, same, 8)
+    assert info.value.reason == "empty_window"
+
+
+@pytest.mark.parametrize(("ep", "rpn", "want"), [(4, None, None), (8, 4, None), (16, None, 8)])
+def test_deepep_fixes_8_gpus_per_node_for_internode_groups(ep, rpn, want):
+    assert internode_ranks_per_node(ep, rpn) == want
+
+
+@pytest.mark.parametrize(
+    ("ep", "rpn", "match"),
+    [
+        (12, None, "multiples of 8 ranks up to 160, got 12"),
+        (168, None, "multiples of 8 ranks up to 160, got 168"),
+        (16, 4, "fixes 8 GPUs per NVLink domain, got 4 for EP size 16"),
+        (0, None, "ep_size: must be a positive int, got 0"),
+        (True, None, "ep_size: must be a positive int, got True"),
+    ],
+)
+def test_ep_sizes_the_internode_kernels_cannot_run_are_refused(ep, rpn, match):
+    with pytest.raises(ValueError, match=match):
+        internode_ranks_per_node(ep, rpn)
