@@ -95,6 +95,15 @@ def _factor(log_factor: float) -> float:
     return math.exp(min(float(log_factor), _MAX_LOG_FACTOR))
 
 
+def _off_layout_note(cells: int) -> str:
+    if not cells:
+        return ""
+    return (
+        f"; {cells} cell(s) with samples outside the internode kernel's layout (sender and "
+        "receiver with different GPU indices) were left out: counters from another DeepEP build?"
+    )
+
+
 def _flag(
     log_factor: np.ndarray, score: np.ndarray, threshold: float, config: NormalConfig
 ) -> np.ndarray:
@@ -301,9 +310,16 @@ def diagnose_completion(
     cps = cost_per_sample(cost, samples)
     tps = None if tokens is None else cost_per_sample(np.asarray(tokens, np.float64), samples)
     valid = np.isfinite(cps)  # a sample and a cost per sample float64 can hold
+    off_layout = 0
     if gateway:
-        # The diagonal is each rank's local lane (no RDMA): not an edge to compare.
-        valid &= ~np.eye(ep, dtype=bool)
+        # The diagonal is each rank's local lane (no RDMA): not an edge to compare. The kernel
+        # only records edges between ranks with the same local GPU index; a sample elsewhere
+        # comes from another layout (another DeepEP build) and would be misread, so it is left
+        # out and counted in ``detail``.
+        local = np.arange(ep) % rpn
+        on_rail = local[:, None] == local[None, :]
+        off_layout = int(np.count_nonzero(valid & ~on_rail))
+        valid &= on_rail & ~np.eye(ep, dtype=bool)
     if not valid.any():
         what = "inter-node RDMA edge" if gateway else "cell"
         return ProbeResult(
@@ -312,7 +328,7 @@ def diagnose_completion(
             status="insufficient",
             cost_per_sample=cps,
             tokens_per_sample=tps,
-            detail=f"no {what} carried a sample in this window",
+            detail=f"no {what} carried a sample in this window" + _off_layout_note(off_layout),
         )
 
     anomalies: list[Anomaly] = []
@@ -428,6 +444,7 @@ def diagnose_completion(
                 Anomaly(probe, point_scope, int(s), int(d), _factor(v), float(z), ranks, ratio)
             )
 
+    detail = "; ".join(d for d in (detail, _off_layout_note(off_layout).lstrip("; ")) if d)
     return ProbeResult(
         probe=probe,
         kind="completion",

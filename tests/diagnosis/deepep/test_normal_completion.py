@@ -349,3 +349,13 @@ def test_worked_example_of_the_docs():
     assert report.probes[DF].aggregate == pytest.approx(1732.05, abs=0.01)
     (incident,) = report.incidents
     assert (incident.cls, incident.ranks) == ("unclassified", (1, 5, 6))
+
+
+def test_rdma_samples_outside_the_kernel_layout_are_left_out_and_said():
+    # Samples between ranks of different GPU indices cannot come from the internode kernel.
+    smp = np.where(gateway_mask(16, 8), 64.0, 0.0)
+    smp[3, 12] = 64.0  # 3 % 8 != 12 % 8
+    fac = cell_factor(16, 3, 12, 10.0)
+    res = probe_result(make_window(factors={RD: fac}, samples={RD: smp}), RD)
+    assert scopes(res) == []
+    assert "1 cell(s) with samples outside the internode kernel's layout" in res.detail
