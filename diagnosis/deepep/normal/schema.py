@@ -36,6 +36,7 @@ __all__ = [
     "COMPLETION_FIELDS",
     "COMPLETION_PROBES",
     "DISPATCH_BUNDLE",
+    "INTERNODE_NODE_COUNTS",
     "MAX_INTERNODE_EP",
     "NOTIFY_FIELDS",
     "NOTIFY_PROBES",
@@ -62,9 +63,11 @@ PROBES: tuple[str, ...] = NOTIFY_PROBES + COMPLETION_PROBES
 NOTIFY_FIELDS: tuple[str, ...] = ("duration_ns", "count")
 
 # DeepEP's internode kernels, the only ones that record these counters, fix the NVLink domain at
-# NUM_MAX_NVL_PEERS = 8 GPUs and are compiled for at most 20 RDMA ranks.
+# NUM_MAX_NVL_PEERS = 8 GPUs and are compiled for these node (RDMA rank) counts only
+# (SWITCH_RDMA_RANKS; the Buffer's dispatch/combine configs list the same EP sizes).
 NVL_DOMAIN_SIZE = 8
-MAX_INTERNODE_EP = 160
+INTERNODE_NODE_COUNTS: tuple[int, ...] = (2, 3, 4, 6, 8, 12, 16, 18, 20)
+MAX_INTERNODE_EP = NVL_DOMAIN_SIZE * max(INTERNODE_NODE_COUNTS)
 COMPLETION_FIELDS: tuple[str, ...] = ("cost", "sample", "token")
 
 # (probe, field, per_rank): per_rank=True means one entry per EP rank, else a single scalar.
@@ -134,7 +137,8 @@ def internode_ranks_per_node(ep_size: int, ranks_per_node: int | None = None) ->
 
     An EP group of more than 8 ranks runs DeepEP's internode kernels: 8 GPUs per NVLink domain,
     so the result is 8 and ``ranks_per_node`` may only be None or 8; an EP size the internode
-    kernels cannot run (not a multiple of 8, above 160) raises ``ValueError``. A group of 8 or
+    kernels cannot run (not a multiple of 8, above 160, or a node count they are not compiled
+    for, e.g. 40) raises ``ValueError``. A group of 8 or
     fewer runs the intranode kernels, which record no normal-mode counters: None (the caller
     keeps its own layout, one node).
     """
@@ -142,10 +146,11 @@ def internode_ranks_per_node(ep_size: int, ranks_per_node: int | None = None) ->
         raise ValueError(f"ep_size: must be a positive int, got {ep_size!r}")
     if ep_size <= NVL_DOMAIN_SIZE:
         return None
-    if ep_size % NVL_DOMAIN_SIZE or ep_size > MAX_INTERNODE_EP:
+    if ep_size % NVL_DOMAIN_SIZE or ep_size // NVL_DOMAIN_SIZE not in INTERNODE_NODE_COUNTS:
+        supported = ", ".join(str(n * NVL_DOMAIN_SIZE) for n in INTERNODE_NODE_COUNTS)
         raise ValueError(
             f"ep_size: DeepEP's internode normal mode runs multiples of {NVL_DOMAIN_SIZE} ranks "
-            f"up to {MAX_INTERNODE_EP}, got {ep_size}"
+            f"up to {MAX_INTERNODE_EP} ({supported}), got {ep_size}"
         )
     if ranks_per_node is not None and ranks_per_node != NVL_DOMAIN_SIZE:
         raise ValueError(

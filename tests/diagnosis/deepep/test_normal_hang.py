@@ -135,7 +135,10 @@ def test_a_one_node_group_that_had_counts_and_pauses_is_idle():
     assert info.value.reason == "empty_window"
 
 
-@pytest.mark.parametrize(("ep", "rpn", "want"), [(4, None, None), (8, 4, None), (16, None, 8)])
+@pytest.mark.parametrize(
+    ("ep", "rpn", "want"),
+    [(4, None, None), (8, 4, None), (16, None, 8), (144, 8, 8), (160, None, 8)],
+)
 def test_deepep_fixes_8_gpus_per_node_for_internode_groups(ep, rpn, want):
     assert internode_ranks_per_node(ep, rpn) == want
 
@@ -143,8 +146,9 @@ def test_deepep_fixes_8_gpus_per_node_for_internode_groups(ep, rpn, want):
 @pytest.mark.parametrize(
     ("ep", "rpn", "match"),
     [
-        (12, None, "multiples of 8 ranks up to 160, got 12"),
-        (168, None, "multiples of 8 ranks up to 160, got 168"),
+        (12, None, r"multiples of 8 ranks up to 160 .*, got 12"),
+        (168, None, r"multiples of 8 ranks up to 160 .*, got 168"),
+        (40, None, r"up to 160 \(16, 24, 32, 48, 64, 96, 128, 144, 160\), got 40"),
         (16, 4, "fixes 8 GPUs per NVLink domain, got 4 for EP size 16"),
         (0, None, "ep_size: must be a positive int, got 0"),
         (True, None, "ep_size: must be a positive int, got True"),
