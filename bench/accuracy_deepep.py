@@ -177,6 +177,12 @@ FAULTS: tuple[Fault, ...] = (
         ),
         combine_point=True,
     ),
+    Fault(
+        "hang",
+        "one rank stops (hang)",
+        ("rank_hang",),
+        lambda t: [("hang_suspect", (t.slow_rank,))],
+    ),
 )
 
 
@@ -247,6 +253,7 @@ def _expected_text(fault: Fault) -> str:
         "global_data_path_slowdown": "global",
         "localized_data_path_slowdown": "localized",
         "unclassified": "unclassified",
+        "hang_suspect": "hang",
     }
     text = " + ".join(f"{names[c]}{list(r) if r else ''}" for c, r in got)
     return text + (" (load: hot)" if fault.hot_context else "")
