@@ -448,6 +448,11 @@ class NormalConfig(EnvOptions):
         default=1.5,
         metadata=option("RANKWATCH_NORMAL_HOT_LOAD_RATIO", 1.0, MAX_FACTOR, lo_open=True),
     )
+    # Hang suspect: a rank (or a source) that advanced by nothing is named only when a peer
+    # advanced by at least this many Notify launches or Completion samples in the same window.
+    hang_min_progress: int = field(
+        default=2, metadata=option("RANKWATCH_NORMAL_HANG_MIN_PROGRESS", 1, 1_000_000)
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -7,11 +7,13 @@ __all__ = [
     "BOTTLENECK_CLASS",
     "COMPONENTS",
     "GLOBAL_DATA_PATH_SLOWDOWN",
+    "HANG_SUSPECT",
     "INCIDENT_CLASSES",
     "INCIDENT_SEVERITIES",
     "KINDS",
     "LOCALIZED_DATA_PATH_SLOWDOWN",
     "NORMAL_INCIDENT_CLASSES",
+    "OPEN_AT_ONCE_CLASSES",
     "PRE_STAGE_ARRIVAL_SKEW",
     "SEVERITIES",
     "SEVERITY_LEVELS",
@@ -64,10 +66,16 @@ PRE_STAGE_ARRIVAL_SKEW = "pre_stage_arrival_skew"
 GLOBAL_DATA_PATH_SLOWDOWN = "global_data_path_slowdown"
 LOCALIZED_DATA_PATH_SLOWDOWN = "localized_data_path_slowdown"
 UNCLASSIFIED = "unclassified"
+# Some ranks stopped advancing their DeepEP counters while others went on.
+HANG_SUSPECT = "hang_suspect"
 NORMAL_INCIDENT_CLASSES: tuple[str, ...] = (
     PRE_STAGE_ARRIVAL_SKEW,
     GLOBAL_DATA_PATH_SLOWDOWN,
     LOCALIZED_DATA_PATH_SLOWDOWN,
     UNCLASSIFIED,
+    HANG_SUSPECT,
 )
+# Classes whose incident opens on the first window that shows them, without the k-of-n
+# debounce: DeepEP's own timeout ends a hung job about 100 s later.
+OPEN_AT_ONCE_CLASSES: tuple[str, ...] = (HANG_SUSPECT,)
 INCIDENT_CLASSES: tuple[str, ...] = (STRAGGLER_CLASS, BOTTLENECK_CLASS, *NORMAL_INCIDENT_CLASSES)

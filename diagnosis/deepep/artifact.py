@@ -53,7 +53,11 @@ __all__ = [
     "save_window_artifact",
 ]
 
-SCHEMA_VERSION = 1
+# Version 2: ``dispatch_rdma_recv`` is stored as DeepEP's internode kernel writes it, [RDMA
+# sender, receiving rank with the same GPU index] plus the diagonal local lane. Version 1 stored
+# it as [relay rank, destination on the relay's node], a different quantity that cannot be
+# converted (it summed the senders of a GPU index), so version-1 files are refused.
+SCHEMA_VERSION = 2
 ARTIFACT_KIND = "rankwatch.deepep_normal_window"
 ARTIFACT_PREFIX = "deepep-normal-"
 # Largest EP group an artifact may declare: one float64 [EP, EP] matrix is then 128 MiB.
@@ -422,6 +426,12 @@ def _load(p: Path, npz: Any) -> tuple[NormalWindow, dict[str, Any] | None, Artif
     if "schema_version" not in npz.files:
         raise ArtifactError(f"{p}: missing key 'schema_version' (not a rankwatch artifact?)")
     version = r.scalar("schema_version")
+    if version == 1:
+        raise r.fail(
+            "schema_version",
+            "version 1 stores dispatch_rdma_recv in the old relay layout, which cannot be "
+            f"converted to the kernel's layout; this rankwatch reads version {SCHEMA_VERSION}",
+        )
     if version != SCHEMA_VERSION:
         raise r.fail(
             "schema_version",

@@ -65,7 +65,7 @@ _BAR = "#4c72b0"
 _MISSING = "#d9d9d9"
 _AXIS_LABELS = {
     "dispatch_final": ("destination rank", "source rank"),
-    "dispatch_rdma_recv": ("destination rank", "source gateway (proxy) rank"),
+    "dispatch_rdma_recv": ("destination rank", "RDMA sender rank (same GPU index)"),
     "combine_logical_recv": ("destination rank", "source rank"),
 }
 

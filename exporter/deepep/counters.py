@@ -8,8 +8,12 @@ the producer stream:
 
 The normal-mode part follows the schema table (:func:`counter_slots`); the two bundles DeepEP's
 normal ``dispatch`` and ``combine`` take are views into it, in ``DISPATCH_BUNDLE`` and
-``COMBINE_BUNDLE`` order. The low-latency part is two ``int64[EP]`` vectors (dispatch, combine)
-indexed by peer rank. A part that is not enabled has length zero.
+``COMBINE_BUNDLE`` order. The kernels index every per-rank view by global rank: the logical
+source for ``dispatch_final`` and ``combine_logical_recv``, the RDMA sender with this rank's own
+GPU index for ``dispatch_rdma_recv`` (and this rank itself for its local lane); the views pass
+that through unchanged and the diagnosis reads it so. The low-latency part is two
+``int64[EP]`` vectors (dispatch, combine) indexed by peer rank. A part that is not enabled has
+length zero.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from rankwatch.diagnosis.config import LowLatencyConfig, NormalConfig, option_env
+from rankwatch.diagnosis.deepep.normal.schema import internode_ranks_per_node
 from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig
 from rankwatch.exporter.deepep.counters import DeepEPCounters, allocate_counters
@@ -266,6 +267,7 @@ class Diagnose:
         rw_config: RankwatchConfig | None = None
         node_name_env = DEFAULT_NODE_NAME_ENV
         stream: Any = None
+        internode_rpn: int | None = None
         try:
             if config is not None and not isinstance(config, RankwatchConfig):
                 raise TypeError(
@@ -288,6 +290,9 @@ class Diagnose:
                     f"ranks_per_node: must be a positive divisor of the EP size {group.size()}, "
                     f"got {ranks_per_node!r}"
                 )
+            if enable_normal_diagnose:
+                # DeepEP's internode normal mode fixes the node size (8) and its EP sizes.
+                internode_rpn = internode_ranks_per_node(group.size(), ranks_per_node)
             if not isinstance(group_name, str) or not group_name:
                 raise ValueError(f"group_name: expected a non-empty string, got {group_name!r}")
             if (
@@ -344,7 +349,12 @@ class Diagnose:
         if not deepep.enable or not (enable_ll_diagnose or enable_normal_diagnose):
             return None
         hostnames = [m.hostname for m in members]
-        rpn = ranks_per_node if ranks_per_node is not None else infer_ranks_per_node(hostnames)
+        if ranks_per_node is not None:
+            rpn = ranks_per_node
+        elif enable_normal_diagnose and internode_rpn is not None:
+            rpn = internode_rpn
+        else:
+            rpn = infer_ranks_per_node(hostnames)
         infos = []
         for m in members:
             same_host = [o.rank for o in members if o.hostname == m.hostname]

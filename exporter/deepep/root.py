@@ -272,8 +272,12 @@ class DeepEPRoot:
         )
 
     def _log_rejection(self, part: str, window_index: int, reason: str, detail: str) -> None:
-        # An idle window is routine; a reset or a bad counter is worth a warning.
-        level = logging.DEBUG if reason == "empty_window" else logging.WARNING
+        # An idle window is routine; a reset or a bad counter is worth a warning. A one-node
+        # group has no normal-mode counters at all: said once, loudly, then counted quietly.
+        quiet = reason == "empty_window" or (
+            reason == "intranode_path" and self.rejected_windows[f"{part}:{reason}"] > 1
+        )
+        level = logging.DEBUG if quiet else logging.WARNING
         if part == "normal":
             line = invalid_window_line(self.instance_id, self.ep_size, window_index, reason, detail)
         else:

@@ -206,6 +206,15 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "1 when the probe reported an anomaly in the current window, else 0.",
     ),
     _m(
+        "deepep_stalled_rank",
+        "gauge",
+        "",
+        ("rank", "stage"),
+        "1 for each rank a hang suspect names in the current window: its counters stood still "
+        "(or no rank received from it) while its peers advanced; stage is the first probe it "
+        "missed. Absent when no rank stalled.",
+    ),
+    _m(
         "deepep_window_invalid_total",
         "counter",
         "",

@@ -7,7 +7,8 @@ really gone:
 
 * **open**: an incident opens when the same finding (same identity, see below) was present in
   at least ``k`` of the last ``n`` windows (``RankwatchConfig.incident_open_k`` /
-  ``incident_open_n``, default 2 of 3);
+  ``incident_open_n``, default 2 of 3); a ``hang_suspect`` opens on its first window
+  (``OPEN_AT_ONCE_CLASSES``), since DeepEP's own timeout ends a hung job about 100 s later;
 * **close**: an open incident closes after ``m`` consecutive windows without it
   (``incident_close_m``, default 3);
 * after closing, the identity starts from a clean history: it must again be seen in ``k`` of the
@@ -54,6 +55,7 @@ from rankwatch.diagnosis.vocabulary import (
     BOTTLENECK_CLASS,
     GLOBAL_DATA_PATH_SLOWDOWN,
     INCIDENT_SEVERITIES,
+    OPEN_AT_ONCE_CLASSES,
     PRE_STAGE_ARRIVAL_SKEW,
     STRAGGLER_CLASS,
     STRAGGLER_KINDS,
@@ -364,7 +366,8 @@ class IncidentTracker:
                     closes.append(self._event("close", track.incident, report, group, run))
                     del self._tracks[key]
                 continue
-            if sum(track.history) >= self.open_k and sig is not None:
+            opens_now = sig is not None and sig.cls in OPEN_AT_ONCE_CLASSES
+            if (sum(track.history) >= self.open_k or opens_now) and sig is not None:
                 track.incident = self._open(track, sig, report)
                 opens.append(self._event("open", track.incident, report, group, run))
             elif not any(track.history):

@@ -49,7 +49,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rankwatch.diagnosis.report import WindowReport
-from rankwatch.diagnosis.vocabulary import INCIDENT_CLASSES, INCIDENT_SEVERITIES, SEVERITY_LEVELS
+from rankwatch.diagnosis.vocabulary import (
+    HANG_SUSPECT,
+    INCIDENT_CLASSES,
+    INCIDENT_SEVERITIES,
+    SEVERITY_LEVELS,
+)
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.identity import build_labels
 from rankwatch.exporter.publish.catalogue import CATALOGUE, MetricSpec, by_name
@@ -269,6 +274,11 @@ def _normal(out: _Out, report: WindowReport, budget: int) -> None:
         _S["deepep_completion_column_cycles_per_sample"],
     )
     residual = _S["deepep_residual_slowdown_factor"]
+    for inc in normal.incidents:
+        if inc.cls == HANG_SUSPECT:
+            stage = str(inc.evidence.get("stage", ""))
+            for r in inc.ranks:
+                out.add(_S["deepep_stalled_rank"], (rank_of(r), stage), 1.0)
     for probe in sorted(normal.probes):
         result = normal.probes[probe]
         out.add(_S["deepep_probe_anomalous"], (probe,), 1.0 if result.anomalous else 0.0)

@@ -1,6 +1,7 @@
 """DeepEP normal-mode diagnosis: counter schema, windows, per-probe rules, incidents."""
 
 from rankwatch.diagnosis.deepep.normal.diagnoser import NormalDiagnoser
+from rankwatch.diagnosis.deepep.normal.hang import StallFinding, find_stall
 from rankwatch.diagnosis.deepep.normal.history import GlobalHistory
 from rankwatch.diagnosis.deepep.normal.report import Anomaly, Incident, NormalReport, ProbeResult
 from rankwatch.diagnosis.deepep.normal.schema import (
@@ -34,8 +35,10 @@ __all__ = [
     "NormalSimulator",
     "NormalWindow",
     "ProbeResult",
+    "StallFinding",
     "counter_length",
     "counter_slots",
+    "find_stall",
     "phase_timeline",
     "snapshot_counters",
 ]

@@ -5,8 +5,12 @@ sample). The rule, all in log space so that factors multiply and effects add:
 
 1. Reference. Dense probes (``dispatch_final``, ``combine_logical_recv``) use the median of
    each source-node x destination-node block, so intra-node cells are compared with intra-node
-   cells and inter-node cells with inter-node cells. The sparse gateway probe
-   (``dispatch_rdma_recv``) uses the median of its valid edges.
+   cells and inter-node cells with inter-node cells. The sparse RDMA receive probe
+   (``dispatch_rdma_recv``) uses the median of its valid inter-node edges. The kernel indexes it
+   by source rank and records it on the receiving rank with the same local GPU index on each
+   other node (an RDMA "rail"), plus its own local lane on the diagonal: the edges are
+   ``src -> dst`` with ``src % 8 == dst % 8`` on different nodes. The local lane measures a copy
+   that never leaves the GPU, so it is left out of the localisation.
 2. ``L = log(cost / reference)``; then, in this order, the window-wide effect (median of
    ``L``), the source-row effects (row medians of what is left) and the destination-column
    effects (column medians of what is left) are removed. What remains is the point residual.
@@ -54,7 +58,8 @@ __all__ = [
     "diagnose_completion",
 ]
 
-# Probes whose source index is a gateway proxy rank: sparse, one reference for all edges.
+# Probes whose cells are RDMA edges between same-index GPUs of two nodes: sparse, one reference
+# for all edges.
 GATEWAY_PROBES: tuple[str, ...] = ("dispatch_rdma_recv",)
 # Costs are integer cycle counts; below one cycle per sample the counter cannot resolve a
 # difference, and a zero would have no logarithm. Such cells count as one cycle.
@@ -88,6 +93,15 @@ _MAX_LOG_FACTOR = 709.0
 
 def _factor(log_factor: float) -> float:
     return math.exp(min(float(log_factor), _MAX_LOG_FACTOR))
+
+
+def _off_layout_note(cells: int) -> str:
+    if not cells:
+        return ""
+    return (
+        f"; {cells} cell(s) with samples outside the internode kernel's layout (sender and "
+        "receiver with different GPU indices) were left out: counters from another DeepEP build?"
+    )
 
 
 def _flag(
@@ -296,15 +310,25 @@ def diagnose_completion(
     cps = cost_per_sample(cost, samples)
     tps = None if tokens is None else cost_per_sample(np.asarray(tokens, np.float64), samples)
     valid = np.isfinite(cps)  # a sample and a cost per sample float64 can hold
-    n_valid = int(np.count_nonzero(valid))
-    if n_valid == 0:
+    off_layout = 0
+    if gateway:
+        # The diagonal is each rank's local lane (no RDMA): not an edge to compare. The kernel
+        # only records edges between ranks with the same local GPU index; a sample elsewhere
+        # comes from another layout (another DeepEP build) and would be misread, so it is left
+        # out and counted in ``detail``.
+        local = np.arange(ep) % rpn
+        on_rail = local[:, None] == local[None, :]
+        off_layout = int(np.count_nonzero(valid & ~on_rail))
+        valid &= on_rail & ~np.eye(ep, dtype=bool)
+    if not valid.any():
+        what = "inter-node RDMA edge" if gateway else "cell"
         return ProbeResult(
             probe=probe,
             kind="completion",
             status="insufficient",
             cost_per_sample=cps,
             tokens_per_sample=tps,
-            detail="no cell carried a sample in this window",
+            detail=f"no {what} carried a sample in this window" + _off_layout_note(off_layout),
         )
 
     anomalies: list[Anomaly] = []
@@ -312,6 +336,11 @@ def diagnose_completion(
         src, dst = np.nonzero(valid)
         aggregate, row_log, col_log, resid = _gateway_effects(cps[src, dst], src, dst, ep)
         classes = {"gateway": aggregate}
+        # On two nodes a rank has one edge out and one in: a slow row cannot be told from a
+        # slow column or a slow edge, so it is reported as that edge (both ranks named).
+        single_out = np.bincount(src, minlength=ep) == 1
+        partner = np.full(ep, -1)
+        partner[src] = dst
     else:
         block_log, row_log, col_log, resid_mat = _dense_effects(cps, rpn)
         aggregate = math.exp(float(np.mean(block_log[np.isfinite(block_log)])))
@@ -333,6 +362,21 @@ def diagnose_completion(
         for a in anomalies
     ]
     for r, ratio in zip(rows, load.lanes(rows, 1), strict=True):
+        if gateway and single_out[r]:
+            d = int(partner[r])
+            anomalies.append(
+                Anomaly(
+                    probe,
+                    "edge",
+                    int(r),
+                    d,
+                    _factor(row_log[r]),
+                    float(row_scores[r]),
+                    (int(r), d),
+                    load.cells(np.array([r]), np.array([d]))[0],
+                )
+            )
+            continue
         anomalies.append(
             Anomaly(
                 probe,
@@ -400,6 +444,7 @@ def diagnose_completion(
                 Anomaly(probe, point_scope, int(s), int(d), _factor(v), float(z), ranks, ratio)
             )
 
+    detail = "; ".join(d for d in (detail, _off_layout_note(off_layout).lstrip("; ")) if d)
     return ProbeResult(
         probe=probe,
         kind="completion",

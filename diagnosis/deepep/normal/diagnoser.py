@@ -7,11 +7,13 @@ import dataclasses
 from rankwatch.diagnosis.config import NormalConfig, config_or_default
 from rankwatch.diagnosis.deepep.normal.completion import GATEWAY_PROBES, diagnose_completion
 from rankwatch.diagnosis.deepep.normal.correlate import correlate
+from rankwatch.diagnosis.deepep.normal.hang import find_stall
 from rankwatch.diagnosis.deepep.normal.history import GlobalHistory
 from rankwatch.diagnosis.deepep.normal.notify import diagnose_notify
-from rankwatch.diagnosis.deepep.normal.report import Anomaly, NormalReport, ProbeResult
+from rankwatch.diagnosis.deepep.normal.report import Anomaly, Incident, NormalReport, ProbeResult
 from rankwatch.diagnosis.deepep.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES
 from rankwatch.diagnosis.deepep.normal.window import NormalWindow
+from rankwatch.diagnosis.vocabulary import HANG_SUSPECT
 
 __all__ = ["NormalDiagnoser"]
 
@@ -102,6 +104,18 @@ class NormalDiagnoser:
         for probe in COMPLETION_PROBES:
             probes[probe] = self._completion(window, probe)
         incidents, raw = correlate(probes, window.ranks_per_node, self.config.hot_load_ratio)
+        stall = find_stall(window, self.config)
+        if stall is not None:
+            # First: a hang ends the job, whatever else the partial window shows.
+            hang = Incident(
+                cls=HANG_SUSPECT,
+                probes=(stall.stage,) if stall.stage else (),
+                scope="local",
+                ranks=stall.ranks,
+                evidence=stall.to_dict(),
+                severity="critical",
+            )
+            incidents = (hang, *incidents)
         return NormalReport(
             window_index=window.window_index,
             ep_size=window.ep_size,

@@ -14,9 +14,9 @@ scope           meaning                                      src / dst
 ``column``      a slow destination column of a dense matrix  src = None, dst = destination rank
 ``point``       one slow source -> destination cell           src, dst = ranks
 ``block``       a slow source-node x destination-node block  src, dst = *node* indices
-``src_gateway`` a slow source gateway (RDMA receive row)     src = gateway rank, dst = None
-``dst_gateway`` a slow destination (RDMA receive column)     src = None, dst = destination rank
-``edge``        one slow gateway -> destination edge          src, dst = ranks
+``src_gateway`` a slow RDMA sender (RDMA receive row)        src = sending rank, dst = None
+``dst_gateway`` a slow RDMA receiver (RDMA receive column)   src = None, dst = receiving rank
+``edge``        one slow RDMA edge (same GPU index)          src, dst = ranks
 ``global``      the probe as a whole is slower than history  src = dst = None
 =============== ============================================ ==================================
 """

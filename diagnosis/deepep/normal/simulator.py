@@ -10,9 +10,12 @@ probes the way the kernels would count them:
   over experts spread evenly on the ranks), one sample per active channel, and a cost per
   sample in cycles that depends on the path (intra-node NVLink or inter-node RDMA), mildly on
   the load, on a fixed per-path spread and on per-window noise.
-* The RDMA receive matrix is indexed by *source gateway proxy*: inter-node traffic from a
-  sender with local index ``l`` arrives at the rank with local index ``l`` on the destination
-  node, which forwards it. Only gateway -> destination edges within a node carry samples.
+* The RDMA receive matrix is laid out as DeepEP's internode dispatch kernel writes it: a
+  token owner sends over RDMA to the rank with its own local GPU index on each destination node
+  (that rank forwards over NVLink), and the receiving rank records the edge under the sender's
+  rank. So only ``src -> dst`` cells with ``src % ranks_per_node == dst % ranks_per_node`` carry
+  samples: the inter-node edges of each rail, and the diagonal, the rank's own local lane (a
+  copy that never leaves the GPU). One sample per channel and call that had tokens.
 
 Phases (the five of the validation run, see ``PHASES``):
 
@@ -35,8 +38,7 @@ Further faults (``FAULT_PHASES``), for the accuracy matrix:
 
 ``node_pair_pressure``
     the network between ``pressured_nodes`` is congested: dense paths between those two
-    nodes (both directions) slow by ``node_pair_factor``; their gateways' RDMA receive edges
-    slow by the share of their traffic that comes from the other node of the pair.
+    nodes (both directions) slow by ``node_pair_factor``, RDMA edges between them too.
 ``slow_link``
     one degraded GPU pair ``slow_link``: every dense path between the two ranks, both
     directions, slows by ``link_factor``.
@@ -46,6 +48,10 @@ Further faults (``FAULT_PHASES``), for the accuracy matrix:
     rank ``hot_rank`` hosts an expert ``hot_factor`` times as popular as the others: it
     receives that many more tokens in dispatch and sends that many back in combine, and its
     cost per sample rises with the load (no hardware is slow).
+
+``rank_hang``
+    rank ``hang_rank`` stops: its counters advance by nothing and no rank receives anything
+    from it, while every other rank goes on (the window in which a hang begins).
 
 ``window`` takes one phase or a sequence of phases applied together (a persistent local
 fault while all HCAs are loaded). Randomness comes from one ``numpy`` generator seeded at
@@ -88,7 +94,13 @@ PHASES: tuple[str, ...] = (
 )
 
 # Faults beyond the validation run's five phases (see the module docstring).
-FAULT_PHASES: tuple[str, ...] = ("node_pair_pressure", "slow_link", "slow_row", "hot_expert")
+FAULT_PHASES: tuple[str, ...] = (
+    "node_pair_pressure",
+    "slow_link",
+    "slow_row",
+    "hot_expert",
+    "rank_hang",
+)
 ALL_PHASES: tuple[str, ...] = PHASES + FAULT_PHASES
 
 # Completion cost growth of the all-HCA phase, per probe (the validation run's medians).
@@ -115,6 +127,8 @@ class SimulatorProfile:
     # Cycles per sample: (intra-node, inter-node) for the dense probes, one value for RDMA.
     dispatch_cycles: tuple[float, float] = (40_000.0, 110_000.0)
     rdma_cycles: float = 70_000.0
+    # The RDMA receive probe's local lane (the rank's own tokens for its own node).
+    rdma_local_cycles: float = 20_000.0
     combine_cycles: tuple[float, float] = (45_000.0, 125_000.0)
     load_exponent: float = 0.3
     path_spread: float = 0.03
@@ -160,6 +174,7 @@ class NormalSimulator:
         pressured_nodes: tuple[int, int] | None = None,
         slow_link: tuple[int, int] | None = None,
         hot_rank: int | None = None,
+        hang_rank: int | None = None,
     ) -> None:
         for name, value in (("ep_size", ep_size), ("ranks_per_node", ranks_per_node)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -186,14 +201,16 @@ class NormalSimulator:
         )
         self.slow_link = (min(1, ep_size - 1), ep_size - 1) if slow_link is None else slow_link
         self.hot_rank = ep_size // 2 if hot_rank is None else hot_rank
+        self.hang_rank = slow_rank if hang_rank is None else hang_rank
         for name, pair, bound in (
             ("pressured_nodes", self.pressured_nodes, n_nodes),
             ("slow_link", self.slow_link, ep_size),
         ):
             if len(pair) != 2 or not all(isinstance(v, int) and 0 <= v < bound for v in pair):
                 raise ValueError(f"{name}: expected two ints in [0, {bound}), got {pair!r}")
-        if not isinstance(self.hot_rank, int) or not 0 <= self.hot_rank < ep_size:
-            raise ValueError(f"hot_rank: must be in [0, {ep_size}), got {hot_rank!r}")
+        for name, rank in (("hot_rank", self.hot_rank), ("hang_rank", self.hang_rank)):
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ep_size:
+                raise ValueError(f"{name}: must be in [0, {ep_size}), got {rank!r}")
         self.ep_size = ep_size
         self.ranks_per_node = ranks_per_node
         self.slow_rank = slow_rank
@@ -274,8 +291,6 @@ class NormalSimulator:
         multi_node = ep > rpn
         if phase == "all_hca_pressure":
             # Every HCA is loaded: only paths that cross the network slow down.
-            if probe == "dispatch_rdma_recv":
-                return ALL_HCA_FACTORS[probe]
             return np.where(self._inter, ALL_HCA_FACTORS[probe], 1.0)
         factor = np.ones((ep, ep))
         if phase == "single_hca_pressure" and multi_node:
@@ -285,21 +300,14 @@ class NormalSimulator:
                 factor[hit, :] = leg[hit, :]
             elif probe == "combine_logical_recv":  # token owners receive through their own HCA
                 factor[:, hit] = leg[:, hit]
-            else:  # gateways behind the loaded HCA relay every edge slower
-                factor[hit, :] = prof.hca_rdma_factor
+            else:  # RDMA edges of the loaded HCA's rails, both ends behind it
+                factor[hit[:, None] & self._inter] = prof.hca_rdma_factor
         elif phase == "node_pair_pressure" and multi_node:
             a, b = self.pressured_nodes
             node = np.arange(ep) // rpn
             pair = (node[:, None] == a) & (node[None, :] == b)
             pair |= pair.T
-            if probe == "dispatch_rdma_recv":
-                # A gateway edge on node a or b carries traffic from every other node; only
-                # the pair's share of it is slow.
-                share = 1.0 / max(1, ep // rpn - 1)
-                on_pair = np.isin(node, (a, b))
-                factor[on_pair, :] = 1.0 + (prof.node_pair_factor - 1.0) * share
-            else:
-                factor[pair] = prof.node_pair_factor
+            factor[pair] = prof.node_pair_factor
         elif phase == "slow_link" and probe != "dispatch_rdma_recv":
             a, b = self.slow_link
             factor[a, b] = factor[b, a] = prof.link_factor
@@ -335,23 +343,24 @@ class NormalSimulator:
                 per_sample = per_sample * extra[probe]
             out[probe] = (self._cost(probe, per_sample, samples), samples, tokens)
 
-        # RDMA receive: edge gateway g -> destination d (same node) carries what every remote
-        # sender with g's local index sent to d.
+        # RDMA receive, as the kernel counts it: cell [s, d] holds what sender s sent over RDMA
+        # to d's node (d has s's local index); the diagonal is s's local lane.
         probe = "dispatch_rdma_recv"
         n_nodes = ep // rpn
-        df_tokens = out["dispatch_final"][2]
-        tokens = np.zeros((ep, ep))
-        samples = np.zeros((ep, ep))
-        if n_nodes > 1:
-            # Sum the inter-node dispatch traffic of senders sharing a local index.
-            inter_tokens = np.where(self._inter, df_tokens, 0.0)
-            by_local = inter_tokens.reshape(n_nodes, rpn, ep).sum(axis=0)  # [local, dst]
-            gw_tokens = by_local[self._local, :]  # row g takes its local index's traffic
-            tokens = np.where(self._same_node, gw_tokens, 0.0)
-            samples = np.where(tokens > 0, float(prof.channels * calls * (n_nodes - 1)), 0.0)
+        experts = prof.experts_per_rank * ep
+        per_node = prof.experts_per_rank * rpn
+        # Probability that a token picks at least one expert of a given node.
+        p_node = 1.0 - np.prod(
+            [(experts - per_node - i) / (experts - i) for i in range(prof.top_k)]
+        )
+        node_tokens = self.rng.binomial(prof.tokens_per_rank * calls, p_node, (ep, n_nodes))
+        rail = self._local[:, None] == self._local[None, :]
+        tokens = np.where(rail, node_tokens[:, np.arange(ep) // rpn], 0).astype(np.float64)
+        samples = np.where(tokens > 0, float(prof.channels * calls), 0.0)
         load = np.where(samples > 0, tokens / np.maximum(samples, 1.0), 0.0)
         mean_load = float(load[samples > 0].mean()) if np.any(samples > 0) else 1.0
-        per_sample = prof.rdma_cycles * (np.maximum(load, 1e-9) / mean_load) ** prof.load_exponent
+        base = np.where(self._inter, prof.rdma_cycles, prof.rdma_local_cycles)
+        per_sample = base * (np.maximum(load, 1e-9) / mean_load) ** prof.load_exponent
         for phase in phases:
             per_sample = per_sample * self._phase_factor(phase, probe)
         if extra is not None and probe in extra:
@@ -390,11 +399,23 @@ class NormalSimulator:
                 if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
                     raise ValueError(f"extra_cost_factor[{probe}]: must be finite and > 0")
         index = self.window_index if window_index is None else window_index
+        notify = self._notify(phases)
+        completion = self._completion(phases, extra_cost_factor)
+        if "rank_hang" in phases:
+            # The hung rank's own block stands still and nobody receives from it.
+            h = self.hang_rank
+            for pair in notify.values():
+                for arr in pair:
+                    arr[h] = 0.0
+            for triple in completion.values():
+                for mat in triple:
+                    mat[h, :] = 0.0
+                    mat[:, h] = 0.0
         return NormalWindow(
             ep_size=self.ep_size,
             ranks_per_node=self.ranks_per_node,
-            notify=self._notify(phases),
-            completion=self._completion(phases, extra_cost_factor),
+            notify=notify,
+            completion=completion,
             window_index=index,
             extra={"phase": "+".join(phases)},
         )

@@ -5,7 +5,8 @@ Completion probe three ``[src, dst]`` matrices (cost, samples, tokens). Derived 
 by the count: a cell or rank with zero samples is *invalid* (NaN), never a zero cost.
 Problems with the input raise :class:`InvalidWindowError`, whose ``reason`` is a short code the
 exporter counts (``counter_reset``, ``counter_wraparound``, ``shape_mismatch``, ``non_finite``,
-``negative_value``, ``stale_snapshot``, ``empty_window``, ``bad_value``).
+``negative_value``, ``stale_snapshot``, ``empty_window``, ``intranode_path`` for a one-node
+group whose counters have never moved, ``bad_value``).
 """
 
 from __future__ import annotations
@@ -240,6 +241,15 @@ class NormalWindow:
         if not any(np.any(c > 0) for _, c in notify.values()) and not any(
             np.any(s > 0) for _, s, _ in completion.values()
         ):
+            never_moved = prev is None or not np.any(prev.counters)
+            if isinstance(ranks_per_node, int) and ranks_per_node >= ep and never_moved:
+                # Not idle but blind: DeepEP's intranode kernels record no normal-mode counters
+                # (cumulative counters that have never moved on a one-node group).
+                raise InvalidWindowError(
+                    "intranode_path",
+                    f"no normal-mode counters on the intranode path (EP {ep} on one node): "
+                    "DeepEP records them only in its internode kernels",
+                )
             raise InvalidWindowError("empty_window", "no Notify launch and no Completion sample")
         return cls(
             ep_size=ep,

@@ -1,9 +1,10 @@
 """Builders of exact, noise-free normal-mode windows for rule tests (no tests in here).
 
 Dense probes get ``base_intra`` / ``base_inter`` cycles per sample, the gateway probe
-``base_rdma`` on its valid edges (same node as the destination, only when there is more than
-one node); every rank's Notify kernel lasts ``notify_ns`` per launch. Factor matrices multiply
-the cost per sample, so a test says exactly how much slower a row, column, cell or block is.
+``base_rdma`` on its valid cells (as DeepEP's internode kernel writes them: sender and
+receiver share a local GPU index, plus the diagonal local lane; only with more than one
+node); every rank's Notify kernel lasts ``notify_ns`` per launch. Factor matrices multiply the
+cost per sample, so a test says exactly how much slower a row, column, cell or block is.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ SAMPLES = 64.0
 
 
 def gateway_mask(ep: int, rpn: int) -> np.ndarray:
-    """Valid gateway -> destination edges: within each node, only with more than one node."""
-    node = np.arange(ep) // rpn
+    """Cells the RDMA receive probe records: ``src % rpn == dst % rpn`` (the inter-node edges of
+    each rail and the diagonal local lane), only with more than one node."""
+    local = np.arange(ep) % rpn
     if ep // rpn < 2:
         return np.zeros((ep, ep), dtype=bool)
-    return node[:, None] == node[None, :]
+    return local[:, None] == local[None, :]
 
 
 def make_window(

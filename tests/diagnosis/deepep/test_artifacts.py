@@ -267,9 +267,15 @@ def _load_error(path: Path) -> str:
 
 
 def test_wrong_schema_version_is_rejected(good: Path, tmp_path: Path) -> None:
-    bad = _rewrite(good, tmp_path / "v2.npz", schema_version=np.int64(SCHEMA_VERSION + 1))
+    bad = _rewrite(good, tmp_path / "v3.npz", schema_version=np.int64(SCHEMA_VERSION + 1))
     msg = _load_error(bad)
-    assert "'schema_version'" in msg and "unsupported version 2" in msg and str(bad) in msg
+    assert "'schema_version'" in msg and "unsupported version 3" in msg and str(bad) in msg
+
+
+def test_version_1_relay_layout_is_refused_with_the_reason(good: Path, tmp_path: Path) -> None:
+    old = _rewrite(good, tmp_path / "v1.npz", schema_version=np.int64(1))
+    msg = _load_error(old)
+    assert "'schema_version'" in msg and "old relay layout" in msg and str(old) in msg
 
 
 @pytest.mark.parametrize(

@@ -194,36 +194,61 @@ def test_row_and_column_crossing():
 
 @pytest.mark.parametrize(("factor", "flagged"), [(1.25, True), (1.2499, False)])
 def test_source_gateway_threshold(factor, flagged):
-    w = make_window(factors={RD: row_factor(16, 9, factor)})
+    # EP32: four nodes, so sender 9 has three RDMA edges (to 1, 17 and 25).
+    w = make_window(32, factors={RD: row_factor(32, 9, factor)})
     res = probe_result(w, RD)
     assert scopes(res) == ([("src_gateway", 9, None)] if flagged else [])
 
 
 def test_destination_gateway():
-    w = make_window(factors={RD: col_factor(16, 3, 1.4)})
+    w = make_window(32, factors={RD: col_factor(32, 3, 1.4)})
     assert scopes(probe_result(w, RD)) == [("dst_gateway", None, 3)]
 
 
 @pytest.mark.parametrize(("factor", "flagged"), [(2.0, True), (1.999, False)])
 def test_gateway_edge_threshold(factor, flagged):
-    w = make_window(factors={RD: cell_factor(16, 12, 14, factor)})
+    w = make_window(32, factors={RD: cell_factor(32, 12, 20, factor)})
     res = probe_result(w, RD)
-    assert scopes(res) == ([("edge", 12, 14)] if flagged else [])
+    assert scopes(res) == ([("edge", 12, 20)] if flagged else [])
+
+
+@pytest.mark.parametrize("slow", ["row", "column", "cell"])
+def test_two_nodes_a_slow_rdma_sender_receiver_or_edge_is_that_edge(slow):
+    # EP16 in the kernel's layout: rank 9 sends over RDMA only to rank 1 and receives only
+    # from it, so a slow sender, a slow receiver and a slow edge all look the same. Read as a
+    # relay rank and a destination on the relay's node, this probe saw nothing here.
+    factor = {
+        "row": row_factor(16, 9, 1.6),
+        "column": col_factor(16, 1, 1.6),
+        "cell": cell_factor(16, 9, 1, 1.6),
+    }[slow]
+    res = probe_result(make_window(factors={RD: factor}), RD)
+    assert scopes(res) == [("edge", 9, 1)]
+    assert res.anomalies[0].ranks == (9, 1)
+    assert res.anomalies[0].factor == pytest.approx(1.6)
+
+
+def test_the_local_lane_is_not_an_rdma_edge():
+    # The diagonal (a rank's own tokens for its own node) never crosses the network.
+    w = make_window(32, factors={RD: cell_factor(32, 5, 5, 4.0)})
+    res = probe_result(w, RD)
+    assert scopes(res) == []
+    assert res.cost_per_sample[5, 5] == pytest.approx(8000.0)
 
 
 def test_gateway_reference_is_the_median_edge_and_aggregate():
     w = make_window(base_rdma=2500.0)
     res = probe_result(w, RD)
     assert res.aggregate == pytest.approx(2500.0)
-    assert np.isnan(res.cost_per_sample[0, 8])  # not a gateway edge: no sample
-    assert res.cost_per_sample[0, 1] == pytest.approx(2500.0)
+    assert np.isnan(res.cost_per_sample[0, 1])  # different GPU index: no RDMA edge
+    assert res.cost_per_sample[0, 8] == pytest.approx(2500.0)
 
 
 def test_single_node_gateway_probe_is_insufficient():
     w = make_window(8, 8)
     res = probe_result(w, RD)
     assert res.status == "insufficient"
-    assert "no cell" in res.detail
+    assert "no inter-node RDMA edge" in res.detail
     assert res.aggregate is None
 
 
@@ -324,3 +349,13 @@ def test_worked_example_of_the_docs():
     assert report.probes[DF].aggregate == pytest.approx(1732.05, abs=0.01)
     (incident,) = report.incidents
     assert (incident.cls, incident.ranks) == ("unclassified", (1, 5, 6))
+
+
+def test_rdma_samples_outside_the_kernel_layout_are_left_out_and_said():
+    # Samples between ranks of different GPU indices cannot come from the internode kernel.
+    smp = np.where(gateway_mask(16, 8), 64.0, 0.0)
+    smp[3, 12] = 64.0  # 3 % 8 != 12 % 8
+    fac = cell_factor(16, 3, 12, 10.0)
+    res = probe_result(make_window(factors={RD: fac}, samples={RD: smp}), RD)
+    assert scopes(res) == []
+    assert "1 cell(s) with samples outside the internode kernel's layout" in res.detail

@@ -126,7 +126,9 @@ def test_intersecting_local_scopes_are_a_localized_slowdown():
     (incident,) = report.incidents
     assert incident.scope == "local" and incident.severity == "critical"
     assert incident.evidence[DF]["count"] == 2
-    assert incident.evidence[RD]["anomalies"][0]["scope"] == "src_gateway"
+    assert (
+        incident.evidence[RD]["anomalies"][0]["scope"] == "edge"
+    )  # EP16: rank 8's one RDMA edge (to 0)
 
 
 def test_rdma_evidence_elsewhere_is_not_attached():
@@ -140,7 +142,7 @@ def test_rdma_evidence_elsewhere_is_not_attached():
     report = bootstrapped().diagnose(w)
     assert classes(report) == [
         ("localized_data_path_slowdown", (DF, CB), (3,)),
-        ("unclassified", (RD,), (12,)),
+        ("unclassified", (RD,), (4, 12)),  # EP16: sender 12's one RDMA edge, to rank 4
     ]
 
 

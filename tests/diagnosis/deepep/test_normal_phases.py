@@ -87,7 +87,8 @@ def test_single_hca_pressure_is_localized_on_ranks_0_1_8_9(phase_reports):
         ]
         assert {a.src for a in report.probes[DF].anomalies} == {0, 1, 8, 9}
         assert {a.dst for a in report.probes[CB].anomalies} == {0, 1, 8, 9}
-        assert {a.scope for a in report.probes[RD].anomalies} == {"src_gateway"}
+        # Two nodes: each pressured rank has one RDMA edge out, reported as that edge.
+        assert {a.scope for a in report.probes[RD].anomalies} == {"edge"}
         assert report.probes[DF].global_status == "normal"
 
 

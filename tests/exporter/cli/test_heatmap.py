@@ -171,12 +171,13 @@ def test_anomalous_phases_look_different_and_show_their_flags(gallery: dict[str,
         assert not np.array_equal(img(phase, "notify"), img("baseline", "notify"))
         assert all(red(phase, chart) == 0 for chart in CHARTS[1:])
     # All-HCA pressure is a global slowdown: different values, nothing outlined.
-    # Single-HCA pressure outlines the rows / gateways / columns of ranks 0, 1, 8, 9.
+    # Single-HCA pressure outlines the rows / columns of ranks 0, 1, 8, 9, and their four RDMA
+    # edges (EP16: one edge per sender, four cells rather than four rows).
     for chart in CHARTS[1:]:
         for phase in ("all_hca_pressure", "single_hca_pressure"):
             assert not np.array_equal(img(phase, chart), img("baseline", chart))
         assert red("all_hca_pressure", chart) == 0
-        assert red("single_hca_pressure", chart) > 100, chart
+        assert red("single_hca_pressure", chart) > (50 if chart == "dispatch_rdma_recv" else 100)
     assert red("single_hca_pressure", "notify") == 0
 
 
