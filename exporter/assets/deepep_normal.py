@@ -236,7 +236,7 @@ def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
             "Incidents by class",
             "Open DeepEP incidents by class "
             "(pre_stage_arrival_skew, global_data_path_slowdown, "
-            "localized_data_path_slowdown, unclassified), probe and culprit rank.",
+            "localized_data_path_slowdown, hang_suspect, unclassified), probe and culprit rank.",
             f"max by (class, severity, probe, culprit_rank) "
             f'({M.incident_active}{{{SEL}, class!~"step_time_.*"}})',
             "{{class}} {{probe}} rank {{culprit_rank}} ({{severity}})",

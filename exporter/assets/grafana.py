@@ -343,6 +343,7 @@ DEEPEP_ALERTS = (
     "RankwatchDeepEPGlobalDataPathSlowdown",
     "RankwatchDeepEPLocalizedDataPathSlowdown",
     "RankwatchDeepEPPreStageArrivalSkew",
+    "RankwatchDeepEPHangSuspect",
 )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from rankwatch.diagnosis.config import DiagnosisConfig, StepTimeConfig
 from rankwatch.diagnosis.vocabulary import (
     GLOBAL_DATA_PATH_SLOWDOWN,
+    HANG_SUSPECT,
     LOCALIZED_DATA_PATH_SLOWDOWN,
     PRE_STAGE_ARRIVAL_SKEW,
     STRAGGLER_CLASS,
@@ -142,10 +143,21 @@ def _straggler(s: Settings, policy: StepTimeConfig, severity: str) -> Rule:
     )
 
 
-def _deepep(s: Settings, name: str, cls: str, summary: str, description: str) -> Rule:
-    """A DeepEP incident class; its severity is the incident's (an alert label, so it routes)."""
+def _deepep(
+    s: Settings,
+    name: str,
+    cls: str,
+    summary: str,
+    description: str,
+    metric: str = M.incident_score,
+) -> Rule:
+    """A DeepEP incident class; its severity is the incident's (an alert label, so it routes).
+
+    ``metric``: the incident's score by default (the alert's value); a class with no score (a
+    hang names ranks, it measures no factor) alerts on ``incident_active`` instead.
+    """
     by = ", ".join((*DEEPEP_BY, "severity"))
-    expr = f"max by ({by}) (\n  {M.incident_score}{_sel(s, f'class={json.dumps(cls)}')}\n)\n"
+    expr = f"max by ({by}) (\n  {metric}{_sel(s, f'class={json.dumps(cls)}')}\n)\n"
     cause = _incident_cause(cls, DEEPEP_BY)
     return _alert(s, name, expr, {}, summary, description.replace("CAUSE", cause))
 
@@ -192,6 +204,20 @@ def diagnosis_rules(s: Settings, config: DiagnosisConfig) -> list[Rule]:
             'before the collective. Its Notify time is {{ $value | printf "%.3f" }} of the peer '
             f"median (late from {notify} down); cause CAUSE(latest window), severity "
             "{{ $labels.severity }}.",
+        ),
+        _deepep(
+            s,
+            "RankwatchDeepEPHangSuspect",
+            HANG_SUSPECT,
+            "DeepEP rank(s) {{ $labels.culprit_rank }} on {{ $labels.hostname }} stopped at "
+            "{{ $labels.probe }} while their peers went on ({{ $labels.run }}/{{ $labels.group }})",
+            "Run {{ $labels.run }}, group {{ $labels.group }}: the DeepEP counters of rank(s) "
+            "{{ $labels.culprit_rank }} (host {{ $labels.hostname }}) stood still, or no rank "
+            "received from them, while their peers advanced; first probe missed: "
+            "{{ $labels.probe }}, cause CAUSE(latest window), severity {{ $labels.severity }}. "
+            "DeepEP ends a kernel that waits about 100 s (its timeout check): look at these "
+            "ranks now (stack, GPU, process).",
+            metric=M.incident_active,
         ),
     ]
 

@@ -48,6 +48,8 @@ ALERT_TIMING: dict[str, AlertTiming] = {
     "RankwatchDeepEPGlobalDataPathSlowdown": AlertTiming("2m", "2m"),
     "RankwatchDeepEPLocalizedDataPathSlowdown": AlertTiming("5m", "2m"),
     "RankwatchDeepEPPreStageArrivalSkew": AlertTiming("5m", "2m"),
+    # A hang is a page at once: DeepEP's own timeout ends the job about 100 s in.
+    "RankwatchDeepEPHangSuspect": AlertTiming("0s", "5m"),
     "RankwatchExporterDown": AlertTiming("5m", "1m"),
     "RankwatchNoFreshWindows": AlertTiming("2m", "1m"),
     "RankwatchExportFailing": AlertTiming("10m", "5m"),
