@@ -23,7 +23,12 @@ from typing import Any
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.vocabulary import SEVERITY_LEVELS
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.publish.incidents import IncidentEvent, IncidentTracker, OpenIncident
+from rankwatch.exporter.publish.incidents import (
+    CLOSED_RUN_ENDED,
+    IncidentEvent,
+    IncidentTracker,
+    OpenIncident,
+)
 from rankwatch.exporter.publish.verdicts import (
     incident_label,
     normal_verdict,
@@ -60,6 +65,7 @@ class IncidentRecord:
     closed_window: int | None = None
     closed_at_s: float | None = None
     causes: tuple[str, ...] = ()  # every cause seen while open, in order (e.g. input, compute)
+    close_reason: str | None = None  # "clean windows" or "run ended" once closed
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -159,8 +165,12 @@ class RunRecorder:
         )
 
     def close(self, timeout_seconds: float) -> None:
-        """Write the summary into ``out_dir`` (when given and a report was received)."""
+        """End the run: incidents still open close with reason ``run ended`` (as the hub
+        closes them); then write the summary into ``out_dir`` (when given and a report was
+        received)."""
         with self._lock:
+            for event in self._tracker.close_all(CLOSED_RUN_ENDED, time.time()):
+                self._record(event)
             received = bool(self.windows) or self.final_step is not None
         if self.out_dir is not None and received:
             self.written = write_summary(self.out_dir, self.summary(self.run))
@@ -212,7 +222,12 @@ class RunRecorder:
 
 
 def _closed(record: IncidentRecord, event: IncidentEvent) -> IncidentRecord:
-    return replace(record, closed_window=event.window_index, closed_at_s=event.time_s)
+    return replace(
+        record,
+        closed_window=event.window_index,
+        closed_at_s=event.time_s,
+        close_reason=event.reason or None,
+    )
 
 
 def _headline(summary: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -272,6 +287,8 @@ def summary_text(summary: Mapping[str, Any]) -> str:
             for c in inc.get("causes") or [inc["cause"]]
         )
         opened, closed = _clock(inc["opened_at_s"], start), _clock(inc["closed_at_s"], start)
+        if inc.get("close_reason"):
+            closed += f" ({inc['close_reason']})"
         lines.append(
             f"  {inc['class']} {inc['severity']} ranks {ranks} ({causes}){score}: "
             f"opened {opened}, closed {closed}"

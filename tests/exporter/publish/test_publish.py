@@ -18,7 +18,7 @@ from rankwatch.exporter.publish.hub import (
     PublisherHub,
     default_publishers,
 )
-from rankwatch.exporter.publish.incidents import IncidentSnapshot
+from rankwatch.exporter.publish.incidents import IncidentEvent, IncidentSnapshot
 from rankwatch.exporter.publish.protocol import Publisher
 from tests.exporter.publish.test_otlp import OTEL_VARS
 from tests.publish_reports import T0, full_report, rank_infos, step_report, window
@@ -76,17 +76,29 @@ def test_a_report_that_fails_to_publish_does_not_stop_the_hub(caplog):
         hub.close()
 
 
-def test_incident_lines_are_text_when_json_is_off(caplog):
+def test_incident_lines_are_text_when_json_is_off_and_the_run_end_closes_them(caplog):
     caplog.set_level(logging.INFO, logger="rankwatch.incidents")
-    hub = quiet_hub(log_json=False, incident_open_k=1, incident_open_n=1)
+    events: list[IncidentEvent] = []
+    config = RankwatchConfig(
+        metrics_enabled=False, log_json=False, incident_open_k=1, incident_open_n=1
+    )
+    hub = PublisherHub(config, otlp=False, on_incident=events.append)
     try:
         hub.publish(window(0, n=4, step_time=step_report(4, culprit=1)))
         assert hub.flush(10)
     finally:
         hub.close()
-    (rec,) = [r for r in caplog.records if r.name == "rankwatch.incidents"]
-    assert rec.levelname == "WARNING"
-    assert rec.getMessage().startswith("rankwatch incident opened: critical step_time_straggler")
+    opened, closed = [r for r in caplog.records if r.name == "rankwatch.incidents"]
+    # one level for both, so the default level shows the whole lifecycle
+    assert (opened.levelname, closed.levelname) == ("WARNING", "WARNING")
+    (incident_id,) = {e.incident.incident_id for e in events}
+    assert opened.getMessage().startswith(
+        f"rankwatch incident {incident_id} opened: critical step_time_straggler"
+    )
+    assert closed.getMessage().startswith(
+        f"rankwatch incident {incident_id} closed (run ended): critical step_time_straggler"
+    )
+    assert [(e.action, e.reason) for e in events] == [("open", ""), ("close", "run ended")]
 
 
 def test_collection_errors_and_invalid_windows_are_counted():
