@@ -65,6 +65,7 @@ from rankwatch.exporter.publish.otlp import (
 )
 from rankwatch.exporter.publish.prometheus import MetricsServer, SampleParts, start_metrics_server
 from rankwatch.exporter.publish.protocol import Publisher, check_timeout_seconds
+from rankwatch.exporter.publish.recorder import RunRecorder
 from rankwatch.exporter.publish.samples import (
     ENGINES,
     ExporterHealth,
@@ -602,12 +603,16 @@ def default_publishers(
 ) -> list[Publisher]:
     """What a training process publishes through, as configured: one :class:`PublisherHub`
     (``/metrics`` on port base + ``local_rank`` when enabled, OTLP when an endpoint is set,
-    incident log lines, ``on_incident`` called with each incident event), or nothing when
-    rankwatch is disabled."""
+    incident log lines, ``on_incident`` called with each incident event) and a
+    :class:`~.recorder.RunRecorder` for the run's summary (written into ``artifact_dir`` when
+    set; printed at the end by ``RankWatch.close``), or nothing when rankwatch is disabled."""
     if not isinstance(config, RankwatchConfig):
         raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
         raise ValueError(f"local_rank: expected an int >= 0, got {local_rank!r}")
     if not config.enabled:
         return []
-    return [PublisherHub(config, local_rank=local_rank, on_incident=on_incident)]
+    hub = PublisherHub(config, local_rank=local_rank, on_incident=on_incident)
+    run = {"run_id": config.run_id, "started_at_s": time.time()}
+    recorder = RunRecorder(config, config.artifact_dir or None, run)
+    return [hub, recorder]

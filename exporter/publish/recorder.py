@@ -40,6 +40,7 @@ __all__ = [
     "SUMMARY_TEXT",
     "IncidentRecord",
     "RunRecorder",
+    "end_of_run_text",
     "summary_text",
     "write_summary",
 ]
@@ -279,26 +280,54 @@ def summary_text(summary: Mapping[str, Any]) -> str:
         lines.append("")
     incidents = summary.get("incidents") or []
     lines.append(f"Incidents of the run: {len(incidents)}")
-    for inc in incidents:
-        ranks = ",".join(str(r) for r in inc["ranks"]) or "-"
-        score = "" if inc.get("score") is None else f" score {inc['score']:.2f}"
-        causes = " then ".join(
-            incident_label(inc["class"], c, inc.get("probe") or "")
-            for c in inc.get("causes") or [inc["cause"]]
-        )
-        opened, closed = _clock(inc["opened_at_s"], start), _clock(inc["closed_at_s"], start)
-        if inc.get("close_reason"):
-            closed += f" ({inc['close_reason']})"
-        lines.append(
-            f"  {inc['class']} {inc['severity']} ranks {ranks} ({causes}){score}: "
-            f"opened {opened}, closed {closed}"
-        )
+    lines += [f"  {_incident_line(inc, start)}" for inc in incidents]
     files = summary.get("files") or {}
     if files:
         lines.append("")
         lines.append("Files:")
         for name, value in files.items():
             lines.append(f"  {name}: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def _incident_line(inc: Mapping[str, Any], start: float | None) -> str:
+    ranks = ",".join(str(r) for r in inc["ranks"]) or "-"
+    score = "" if inc.get("score") is None else f" score {inc['score']:.2f}"
+    causes = " then ".join(
+        incident_label(inc["class"], c, inc.get("probe") or "")
+        for c in inc.get("causes") or [inc["cause"]]
+    )
+    opened, closed = _clock(inc["opened_at_s"], start), _clock(inc["closed_at_s"], start)
+    if inc.get("close_reason"):
+        closed += f" ({inc['close_reason']})"
+    return (
+        f"{inc['class']} {inc['severity']} ranks {ranks} ({causes}){score}: "
+        f"opened {opened}, closed {closed}"
+    )
+
+
+def end_of_run_text(summary: Mapping[str, Any], written: tuple[Path, Path] | None) -> str:
+    """The few lines the root prints when rankwatch closes: the run's verdict, its incidents,
+    and where the summary files are (``written``: the paths :func:`write_summary` returned;
+    None when none were written)."""
+    run = summary.get("run") or {}
+    verdict = summary.get("verdict")
+    lines = [f"rankwatch: run {run.get('run_id') or '(unnamed)'} ended"]
+    if verdict is None:
+        lines.append("  Verdict: no window was diagnosed.")
+    else:
+        sev = f" [{verdict['severity']}]" if verdict.get("severity") else ""
+        lines.append(f"  Verdict: {verdict['what']}{sev}")
+        lines.append(f"  Why: {verdict['why']}")
+        lines.append(f"  What to do: {verdict['action']}")
+    incidents = summary.get("incidents") or []
+    paged = sum(1 for inc in incidents if inc["severity"] == "critical")
+    lines.append(f"  Incidents: {len(incidents)} ({paged} critical)")
+    lines += [f"    {_incident_line(inc, run.get('started_at_s'))}" for inc in incidents]
+    if written is not None:
+        lines.append(f"  Summary: {written[1]} (and {written[0].name} beside it)")
+    else:
+        lines.append("  Summary: not written (set RANKWATCH_ARTIFACT_DIR=DIR to keep one)")
     return "\n".join(lines) + "\n"
 
 
