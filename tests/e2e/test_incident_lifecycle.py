@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.framework_world import SLEEP_S, run_world
+from tests.framework_world import SLEEP_S, LogLines, incident_fields, run_world
 
 pytestmark = pytest.mark.multiproc
 
@@ -27,17 +26,6 @@ SLOW_RANK = 1
 MAX_STEPS = 3000  # a bound only: the run ends a few steps after the incident opened
 STEPS_AFTER_OPEN = 20
 COMPUTE_S = 0.005
-
-
-class _Lines(logging.Handler):
-    """Keeps (level, message) of every record it is handed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[tuple[str, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append((record.levelname, record.getMessage()))
 
 
 def scenario_fault_to_the_end(rank: int, world: int, out: str) -> dict[str, Any]:
@@ -49,25 +37,12 @@ def scenario_fault_to_the_end(rank: int, world: int, out: str) -> dict[str, Any]
 
     dist.init_process_group("gloo")  # from torchrun's environment
     # The logger as a user leaves it: no level set, so only what reaches WARNING is shown.
-    lines = _Lines()
-    logging.getLogger("rankwatch.incidents").addHandler(lines)
+    lines = LogLines("rankwatch.incidents")
     events: list[dict[str, Any]] = []
     opened = threading.Event()
 
     def on_incident(event: IncidentEvent) -> None:
-        inc = event.incident
-        events.append(
-            {
-                "action": event.action,
-                "id": inc.incident_id,
-                "cls": inc.cls,
-                "severity": inc.severity,
-                "ranks": list(inc.ranks),
-                "reason": event.reason,
-                "run": event.run,
-                "related": [r["kind"] for r in inc.evidence.get("related", ())],
-            }
-        )
+        events.append(incident_fields(event))
         if event.action == "open":
             opened.set()
 
