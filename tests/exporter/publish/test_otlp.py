@@ -254,6 +254,23 @@ def test_incident_open_and_close_arrive_once_as_log_records_and_json_lines(monke
     }
 
 
+def test_the_run_end_closes_open_incidents_as_log_records_too(monkeypatch):
+    with HttpReceiver() as receiver:
+        hub = _hub(receiver.endpoint, monkeypatch, incident_open_k=1, incident_open_n=1)
+        hub.publish(window(0, n=4, step_time=step_report(4, culprit=2)))
+        assert hub.flush(20)
+        hub.close(5)  # the incident is still open: the close goes out before the last export
+        records = receiver.received.log_records()
+    assert [r["event_name"] for r in records] == [
+        "rankwatch.incident.open",
+        "rankwatch.incident.close",
+    ]
+    opened, closed = (r["attributes"] for r in records)
+    assert closed["rankwatch.incident.id"] == opened["rankwatch.incident.id"]
+    assert closed["rankwatch.incident.close_reason"] == "run ended"
+    assert "closed (run ended)" in records[1]["body"]
+
+
 def test_metrics_push_drops_departed_ranks_and_closed_incidents(monkeypatch):
     with HttpReceiver() as receiver:
         hub = _hub(
