@@ -484,9 +484,8 @@ class PublisherHub:
             self._cond.notify_all()
         # The hub thread only computes (milliseconds per report); it ends as soon as the reports
         # already handed over are published.
+        # Its last act closes the incidents still open (on that thread, like every event).
         self._thread.join(max(0.0, (deadline - time.monotonic()) * 0.25))
-        if not self._thread.is_alive():  # else it still owns the trackers: leave them be
-            self._close_open_incidents()
         if self.otlp is not None:
             # Keep a little for the HTTP server's shutdown (it polls every 0.1 s).
             self.otlp.close(max(0.0, deadline - time.monotonic() - 0.3))
@@ -546,6 +545,10 @@ class PublisherHub:
                     self._handled += 1
                     self._cond.notify_all()
             if closing:
+                try:
+                    self._close_open_incidents()
+                except Exception:
+                    log.exception("rankwatch: closing the open incidents at run end failed")
                 return
 
     def _handle(self, report: WindowReport) -> None:
