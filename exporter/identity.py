@@ -255,6 +255,8 @@ def run_name_from_env(env: Mapping[str, str] | None = None) -> RunName:
     job by (``squeue``, ``kubectl``), and torchrun's is often a random UUID it made itself.
     Nothing found: ``RunName("", "")`` (the caller says so once).
     """
+    if env is not None and not isinstance(env, Mapping):
+        raise TypeError(f"env: expected a mapping of variable names to values, got {env!r}")
     src = _env(env)
 
     def get(name: str) -> str:

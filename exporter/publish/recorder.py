@@ -310,6 +310,14 @@ def end_of_run_text(summary: Mapping[str, Any], written: tuple[Path, Path] | Non
     """The few lines the root prints when rankwatch closes: the run's verdict, its incidents,
     and where the summary files are (``written``: the paths :func:`write_summary` returned;
     None when none were written)."""
+    if not isinstance(summary, Mapping):
+        raise TypeError(
+            f"summary: expected the mapping RunRecorder.summary() returns, got {summary!r}"
+        )
+    if written is not None and not (isinstance(written, tuple) and len(written) == 2):
+        raise TypeError(
+            f"written: expected (summary.json, summary.txt) paths or None, got {written!r}"
+        )
     run = summary.get("run") or {}
     verdict = summary.get("verdict")
     lines = [f"rankwatch: run {run.get('run_id') or '(unnamed)'} ended"]

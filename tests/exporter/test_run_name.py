@@ -83,6 +83,11 @@ def test_every_rank_of_a_job_gets_the_same_name(env, want):
         assert run_name_from_env(per_rank) == want
 
 
+def test_a_bad_environment_is_named():
+    with pytest.raises(TypeError, match="env: expected a mapping"):
+        run_name_from_env(["SLURM_JOB_ID=7"])  # type: ignore[arg-type]
+
+
 def test_an_override_wins_over_the_environment():
     env = {"SLURM_JOB_ID": "7"}
     assert RankwatchConfig.from_env(env, run_id="given").run_id == "given"

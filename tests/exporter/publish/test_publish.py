@@ -20,7 +20,7 @@ from rankwatch.exporter.publish.hub import (
 )
 from rankwatch.exporter.publish.incidents import IncidentEvent, IncidentSnapshot
 from rankwatch.exporter.publish.protocol import Publisher
-from rankwatch.exporter.publish.recorder import RunRecorder
+from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text
 from tests.exporter.publish.test_otlp import OTEL_VARS
 from tests.publish_reports import T0, full_report, rank_infos, step_report, window
 from tests.servers import http_get
@@ -226,6 +226,18 @@ def test_close_prints_the_run_verdict_and_where_the_summary_is(monkeypatch, tmp_
     # once: a second close prints nothing
     rw.close(5.0)
     assert "ended" not in capsys.readouterr().err
+
+
+def test_end_of_run_text_rejects_bad_input():
+    with pytest.raises(TypeError, match="summary: expected"):
+        end_of_run_text(["verdict"], None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="written: expected"):
+        end_of_run_text({}, "summary.txt")  # type: ignore[arg-type]
+    # an empty run still says what it knows
+    assert end_of_run_text({}, None).splitlines()[:2] == [
+        "rankwatch: run (unnamed) ended",
+        "  Verdict: no window was diagnosed.",
+    ]
 
 
 def test_the_end_of_run_block_is_off_with_one_setting(monkeypatch, capsys):
