@@ -220,8 +220,9 @@ def _kubernetes_job(src: Mapping[str, str]) -> RunName | None:
     An Indexed Job's pod has the hostname ``<job>-<index>`` and ``JOB_COMPLETION_INDEX`` set;
     a JobSet's Job is named ``<jobset>-<replicated job>-<job index>``, with
     ``REPLICATED_JOB_NAME`` and ``JOB_INDEX`` set, so that suffix is taken off too (it differs
-    between the JobSet's Jobs). A non-indexed Job's pod names end in a random suffix: not
-    derivable, and not tried.
+    between the JobSet's Jobs). Without those two variables a Job named ``<...>-<number>`` is
+    not used: it may be one of a JobSet's Jobs, whose names differ between its ranks. A
+    non-indexed Job's pod names end in a random suffix: not derivable, and not tried.
     """
     if not src.get("KUBERNETES_SERVICE_HOST", "").strip():
         return None
@@ -235,6 +236,8 @@ def _kubernetes_job(src: Mapping[str, str]) -> RunName | None:
     if replicated.strip() and job_index.strip() and job.endswith(jobset_suffix):
         jobset = job[: -len(jobset_suffix)]
         return RunName(jobset, "JobSet pod (HOSTNAME, REPLICATED_JOB_NAME, JOB_INDEX)")
+    if re.search(r"-\d+$", job):
+        return None
     return RunName(job, "Kubernetes Indexed Job pod (HOSTNAME, JOB_COMPLETION_INDEX)")
 
 

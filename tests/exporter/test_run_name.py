@@ -57,6 +57,9 @@ CASES = [
         },
         RunName("pytorch", "JobSet pod (HOSTNAME, REPLICATED_JOB_NAME, JOB_INDEX)"),
     ),
+    # a JobSet's pod without the JobSet's variables: its Job's name differs between the
+    # JobSet's Jobs, so nothing is derived
+    ({**K8S, "HOSTNAME": "pytorch-workers-1-2", "JOB_COMPLETION_INDEX": "2"}, RunName("", "")),
     # outside a cluster, or a hostname that does not end in the index: nothing derived
     ({"HOSTNAME": "train-7b-3", "JOB_COMPLETION_INDEX": "3"}, RunName("", "")),
     ({**K8S, "HOSTNAME": "train-7b-x1y2z", "JOB_COMPLETION_INDEX": "3"}, RunName("", "")),
