@@ -61,6 +61,8 @@ def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
         "GROUP_RANK": "0",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
+        # torchrun's run id (a UUID of its own on a single node without --rdzv-id): job-wide
+        "TORCHELASTIC_RUN_ID": f"world-{port}",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",

@@ -32,6 +32,7 @@ from rankwatch.diagnosis.config import (
     option_label,
     validate_options,
 )
+from rankwatch.exporter.identity import run_name_from_env
 
 __all__ = [
     "DeepEPConfig",
@@ -137,7 +138,7 @@ class DeepEPConfig(EnvOptions):
 class RankwatchConfig:
     """Settings of the in-process exporter (step timer, windows, publishers)."""
 
-    # identity
+    # identity: unset, from_env names the run after the launcher's job (identity.run_name_from_env)
     run_id: str = field(default="", metadata=option("RANKWATCH_RUN_ID", max_chars=MAX_LABEL_CHARS))
     group_name: str = field(
         default="world", metadata=option("RANKWATCH_GROUP", max_chars=MAX_LABEL_CHARS)
@@ -236,6 +237,8 @@ class RankwatchConfig:
         default=100, metadata=option("RANKWATCH_ARTIFACT_RETENTION", 0, MAX_RETAINED_FILES)
     )
     log_json: bool = field(default=True, metadata=option("RANKWATCH_LOG_JSON"))
+    # The root prints the run's verdict and where its summary is when rankwatch closes.
+    end_summary: bool = field(default=True, metadata=option("RANKWATCH_END_SUMMARY"))
     # Nested objects: their fields declare their own variables (walked by all_env_variables).
     # The DeepEP collector's settings (Diagnose.create_from_env(config=...) reads them here).
     deepep: DeepEPConfig = field(default_factory=DeepEPConfig)
@@ -280,6 +283,8 @@ class RankwatchConfig:
         interval = _otel_metric_export_interval(source)
         if interval is not None and "otlp_export_interval_seconds" not in overrides:
             overrides["otlp_export_interval_seconds"] = interval
+        if "run_id" not in overrides:  # RANKWATCH_RUN_ID, else the launcher's job name
+            overrides["run_id"] = run_name_from_env(source).name
         return from_env(cls, source, **overrides)
 
     def metrics_port_for(self, local_rank: int) -> int:

@@ -18,6 +18,10 @@
 * **Ranks.** ``LOCAL_RANK`` and ``RANK`` as torchrun sets them are read here only
   (:func:`local_rank_from_env`, :func:`rank_from_env`), so every collector agrees on what a
   bad value means.
+* **Run.** The ``run`` label names the job. :func:`run_name_from_env` takes it from
+  ``RANKWATCH_RUN_ID`` when set, else from what the launcher or scheduler gives every process
+  of the job alike (Slurm, Kubernetes, torchrun; see there). Only job-wide values qualify:
+  every rank must publish the same name, and nothing here differs per rank or per start.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import functools
 import logging
 import os
 import platform
+import re
 import socket
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -37,6 +43,8 @@ import rankwatch
 
 __all__ = [
     "DEFAULT_NODE_NAME_ENV",
+    "RUN_ID_ENV",
+    "RunName",
     "build_labels",
     "current_gpu",
     "gpu_labels",
@@ -45,6 +53,7 @@ __all__ = [
     "local_rank_from_env",
     "node_hostname",
     "rank_from_env",
+    "run_name_from_env",
 ]
 
 log = logging.getLogger(__name__)
@@ -186,3 +195,96 @@ def local_identity(node_name_env: str = DEFAULT_NODE_NAME_ENV) -> tuple[str, int
     local_rank = local_rank_from_env()
     gpu, uuid = current_gpu()
     return node_hostname(node_name_env), 0 if local_rank is None else local_rank, gpu, uuid
+
+
+RUN_ID_ENV = "RANKWATCH_RUN_ID"
+# torchrun writes its --rdzv-id into TORCHELASTIC_RUN_ID; without one the id is the literal
+# default "none" (a single-node run without --master-port gets a fresh UUID instead).
+_TORCHRUN_NO_ID = "none"
+# A Kubeflow PyTorchJob's pods reach the master through the service "<job>-master-0".
+_PYTORCHJOB_MASTER = re.compile(r"(?P<job>.+)-master-0")
+
+
+@dataclass(frozen=True)
+class RunName:
+    """The run's name and where it came from (``source`` names the variables; both are empty
+    when nothing in the environment names the job)."""
+
+    name: str
+    source: str
+
+
+def _kubernetes_job(src: Mapping[str, str]) -> RunName | None:
+    """The Job (or JobSet) a pod belongs to, from what its pods have in common.
+
+    An Indexed Job's pod has the hostname ``<job>-<index>`` and ``JOB_COMPLETION_INDEX`` set;
+    a JobSet's Job is named ``<jobset>-<replicated job>-<job index>``, with
+    ``REPLICATED_JOB_NAME`` and ``JOB_INDEX`` set, so that suffix is taken off too (it differs
+    between the JobSet's Jobs). Without those two variables a Job named ``<...>-<number>`` is
+    not used: it may be one of a JobSet's Jobs, whose names differ between its ranks. A
+    non-indexed Job's pod names end in a random suffix: not derivable, and not tried.
+    """
+    if not src.get("KUBERNETES_SERVICE_HOST", "").strip():
+        return None
+    host = src.get("HOSTNAME", "").strip()
+    index = src.get("JOB_COMPLETION_INDEX", "").strip()
+    if not (host and index and host.endswith(f"-{index}")):
+        return None
+    job = host[: -len(index) - 1]
+    replicated, job_index = src.get("REPLICATED_JOB_NAME", ""), src.get("JOB_INDEX", "")
+    jobset_suffix = f"-{replicated.strip()}-{job_index.strip()}"
+    if replicated.strip() and job_index.strip() and job.endswith(jobset_suffix):
+        jobset = job[: -len(jobset_suffix)]
+        return RunName(jobset, "JobSet pod (HOSTNAME, REPLICATED_JOB_NAME, JOB_INDEX)")
+    if re.search(r"-\d+$", job):
+        return None
+    return RunName(job, "Kubernetes Indexed Job pod (HOSTNAME, JOB_COMPLETION_INDEX)")
+
+
+def run_name_from_env(env: Mapping[str, str] | None = None) -> RunName:
+    """The run's name, the same on every rank of a job; the first of:
+
+    1. ``RANKWATCH_RUN_ID``, when set (not empty);
+    2. Slurm: ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>`` (the shipped sbatch example's name), with
+       ``<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>`` as the id of an array task and ``slurm``
+       when the job has no name;
+    3. Kubernetes: ``JOBSET_NAME`` (JobSet tooling sets it, or the pod spec from the
+       ``jobset.sigs.k8s.io/jobset-name`` label); the JobSet or Indexed Job from the pod's
+       hostname (see :func:`_kubernetes_job`); a Kubeflow PyTorchJob's name from
+       ``MASTER_ADDR`` (``<job>-master-0``);
+    4. torchrun: ``TORCHELASTIC_RUN_ID`` unless it is torchrun's ``none`` (no ``--rdzv-id``).
+
+    The scheduler's name comes before torchrun's because it is the one an operator finds the
+    job by (``squeue``, ``kubectl``), and torchrun's is often a random UUID it made itself.
+    Nothing found: ``RunName("", "")`` (the caller says so once).
+    """
+    if env is not None and not isinstance(env, Mapping):
+        raise TypeError(f"env: expected a mapping of variable names to values, got {env!r}")
+    src = _env(env)
+
+    def get(name: str) -> str:
+        return src.get(name, "").strip()
+
+    if get(RUN_ID_ENV):
+        return RunName(get(RUN_ID_ENV), RUN_ID_ENV)
+    slurm_name = get("SLURM_JOB_NAME") or "slurm"
+    named = ", SLURM_JOB_NAME" if get("SLURM_JOB_NAME") else ""
+    if get("SLURM_ARRAY_JOB_ID") and get("SLURM_ARRAY_TASK_ID"):
+        return RunName(
+            f"{slurm_name}-{get('SLURM_ARRAY_JOB_ID')}_{get('SLURM_ARRAY_TASK_ID')}",
+            f"SLURM_ARRAY_JOB_ID, SLURM_ARRAY_TASK_ID{named}",
+        )
+    if get("SLURM_JOB_ID"):
+        return RunName(f"{slurm_name}-{get('SLURM_JOB_ID')}", f"SLURM_JOB_ID{named}")
+    if get("JOBSET_NAME"):
+        return RunName(get("JOBSET_NAME"), "JOBSET_NAME")
+    job = _kubernetes_job(src)
+    if job is not None:
+        return job
+    master = _PYTORCHJOB_MASTER.fullmatch(get("MASTER_ADDR"))
+    if get("KUBERNETES_SERVICE_HOST") and master is not None:
+        return RunName(master["job"], "Kubeflow PyTorchJob (MASTER_ADDR)")
+    torchrun = get("TORCHELASTIC_RUN_ID")
+    if torchrun and torchrun != _TORCHRUN_NO_ID:
+        return RunName(torchrun, "TORCHELASTIC_RUN_ID")
+    return RunName("", "")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -83,6 +84,34 @@ def run_world(scenario: str, world: int, out_dir: Path) -> dict[int, dict[str, A
         assert "error" not in out[r], f"rank {r}:\n{out[r]['error']}"
         assert p.exitcode == 0, f"rank {r} exited with {p.exitcode}"
     return out
+
+
+class LogLines(logging.Handler):
+    """Keeps (level name, message) of every record of the logger ``name`` it is attached to
+    (the logger's level is left alone: what a user's default setup would show)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.lines: list[tuple[str, str]] = []
+        logging.getLogger(name).addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+def incident_fields(event: Any) -> dict[str, Any]:
+    """What the tests check of an ``IncidentEvent``, JSON-ready."""
+    inc = event.incident
+    return {
+        "action": event.action,
+        "id": inc.incident_id,
+        "cls": inc.cls,
+        "severity": inc.severity,
+        "ranks": list(inc.ranks),
+        "reason": event.reason,
+        "run": event.run,
+        "related": [r["kind"] for r in inc.evidence.get("related", ())],
+    }
 
 
 class Recorder:

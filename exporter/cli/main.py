@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from rankwatch.exporter.config import RankwatchConfig, config_options, redacted_url
+    from rankwatch.exporter.identity import run_name_from_env
 
     try:
         # The one object the collectors read (DeepEP settings included, as cfg.deepep).
@@ -379,8 +380,14 @@ def _cmd_config(args: argparse.Namespace) -> int:
         }
         for opt in config_options()
     ]
+    run = run_name_from_env()
     if args.json:
-        print(json.dumps({"version": _version(), "variables": rows}, indent=2))
+        doc = {
+            "version": _version(),
+            "run": {"name": cfg.run_id, "source": run.source},
+            "variables": rows,
+        }
+        print(json.dumps(doc, indent=2))
         return EXIT_OK
     width = max(len(r["variable"]) for r in rows)
     vwidth = max(len(format_value(r["value"])) for r in rows)
@@ -392,6 +399,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(
             f"{mark} {r['variable']:<{width}}  {format_value(r['value']):<{vwidth}}  "
             f"{format_value(r['default']):<{dwidth}}  {r['option']}"
+        )
+    if cfg.run_id:
+        print(f"Run name: {cfg.run_id} (from {run.source})")
+    else:
+        print(
+            "Run name: none (no RANKWATCH_RUN_ID, and no Slurm, Kubernetes Job or torchrun "
+            "run id in the environment; the run label will be empty)"
         )
     print("OTLP push: standard OTEL_EXPORTER_OTLP_* variables; endpoint", end=" ")
     endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")

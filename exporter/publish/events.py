@@ -18,12 +18,17 @@ attribute                        meaning
 ``rankwatch.incident.score``     straggler score, slowdown factor or Notify ratio (if finite)
 ``rankwatch.incident.opened_window`` window index at which it opened
 ``rankwatch.incident.evidence``  the evidence of the latest supporting window (a map)
+``rankwatch.incident.close_reason`` why it closed (``clean windows``, ``run ended``); closes only
 ``rankwatch.window.index``       window index of this event
 ``rankwatch.group``, ``rankwatch.run`` the group and run
 ================================ ===========================================================
 
-Severity numbers: an opening is ``ERROR`` when critical and ``WARN`` when a warning; a closing is
-``INFO``. The body is one human sentence.
+Severity: ``WARN`` for openings and closings alike (the hub logs both at ``WARNING``). An
+incident's lifecycle is one story that must be readable at the default level: Python's
+last-resort handler and most setups show WARNING and up, so a closing at INFO was never seen,
+and ERROR is kept for rankwatch's own failures. How bad the incident is lives in
+``rankwatch.incident.severity``, which is what routing should key on. The body is one human
+sentence that names the incident id, so an opening and its closing can be matched by eye.
 """
 
 from __future__ import annotations
@@ -65,11 +70,12 @@ def event_message(event: IncidentEvent) -> str:
     hosts = f" ({', '.join(inc.hostnames)})" if inc.hostnames else ""
     probe = f" on {inc.probe}" if inc.probe else ""
     verb = "opened" if event.action == "open" else "closed"
+    reason = f" ({event.reason})" if event.action == "close" and event.reason else ""
     score = "" if inc.score is None else f", score {inc.score:.3g}"
     return (
-        f"rankwatch incident {verb}: {inc.severity} {inc.cls}{probe}, rank {where}{hosts}, "
-        f"cause {inc.cause or 'unknown'}{score} (window {event.window_index}, "
-        f"group {event.group or '-'})"
+        f"rankwatch incident {inc.incident_id} {verb}{reason}: {inc.severity} {inc.cls}{probe}, "
+        f"rank {where}{hosts}, cause {inc.cause or 'unknown'}{score} "
+        f"(window {event.window_index}, run {event.run or '-'}, group {event.group or '-'})"
     )
 
 
@@ -93,15 +99,13 @@ def event_attributes(event: IncidentEvent) -> dict[str, Any]:
     }
     if inc.score is not None and math.isfinite(inc.score):
         attrs["rankwatch.incident.score"] = float(inc.score)
+    if event.action == "close":
+        attrs["rankwatch.incident.close_reason"] = event.reason
     return attrs
 
 
-def _severity(event: IncidentEvent) -> tuple[SeverityNumber, str]:
-    if event.action == "close":
-        return SeverityNumber.INFO, "INFO"
-    if event.incident.severity == "critical":
-        return SeverityNumber.ERROR, "ERROR"
-    return SeverityNumber.WARN, "WARN"
+# One level for the whole lifecycle (see the module docstring).
+_SEVERITY_NUMBER, _SEVERITY_TEXT = SeverityNumber.WARN, "WARN"
 
 
 def event_log_record(event: IncidentEvent) -> LogRecord:
@@ -109,11 +113,11 @@ def event_log_record(event: IncidentEvent) -> LogRecord:
 
     Its timestamp is the time of the window that caused it.
     """
-    number, text = _severity(_check(event))
+    _check(event)
     return LogRecord(
         timestamp=int(event.time_s * 1e9),
-        severity_number=number,
-        severity_text=text,
+        severity_number=_SEVERITY_NUMBER,
+        severity_text=_SEVERITY_TEXT,
         body=event_message(event),
         attributes=event_attributes(event),
         event_name=event.event_name,
@@ -123,11 +127,11 @@ def event_log_record(event: IncidentEvent) -> LogRecord:
 def event_json(event: IncidentEvent) -> str:
     """The event as one JSON line (no newline inside): ``event``, ``time_unix_s``, ``severity``,
     ``message`` and the attributes without their ``rankwatch.`` prefix."""
-    _, text = _severity(_check(event))
+    _check(event)
     doc: dict[str, Any] = {
         "event": event.event_name,
         "time_unix_s": event.time_s,
-        "level": text,
+        "level": _SEVERITY_TEXT,
         "message": event_message(event),
     }
     for key, value in event_attributes(event).items():

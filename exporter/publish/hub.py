@@ -12,7 +12,11 @@ hub's thread then
 2. folds it into the latest state of its group (:class:`LatestState`), which ``/metrics`` scrapes
    and OTLP collections read (both through the same samples, so they cannot disagree),
 3. writes each incident event as one log line (JSON by default, on the ``rankwatch.incidents``
-   logger: openings at WARNING, closings at INFO) and queues it for OTLP as a log record.
+   logger, openings and closings both at WARNING, both naming the incident id) and queues it
+   for OTLP as a log record.
+
+``close`` ends every incident still open when the run stops with a closing of reason
+``run ended`` (log line, OTLP record, ``on_incident``), so every opening has its closing.
 
 One hub serves every collector of a process at once: the step-time collector (group ``world``,
 say) and the DeepEP collector (group ``ep``) may hand their reports to the same hub, and
@@ -44,7 +48,12 @@ from rankwatch.diagnosis.report import WindowReport
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.identity import node_hostname, rank_from_env
 from rankwatch.exporter.publish.events import event_json, event_message
-from rankwatch.exporter.publish.incidents import IncidentEvent, IncidentSnapshot, IncidentTracker
+from rankwatch.exporter.publish.incidents import (
+    CLOSED_RUN_ENDED,
+    IncidentEvent,
+    IncidentSnapshot,
+    IncidentTracker,
+)
 from rankwatch.exporter.publish.otlp import (
     OTLP_LOGS,
     OTLP_METRICS,
@@ -56,6 +65,7 @@ from rankwatch.exporter.publish.otlp import (
 )
 from rankwatch.exporter.publish.prometheus import MetricsServer, SampleParts, start_metrics_server
 from rankwatch.exporter.publish.protocol import Publisher, check_timeout_seconds
+from rankwatch.exporter.publish.recorder import RunRecorder
 from rankwatch.exporter.publish.samples import (
     ENGINES,
     ExporterHealth,
@@ -474,6 +484,7 @@ class PublisherHub:
             self._cond.notify_all()
         # The hub thread only computes (milliseconds per report); it ends as soon as the reports
         # already handed over are published.
+        # Its last act closes the incidents still open (on that thread, like every event).
         self._thread.join(max(0.0, (deadline - time.monotonic()) * 0.25))
         if self.otlp is not None:
             # Keep a little for the HTTP server's shutdown (it polls every 0.1 s).
@@ -534,6 +545,10 @@ class PublisherHub:
                     self._handled += 1
                     self._cond.notify_all()
             if closing:
+                try:
+                    self._close_open_incidents()
+                except Exception:
+                    log.exception("rankwatch: closing the open incidents at run end failed")
                 return
 
     def _handle(self, report: WindowReport) -> None:
@@ -557,19 +572,30 @@ class PublisherHub:
             for name in [name for name in self._trackers if name not in kept]:
                 del self._trackers[name]
         for event in events:
-            self._log_event(event)
-            if self.otlp is not None:
-                self.otlp.emit(event)
-            if self._on_incident is not None:
-                try:
-                    self._on_incident(event)
-                except Exception:  # the script's reaction must not stop publishing
-                    log.exception("rankwatch: on_incident failed for %s", event.event_name)
+            self._send(event)
+
+    def _close_open_incidents(self) -> None:
+        """The run is ending: close every group's open incidents, reason ``run ended``."""
+        now = time.time()
+        for tracker in self._trackers.values():
+            for event in tracker.close_all(CLOSED_RUN_ENDED, now):
+                self._send(event)
+
+    def _send(self, event: IncidentEvent) -> None:
+        """One incident event to the log, OTLP and ``on_incident``."""
+        self._log_event(event)
+        if self.otlp is not None:
+            self.otlp.emit(event)
+        if self._on_incident is not None:
+            try:
+                self._on_incident(event)
+            except Exception:  # the script's reaction must not stop publishing
+                log.exception("rankwatch: on_incident failed for %s", event.event_name)
 
     def _log_event(self, event: IncidentEvent) -> None:
-        level = logging.WARNING if event.action == "open" else logging.INFO
+        # Openings and closings at one level, so a run that shows one shows the other.
         line = event_json(event) if self.config.log_json else event_message(event)
-        event_log.log(level, line)
+        event_log.warning(line)
 
 
 def default_publishers(
@@ -580,12 +606,16 @@ def default_publishers(
 ) -> list[Publisher]:
     """What a training process publishes through, as configured: one :class:`PublisherHub`
     (``/metrics`` on port base + ``local_rank`` when enabled, OTLP when an endpoint is set,
-    incident log lines, ``on_incident`` called with each incident event), or nothing when
-    rankwatch is disabled."""
+    incident log lines, ``on_incident`` called with each incident event) and a
+    :class:`~.recorder.RunRecorder` for the run's summary (written into ``artifact_dir`` when
+    set; printed at the end by ``RankWatch.close``), or nothing when rankwatch is disabled."""
     if not isinstance(config, RankwatchConfig):
         raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
         raise ValueError(f"local_rank: expected an int >= 0, got {local_rank!r}")
     if not config.enabled:
         return []
-    return [PublisherHub(config, local_rank=local_rank, on_incident=on_incident)]
+    hub = PublisherHub(config, local_rank=local_rank, on_incident=on_incident)
+    run = {"run_id": config.run_id, "started_at_s": time.time()}
+    recorder = RunRecorder(config, config.artifact_dir or None, run)
+    return [hub, recorder]

@@ -28,13 +28,22 @@ Findings that become incidents, and their identity:
   cause, so a straggler whose attribution wavers between windows stays one incident; the
   single-rank bottleneck kinds (``INPUT_BOUND``, ``COMPUTE_BOUND``, ``RESIDUAL_HEAVY``, ...)
   become class ``step_time_bottleneck`` identified by kind and ranks;
+* one fault, one incident: a bottleneck finding that blames the straggler's culprit and no
+  other rank (in a small group a slow input pipeline on one rank lifts the median input share
+  over its threshold, so ``INPUT_BOUND`` names the same rank as ``INPUT_STRAGGLER``) is the
+  straggler seen as a share, not a second problem. It is folded into the straggler's signal
+  (listed under ``related`` in its evidence; the signal takes the more severe of the two) when
+  both are in the same window, and supports an open straggler incident of that culprit when
+  it comes alone. A bottleneck that blames other ranks too stays an incident of its own;
 * every normal-mode ``Incident`` keeps its class (``pre_stage_arrival_skew``,
   ``global_data_path_slowdown``, ``localized_data_path_slowdown``, ``unclassified``) and is
   identified by class, probes and ranks.
 
 While open, an incident's severity only escalates (the highest severity of the windows that
 supported it); its cause, score and evidence follow the latest supporting window. Each incident
-emits exactly one ``open`` and one ``close`` event; ``rankwatch_incidents_total`` counts openings
+emits exactly one ``open`` and one ``close`` event; the close says why (``reason``:
+:data:`CLOSED_CLEAN` after m clean windows, :data:`CLOSED_RUN_ENDED` from :meth:`close_all`
+when the run ends with the incident still open). ``rankwatch_incidents_total`` counts openings
 by the severity at opening.
 
 State is bounded: at most ``max_tracked`` identities are remembered (open incidents first; the
@@ -47,7 +56,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rankwatch.diagnosis.report import WindowReport
@@ -63,6 +72,8 @@ from rankwatch.diagnosis.vocabulary import (
 from rankwatch.exporter.config import RankwatchConfig
 
 __all__ = [
+    "CLOSED_CLEAN",
+    "CLOSED_RUN_ENDED",
     "IncidentEvent",
     "IncidentSnapshot",
     "IncidentTracker",
@@ -72,6 +83,9 @@ __all__ = [
 ]
 
 _STRAGGLER_KINDS = frozenset(STRAGGLER_KINDS.values())
+# Why an incident closed: its finding was absent for m windows, or the run ended first.
+CLOSED_CLEAN = "clean windows"
+CLOSED_RUN_ENDED = "run ended"
 _SEVERITY_RANK = {s: i for i, s in enumerate(INCIDENT_SEVERITIES)}
 
 # Which engine a signal comes from: only windows in which that engine ran count for it.
@@ -121,6 +135,8 @@ class IncidentEvent:
     time_s: float
     group: str
     run: str
+    # Why a close happened: CLOSED_CLEAN (m clean windows) or CLOSED_RUN_ENDED; empty for opens.
+    reason: str = ""
 
     @property
     def event_name(self) -> str:
@@ -206,7 +222,40 @@ def _step_time_signals(report: WindowReport) -> list[Signal]:
                 evidence=evidence,
             )
         )
-    return out
+    stragglers = [s for s in out if s.cls == STRAGGLER_CLASS]
+    if not stragglers:
+        return out
+    straggler = stragglers[0]  # the engine names at most one straggler per window
+    related = [s for s in out if _caused_by(s, straggler.ranks)]
+    if not related:
+        return out
+    return [_fold(straggler, related) if s is straggler else s for s in out if s not in related]
+
+
+def _caused_by(sig: Signal, culprit_ranks: tuple[int, ...]) -> bool:
+    """Whether a bottleneck signal is the straggler's own slowness seen as a share: it blames
+    the straggler's culprit and nobody else (see the module docstring)."""
+    return sig.cls == BOTTLENECK_CLASS and bool(sig.ranks) and set(sig.ranks) <= set(culprit_ranks)
+
+
+def _fold(straggler: Signal, related: list[Signal]) -> Signal:
+    """The straggler signal with its related bottleneck findings folded in: the most severe of
+    them all, and each related finding listed in the evidence under ``related``."""
+    severity = max(
+        (straggler.severity, *(s.severity for s in related)), key=_SEVERITY_RANK.__getitem__
+    )
+    evidence = dict(straggler.evidence)
+    evidence["related"] = [*evidence.get("related", ()), *(_related_entry(s) for s in related)]
+    return replace(straggler, severity=severity, evidence=evidence)
+
+
+def _related_entry(sig: Signal) -> dict[str, Any]:
+    return {
+        "kind": sig.evidence.get("kind", sig.cause.upper()),
+        "severity": sig.severity,
+        "score": sig.score,
+        "ranks": list(sig.ranks),
+    }
 
 
 def _normal_score(report: WindowReport, cls: str, probes: tuple[str, ...]) -> float | None:
@@ -309,6 +358,8 @@ class IncidentTracker:
         self._opened_total: dict[tuple[str, str], int] = {}
         self._seq = 0
         self._windows = 0
+        # The latest live window fed (index, time, group, run): what a close at run end names.
+        self._last: tuple[int, float, str, str] = (-1, 0.0, group, run)
 
     @classmethod
     def from_config(cls, config: RankwatchConfig) -> IncidentTracker:
@@ -333,9 +384,10 @@ class IncidentTracker:
         if not ran:
             return []
         self._windows += 1
-        signals: dict[tuple[Any, ...], Signal] = {s.key: s for s in signals_from_report(report)}
+        signals = self._fold_into_open_stragglers({s.key: s for s in signals_from_report(report)})
         group = report.group or self.group
         run = report.run or self.run
+        self._last = (report.window_index, report.created_at_s, group, run)
         closes: list[IncidentEvent] = []
         opens: list[IncidentEvent] = []
 
@@ -363,7 +415,9 @@ class IncidentTracker:
                 if sig is not None:
                     track.incident = self._refresh(track.incident, sig, report)
                 elif track.clean_run >= self.close_m:
-                    closes.append(self._event("close", track.incident, report, group, run))
+                    closes.append(
+                        self._event("close", track.incident, report, group, run, CLOSED_CLEAN)
+                    )
                     del self._tracks[key]
                 continue
             opens_now = sig is not None and sig.cls in OPEN_AT_ONCE_CLASSES
@@ -374,6 +428,26 @@ class IncidentTracker:
                 del self._tracks[key]  # nothing left to remember
         self._bound()
         return closes + opens
+
+    def close_all(
+        self, reason: str = CLOSED_RUN_ENDED, time_s: float | None = None
+    ) -> list[IncidentEvent]:
+        """Close every open incident now, with ``reason`` (the run ended before its findings
+        cleared), in opening order; candidates are forgotten. The events carry the latest
+        window fed; ``time_s`` defaults to that window's time."""
+        if not isinstance(reason, str) or not reason:
+            raise ValueError(f"reason: expected a non-empty string, got {reason!r}")
+        window, last_s, group, run = self._last
+        if time_s is None:
+            time_s = last_s
+        elif isinstance(time_s, bool) or not isinstance(time_s, (int, float)):
+            raise TypeError(f"time_s: expected unix seconds, got {time_s!r}")
+        events = [
+            IncidentEvent("close", inc, window, float(time_s), group, run, reason)
+            for inc in self.snapshot().open
+        ]
+        self._tracks.clear()
+        return events
 
     def snapshot(self) -> IncidentSnapshot:
         """Open incidents (in opening order) and opening counts, as immutable data."""
@@ -429,9 +503,52 @@ class IncidentTracker:
 
     @staticmethod
     def _event(
-        action: str, inc: OpenIncident, report: WindowReport, group: str, run: str
+        action: str,
+        inc: OpenIncident,
+        report: WindowReport,
+        group: str,
+        run: str,
+        reason: str = "",
     ) -> IncidentEvent:
-        return IncidentEvent(action, inc, report.window_index, report.created_at_s, group, run)
+        return IncidentEvent(
+            action, inc, report.window_index, report.created_at_s, group, run, reason
+        )
+
+    def _fold_into_open_stragglers(
+        self, signals: dict[tuple[Any, ...], Signal]
+    ) -> dict[tuple[Any, ...], Signal]:
+        """Bottleneck signals that blame only the culprit of an open straggler incident support
+        that incident instead of becoming one of their own (the window's straggler finding
+        may be missing, e.g. below its threshold, while the culprit's share still is not)."""
+        open_stragglers = [
+            (key, t.incident)
+            for key, t in self._tracks.items()
+            if t.incident is not None and t.incident.cls == STRAGGLER_CLASS
+        ]
+        if not open_stragglers:
+            return signals
+        out = dict(signals)
+        for key, sig in signals.items():
+            owner = next(
+                ((k, inc) for k, inc in open_stragglers if _caused_by(sig, inc.ranks)), None
+            )
+            if owner is None:
+                continue
+            del out[key]
+            skey, inc = owner
+            base = out.get(skey) or Signal(
+                key=skey,
+                engine=_STEP_TIME,
+                cls=STRAGGLER_CLASS,
+                severity=sig.severity,
+                probe="",
+                cause=inc.cause,
+                ranks=inc.ranks,
+                score=inc.score,
+                evidence={k: v for k, v in sig.evidence.items() if k != "kind"},
+            )
+            out[skey] = _fold(base, [sig])
+        return out
 
     def _bound(self) -> None:
         excess = len(self._tracks) - self.max_tracked

@@ -23,7 +23,12 @@ from typing import Any
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.vocabulary import SEVERITY_LEVELS
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.publish.incidents import IncidentEvent, IncidentTracker, OpenIncident
+from rankwatch.exporter.publish.incidents import (
+    CLOSED_RUN_ENDED,
+    IncidentEvent,
+    IncidentTracker,
+    OpenIncident,
+)
 from rankwatch.exporter.publish.verdicts import (
     incident_label,
     normal_verdict,
@@ -35,6 +40,7 @@ __all__ = [
     "SUMMARY_TEXT",
     "IncidentRecord",
     "RunRecorder",
+    "end_of_run_text",
     "summary_text",
     "write_summary",
 ]
@@ -60,6 +66,7 @@ class IncidentRecord:
     closed_window: int | None = None
     closed_at_s: float | None = None
     causes: tuple[str, ...] = ()  # every cause seen while open, in order (e.g. input, compute)
+    close_reason: str | None = None  # "clean windows" or "run ended" once closed
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -159,8 +166,12 @@ class RunRecorder:
         )
 
     def close(self, timeout_seconds: float) -> None:
-        """Write the summary into ``out_dir`` (when given and a report was received)."""
+        """End the run: incidents still open close with reason ``run ended`` (as the hub
+        closes them); then write the summary into ``out_dir`` (when given and a report was
+        received)."""
         with self._lock:
+            for event in self._tracker.close_all(CLOSED_RUN_ENDED, time.time()):
+                self._record(event)
             received = bool(self.windows) or self.final_step is not None
         if self.out_dir is not None and received:
             self.written = write_summary(self.out_dir, self.summary(self.run))
@@ -212,7 +223,12 @@ class RunRecorder:
 
 
 def _closed(record: IncidentRecord, event: IncidentEvent) -> IncidentRecord:
-    return replace(record, closed_window=event.window_index, closed_at_s=event.time_s)
+    return replace(
+        record,
+        closed_window=event.window_index,
+        closed_at_s=event.time_s,
+        close_reason=event.reason or None,
+    )
 
 
 def _headline(summary: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -264,24 +280,62 @@ def summary_text(summary: Mapping[str, Any]) -> str:
         lines.append("")
     incidents = summary.get("incidents") or []
     lines.append(f"Incidents of the run: {len(incidents)}")
-    for inc in incidents:
-        ranks = ",".join(str(r) for r in inc["ranks"]) or "-"
-        score = "" if inc.get("score") is None else f" score {inc['score']:.2f}"
-        causes = " then ".join(
-            incident_label(inc["class"], c, inc.get("probe") or "")
-            for c in inc.get("causes") or [inc["cause"]]
-        )
-        opened, closed = _clock(inc["opened_at_s"], start), _clock(inc["closed_at_s"], start)
-        lines.append(
-            f"  {inc['class']} {inc['severity']} ranks {ranks} ({causes}){score}: "
-            f"opened {opened}, closed {closed}"
-        )
+    lines += [f"  {_incident_line(inc, start)}" for inc in incidents]
     files = summary.get("files") or {}
     if files:
         lines.append("")
         lines.append("Files:")
         for name, value in files.items():
             lines.append(f"  {name}: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def _incident_line(inc: Mapping[str, Any], start: float | None) -> str:
+    ranks = ",".join(str(r) for r in inc["ranks"]) or "-"
+    score = "" if inc.get("score") is None else f" score {inc['score']:.2f}"
+    causes = " then ".join(
+        incident_label(inc["class"], c, inc.get("probe") or "")
+        for c in inc.get("causes") or [inc["cause"]]
+    )
+    opened, closed = _clock(inc["opened_at_s"], start), _clock(inc["closed_at_s"], start)
+    if inc.get("close_reason"):
+        closed += f" ({inc['close_reason']})"
+    return (
+        f"{inc['class']} {inc['severity']} ranks {ranks} ({causes}){score}: "
+        f"opened {opened}, closed {closed}"
+    )
+
+
+def end_of_run_text(summary: Mapping[str, Any], written: tuple[Path, Path] | None) -> str:
+    """The few lines the root prints when rankwatch closes: the run's verdict, its incidents,
+    and where the summary files are (``written``: the paths :func:`write_summary` returned;
+    None when none were written)."""
+    if not isinstance(summary, Mapping):
+        raise TypeError(
+            f"summary: expected the mapping RunRecorder.summary() returns, got {summary!r}"
+        )
+    if written is not None and not (isinstance(written, tuple) and len(written) == 2):
+        raise TypeError(
+            f"written: expected (summary.json, summary.txt) paths or None, got {written!r}"
+        )
+    run = summary.get("run") or {}
+    verdict = summary.get("verdict")
+    lines = [f"rankwatch: run {run.get('run_id') or '(unnamed)'} ended"]
+    if verdict is None:
+        lines.append("  Verdict: no window was diagnosed.")
+    else:
+        sev = f" [{verdict['severity']}]" if verdict.get("severity") else ""
+        lines.append(f"  Verdict: {verdict['what']}{sev}")
+        lines.append(f"  Why: {verdict['why']}")
+        lines.append(f"  What to do: {verdict['action']}")
+    incidents = summary.get("incidents") or []
+    paged = sum(1 for inc in incidents if inc["severity"] == "critical")
+    lines.append(f"  Incidents: {len(incidents)} ({paged} critical)")
+    lines += [f"    {_incident_line(inc, run.get('started_at_s'))}" for inc in incidents]
+    if written is not None:
+        lines.append(f"  Summary: {written[1]} (and {written[0].name} beside it)")
+    else:
+        lines.append("  Summary: not written (set RANKWATCH_ARTIFACT_DIR=DIR to keep one)")
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,7 @@ the windows and publishes them. Without ``torch.distributed`` the process is a g
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -31,6 +32,7 @@ from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.gloo import create_gloo_group, dedicated_store, group_timeout
 from rankwatch.exporter.identity import local_identity
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
+from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text
 from rankwatch.exporter.step_time.collector import WindowCollector
 from rankwatch.exporter.step_time.gpu_events import (
     EventPool,
@@ -197,6 +199,12 @@ class RankWatch:
                 )
             return
         self._layout = layout
+        if layout.is_root and not config.run_id:
+            log.warning(
+                "rankwatch: the run has no name (no RANKWATCH_RUN_ID, and no Slurm, Kubernetes "
+                "Job or torchrun run id in the environment): its run label is empty; set "
+                "RANKWATCH_RUN_ID to the same value on every rank"
+            )
         self.timer = StepTimer(config.max_buffered_steps)
         self._want_gpu(self._cuda_available() if gpu_timing is None else gpu_timing)
         transport: Transport | None = None
@@ -379,7 +387,10 @@ class RankWatch:
     def close(self, timeout_seconds: float | None = None) -> None:
         """Stop within ``timeout_seconds`` (default: the configured
         ``shutdown_timeout_seconds``): remove hooks, ship the last rows, let the root publish
-        the summary window, stop the thread, close the publishers. Call it before
+        the summary window, stop the thread, close the publishers (incidents still open close
+        with reason ``run ended``). Then the root prints the run's verdict and where its
+        summary is to stderr, when a :class:`RunRecorder` is among the publishers (``init``
+        adds one) and ``config.end_summary`` is on. Call it before
         ``torch.distributed.destroy_process_group()``. Idempotent."""
         if timeout_seconds is None:
             timeout_seconds = self.config.shutdown_timeout_seconds
@@ -411,6 +422,21 @@ class RankWatch:
                 pub.close(max(0.05, deadline - time.monotonic()))
             except Exception:
                 log.exception("rankwatch: closing publisher %r failed", pub)
+        if self.is_root and self.config.end_summary:
+            self._print_end_summary()
+
+    def _print_end_summary(self) -> None:
+        """The run's verdict, its incidents and where its summary is, on stderr (root only),
+        from the run recorder among the publishers (``init`` adds one)."""
+        recorder = next((p for p in self.publishers if isinstance(p, RunRecorder)), None)
+        if recorder is None:
+            return
+        try:
+            text = end_of_run_text(recorder.summary(recorder.run), recorder.written)
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        except Exception:  # the end of a run must not fail because of its summary
+            log.exception("rankwatch: the end-of-run summary failed")
 
     def __enter__(self) -> RankWatch:
         return self

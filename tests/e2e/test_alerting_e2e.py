@@ -312,6 +312,24 @@ def alertmanager_config(webhook_url: str) -> str:
     return yaml.safe_dump(config)
 
 
+def prometheus_config(alertmanager_port: int, target_port: int) -> str:
+    """prometheus.yml: scrape the target and evaluate ``rankwatch.rules.yml`` every second,
+    alerts to the Alertmanager on ``alertmanager_port``."""
+    am = f"127.0.0.1:{alertmanager_port}"
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": ["rankwatch.rules.yml"],
+        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [am]}]}]},
+        "scrape_configs": [
+            {
+                "job_name": "rankwatch",  # what the shipped rules' job selector matches
+                "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}],
+            }
+        ],
+    }
+    return yaml.safe_dump(config)
+
+
 # --- the workloads ----------------------------------------------------------------------------
 
 
@@ -473,21 +491,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     webhook, webhook_server = start_webhook()
     try:
         with alertmanager(alertmanager_config(webhook.url)) as am:
-            config = {
-                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                "rule_files": ["rankwatch.rules.yml"],
-                "alerting": {
-                    "alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am.port}"]}]}]
-                },
-                "scrape_configs": [
-                    {
-                        "job_name": "rankwatch",
-                        "static_configs": [{"targets": [f"127.0.0.1:{workload.port}"]}],
-                    }
-                ],
-            }
             files = {"rankwatch.rules.yml": RULES.read_text()}
-            with prometheus(yaml.safe_dump(config), files) as prom:
+            with prometheus(prometheus_config(am.port, workload.port), files) as prom:
                 workload.start()
                 try:
                     if isinstance(workload, DemoWorkload):

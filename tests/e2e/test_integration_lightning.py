@@ -6,6 +6,8 @@ A tiny LightningModule trains under ``lightning.Trainer(strategy="ddp")``; rank 
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +41,17 @@ def scenario_lightning(rank: int, world: int, out: str) -> dict[str, Any]:
         STRATEGY_COLLECTIVES,
         RankwatchCallback,
     )
+    from rankwatch.exporter.publish.recorder import RunRecorder
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     loader = pairs_loader(rank, STEPS * BATCH * world)  # Lightning shards it per rank
     recorder = Recorder()
     config = RankwatchConfig.from_env(interval_seconds=1.0, gather_timeout_seconds=20.0)
-    callback = RankwatchCallback(lambda: RankWatch(config=config, publishers=[recorder]))
+    # The run's own recorder (as init() adds one): the root prints its verdict at fit end.
+    run_recorder = RunRecorder(config, run={"run_id": config.run_id})
+    callback = RankwatchCallback(
+        lambda: RankWatch(config=config, publishers=[recorder, run_recorder])
+    )
     trainer = lp.Trainer(
         accelerator="cpu",
         devices=world,
@@ -58,7 +65,9 @@ def scenario_lightning(rank: int, world: int, out: str) -> dict[str, Any]:
         num_sanity_val_steps=0,
     )
     profiler = trainer.profiler
-    trainer.fit(lightning_regressor(), train_dataloaders=loader)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        trainer.fit(lightning_regressor(), train_dataloaders=loader)
     rw = callback.rankwatch
     assert rw is not None and rw.timer is not None
     rows = rw.timer.ring[: rw.timer.written].tolist()
@@ -73,6 +82,8 @@ def scenario_lightning(rank: int, world: int, out: str) -> dict[str, Any]:
         "is_root": rw.is_root,
         "strategy": rw.strategy,
         "profiler_restored": not {"start", "stop"} & set(vars(profiler)),
+        "run_id": config.run_id,
+        "end_block": err.getvalue().partition("rankwatch: run ")[2],
     }
 
 
@@ -96,3 +107,8 @@ def test_lightning_callback_names_the_slow_collate_rank_as_input_straggler(
     slow = sorted(row[0] for row in res[SLOW_RANK]["row_signals"])[STEPS // 2]
     assert slow >= SLEEP_S * 1000 * 0.9, slow
     assert_input_straggler(root["reports"], SLOW_RANK)
+    # The fit ends with the run's verdict, on the root only, under torchrun's run id.
+    assert other["end_block"] == "" and root["run_id"] == other["run_id"] != ""
+    block = root["end_block"]
+    assert block.startswith(f"{root['run_id']} ended\n"), block
+    assert f"  Verdict: rank {SLOW_RANK} is an input-pipeline straggler" in block, block

@@ -7,6 +7,8 @@ window must say so.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from pathlib import Path
 from typing import Any
@@ -121,7 +123,9 @@ def train_with_callback(rank: int, world: int, out: str, **extra: Any) -> dict[s
         data_collator=collator,
         callbacks=[callback],
     )
-    trainer.train()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):  # the root's end-of-run block, printed at train end
+        trainer.train()
     rw = callback.rankwatch
     assert rw is not None
     rows = rw.timer.ring[: rw.timer.written].tolist() if rw.timer is not None else []
@@ -142,6 +146,8 @@ def train_with_callback(rank: int, world: int, out: str, **extra: Any) -> dict[s
         "closed": not rw.active,
         "is_root": rw.is_root,
         "strategy": rw.strategy,
+        "run_id": rw.config.run_id,
+        "end_block": err.getvalue().partition("rankwatch: run ")[2],
     }
 
 
@@ -177,6 +183,14 @@ def test_trainer_callback_names_the_slow_collator_rank_as_input_straggler(
         "ranks": [SLOW_RANK],
         "cause": "input_straggler",
     } in opened, root["events"]
+    # The run ends with the verdict, on the root only, naming the same rank.
+    assert other["end_block"] == ""
+    block = root["end_block"]
+    # the run is named after torchrun's run id, the same on both ranks
+    assert root["run_id"] == other["run_id"] and root["run_id"].startswith("world-")
+    assert block.startswith(f"{root['run_id']} ended\n"), block
+    assert f"  Verdict: rank {SLOW_RANK} is an input-pipeline straggler" in block, block
+    assert "  Incidents: " in block and "  Summary: not written" in block, block
     assert root["summary"]["window_kind"] == "summary"
     st = root["summary"]["step_time"]
     assert st["strategy"] == "ddp"

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rankwatch.diagnosis.step_time import diagnose_means
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.events import (
     event_attributes,
@@ -16,11 +17,12 @@ from rankwatch.exporter.publish.events import (
     event_message,
 )
 from rankwatch.exporter.publish.incidents import (
+    CLOSED_RUN_ENDED,
     IncidentEvent,
     IncidentTracker,
     signals_from_report,
 )
-from tests.publish_reports import normal_reports, step_report, window
+from tests.publish_reports import BALANCED_MS, normal_reports, step_report, window
 
 
 def straggling(i: int, culprit: int = 2, **kw):
@@ -179,6 +181,97 @@ def test_state_is_bounded():
         assert t.tracked <= 16
 
 
+# --- one fault, one incident ---------------------------------------------------------------------
+
+
+def _two_ranks(i: int, culprit: int | None = 1):
+    """A 2-rank window; a slow input pipeline on ``culprit`` makes it an input straggler and,
+    the median of two ranks being their mean, the group input-bound with only it blamed."""
+    return window(i, n=2, step_time=step_report(2, culprit=culprit))
+
+
+def test_a_straggler_and_the_bottleneck_it_causes_are_one_incident():
+    report = _two_ranks(0)
+    kinds = [(f.kind, f.severity, f.ranks) for f in report.step_time.findings]
+    assert kinds == [("INPUT_STRAGGLER", "critical", (1,)), ("INPUT_BOUND", "critical", (1,))]
+    (sig,) = signals_from_report(report)
+    assert sig.cls == "step_time_straggler" and sig.cause == "input_straggler"
+    assert [r["kind"] for r in sig.evidence["related"]] == ["INPUT_BOUND"]
+    t = IncidentTracker(2, 3, 3)
+    events = [e for i in range(6) for e in t.update(_two_ranks(i))]
+    opened = [e for e in events if e.action == "open"]
+    assert [(e.incident.cls, e.incident.severity) for e in opened] == [
+        ("step_time_straggler", "critical")
+    ]
+    assert dict(t.snapshot().opened_total) == {("step_time_straggler", "critical"): 1}
+
+
+def _input_bound_only(i: int):
+    """Rank 1 spends 60 % of its step waiting for input but arrives in time: no straggler,
+    INPUT_BOUND blaming rank 1 alone."""
+    slow = dict(BALANCED_MS, input_wait=60.0)
+    st = diagnose_means({0: dict(BALANCED_MS), 1: slow}, steps=50, strategy="ddp")
+    assert [(f.kind, f.ranks) for f in st.findings] == [("INPUT_BOUND", (1,))]
+    return window(i, n=2, step_time=st)
+
+
+def test_a_bottleneck_of_the_culprit_alone_keeps_its_straggler_incident_open():
+    t = IncidentTracker(2, 3, 2)
+    assert [e.action for i in range(2) for e in t.update(_two_ranks(i))] == ["open"]
+    # the straggler finding goes, rank 1 is still input-bound: same fault, same incident
+    for i in range(2, 6):
+        assert t.update(_input_bound_only(i)) == []
+    (inc,) = t.snapshot().open
+    assert inc.cls == "step_time_straggler" and inc.cause == "input_straggler"
+    assert inc.evidence["related"][0]["kind"] == "INPUT_BOUND"
+    (closed,) = [e for i in range(6, 8) for e in t.update(_two_ranks(i, culprit=None))]
+    assert closed.action == "close" and closed.incident.incident_id == inc.incident_id
+
+
+def test_a_bottleneck_without_a_straggler_is_an_incident_of_its_own():
+    t = IncidentTracker(2, 3, 3)
+    (opened,) = [e for i in range(2) for e in t.update(_input_bound_only(i))]
+    assert (opened.incident.cls, opened.incident.cause) == ("step_time_bottleneck", "input_bound")
+
+
+def test_a_bottleneck_that_blames_other_ranks_too_stays_a_second_incident():
+    means = {r: dict(BALANCED_MS, input_wait=40.0) for r in range(4)}
+    means[2].update(input_wait=85.0, backward=20.0, step=60.0)
+    st = diagnose_means(means, steps=50, strategy="ddp")
+    assert [(f.kind, f.ranks) for f in st.findings] == [
+        ("INPUT_STRAGGLER", (2,)),
+        ("INPUT_BOUND", (0, 1, 2, 3)),
+    ]
+    sigs = signals_from_report(window(0, n=4, step_time=st))
+    assert sorted(s.cls for s in sigs) == ["step_time_bottleneck", "step_time_straggler"]
+    assert all("related" not in s.evidence for s in sigs)
+
+
+# --- closing at the end of the run --------------------------------------------------------------
+
+
+def test_close_all_closes_every_open_incident_with_its_reason():
+    t = IncidentTracker(2, 3, 3, group="g0", run="r0")
+    feed(t, "SS")
+    t.update(straggling(2, culprit=1))  # a candidate, not open: forgotten silently
+    (inc,) = t.snapshot().open
+    (closed,) = t.close_all(CLOSED_RUN_ENDED, 1234.5)
+    assert (closed.action, closed.reason, closed.time_s) == ("close", "run ended", 1234.5)
+    assert closed.incident.incident_id == inc.incident_id
+    assert (closed.window_index, closed.group, closed.run) == (2, "world", "run-1")
+    assert "closed (run ended)" in event_message(closed)
+    assert t.snapshot().open == () and t.tracked == 0
+    assert t.close_all() == []  # nothing left: nothing closes twice
+
+
+def test_close_all_rejects_bad_input():
+    t = IncidentTracker()
+    with pytest.raises(ValueError, match="reason"):
+        t.close_all("")
+    with pytest.raises(TypeError, match="time_s"):
+        t.close_all(CLOSED_RUN_ENDED, "now")  # type: ignore[arg-type]
+
+
 def test_signals_ignore_info_findings():
     # a balanced window diagnoses COMPUTE_BOUND at severity info: no incident signal
     assert signals_from_report(clean(0)) == []
@@ -227,7 +320,8 @@ def test_event_json_is_one_line_with_the_incident_fields():
     line = event_json(opened)
     assert "\n" not in line
     doc = json.loads(line)
-    assert doc["event"] == "rankwatch.incident.open" and doc["level"] == "ERROR"
+    # one level for the whole lifecycle; how bad it is lives in incident.severity
+    assert doc["event"] == "rankwatch.incident.open" and doc["level"] == "WARN"
     assert doc["incident.class"] == "step_time_straggler"
     assert doc["incident.severity"] == "critical"
     assert doc["incident.culprit_ranks"] == [2]
@@ -236,21 +330,28 @@ def test_event_json_is_one_line_with_the_incident_fields():
     assert doc["incident.evidence"]["victim_rank"] == 1
     assert (doc["group"], doc["run"]) == ("world", "run-1")
     closed_doc = json.loads(event_json(closed))
-    assert closed_doc["event"] == "rankwatch.incident.close" and closed_doc["level"] == "INFO"
+    assert closed_doc["event"] == "rankwatch.incident.close" and closed_doc["level"] == "WARN"
     assert closed_doc["incident.id"] == doc["incident.id"]
+    assert closed_doc["incident.close_reason"] == "clean windows"
+    assert "incident.close_reason" not in doc
 
 
 def test_event_log_record_carries_event_name_severity_and_attributes():
     opened, closed = _opened_and_closed()
     rec = event_log_record(opened)
     assert rec.event_name == "rankwatch.incident.open"
-    assert rec.severity_text == "ERROR" and rec.severity_number is not None
+    assert rec.severity_text == "WARN" and rec.severity_number is not None
+    assert event_log_record(closed).severity_text == "WARN"
     assert rec.attributes is not None
     assert rec.attributes["rankwatch.incident.culprit_ranks"] == [2]
     assert "rank 2" in str(rec.body) and "node-0" in str(rec.body)
     assert rec.timestamp == int(opened.time_s * 1e9)
     assert event_log_record(closed).event_name == "rankwatch.incident.close"
-    assert "closed" in event_message(closed)
+    # both lines name the incident, so a reader can pair them; the close says why
+    incident_id = opened.incident.incident_id
+    assert f"incident {incident_id} opened: critical" in event_message(opened)
+    assert f"incident {incident_id} closed (clean windows): critical" in event_message(closed)
+    assert "run r" in event_message(opened)
 
 
 def test_event_builders_reject_bad_input():

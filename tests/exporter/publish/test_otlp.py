@@ -227,7 +227,8 @@ def test_incident_open_and_close_arrive_once_as_log_records_and_json_lines(monke
     opened = by_key[("rankwatch.incident.open", "step_time_straggler")]
     attrs = opened["attributes"]
     assert attrs["rankwatch.incident.severity"] == "critical"
-    assert opened["severity_text"] == "ERROR" and opened["severity_number"] == 17
+    # openings and closings at one level (WARN = 13); how bad it is is an attribute
+    assert opened["severity_text"] == "WARN" and opened["severity_number"] == 13
     assert attrs["rankwatch.incident.culprit_ranks"] == [11]
     assert attrs["rankwatch.incident.hostnames"] == ["node-1"]
     assert attrs["rankwatch.incident.cause"] == "input_straggler"
@@ -239,7 +240,8 @@ def test_incident_open_and_close_arrive_once_as_log_records_and_json_lines(monke
     assert skew["rankwatch.incident.culprit_ranks"] == [9]
     closed = by_key[("rankwatch.incident.close", "step_time_straggler")]
     assert closed["attributes"]["rankwatch.incident.id"] == attrs["rankwatch.incident.id"]
-    assert closed["severity_text"] == "INFO"
+    assert closed["severity_text"] == "WARN"
+    assert closed["attributes"]["rankwatch.incident.close_reason"] == "clean windows"
     res = opened["resource"]
     assert res["service.name"] == "rankwatch" and res["rankwatch.run"] == "r9"
     assert res["rankwatch.rank"] == 0 and res["host.name"] == "trainer-0"
@@ -250,6 +252,23 @@ def test_incident_open_and_close_arrive_once_as_log_records_and_json_lines(monke
     assert {d["incident.id"] for d in lines} == {
         r["attributes"]["rankwatch.incident.id"] for r in records
     }
+
+
+def test_the_run_end_closes_open_incidents_as_log_records_too(monkeypatch):
+    with HttpReceiver() as receiver:
+        hub = _hub(receiver.endpoint, monkeypatch, incident_open_k=1, incident_open_n=1)
+        hub.publish(window(0, n=4, step_time=step_report(4, culprit=2)))
+        assert hub.flush(20)
+        hub.close(5)  # the incident is still open: the close goes out before the last export
+        records = receiver.received.log_records()
+    assert [r["event_name"] for r in records] == [
+        "rankwatch.incident.open",
+        "rankwatch.incident.close",
+    ]
+    opened, closed = (r["attributes"] for r in records)
+    assert closed["rankwatch.incident.id"] == opened["rankwatch.incident.id"]
+    assert closed["rankwatch.incident.close_reason"] == "run ended"
+    assert "closed (run ended)" in records[1]["body"]
 
 
 def test_metrics_push_drops_departed_ranks_and_closed_incidents(monkeypatch):

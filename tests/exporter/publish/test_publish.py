@@ -18,8 +18,9 @@ from rankwatch.exporter.publish.hub import (
     PublisherHub,
     default_publishers,
 )
-from rankwatch.exporter.publish.incidents import IncidentSnapshot
+from rankwatch.exporter.publish.incidents import IncidentEvent, IncidentSnapshot
 from rankwatch.exporter.publish.protocol import Publisher
+from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text
 from tests.exporter.publish.test_otlp import OTEL_VARS
 from tests.publish_reports import T0, full_report, rank_infos, step_report, window
 from tests.servers import http_get
@@ -76,17 +77,29 @@ def test_a_report_that_fails_to_publish_does_not_stop_the_hub(caplog):
         hub.close()
 
 
-def test_incident_lines_are_text_when_json_is_off(caplog):
+def test_incident_lines_are_text_when_json_is_off_and_the_run_end_closes_them(caplog):
     caplog.set_level(logging.INFO, logger="rankwatch.incidents")
-    hub = quiet_hub(log_json=False, incident_open_k=1, incident_open_n=1)
+    events: list[IncidentEvent] = []
+    config = RankwatchConfig(
+        metrics_enabled=False, log_json=False, incident_open_k=1, incident_open_n=1
+    )
+    hub = PublisherHub(config, otlp=False, on_incident=events.append)
     try:
         hub.publish(window(0, n=4, step_time=step_report(4, culprit=1)))
         assert hub.flush(10)
     finally:
         hub.close()
-    (rec,) = [r for r in caplog.records if r.name == "rankwatch.incidents"]
-    assert rec.levelname == "WARNING"
-    assert rec.getMessage().startswith("rankwatch incident opened: critical step_time_straggler")
+    opened, closed = [r for r in caplog.records if r.name == "rankwatch.incidents"]
+    # one level for both, so the default level shows the whole lifecycle
+    assert (opened.levelname, closed.levelname) == ("WARNING", "WARNING")
+    (incident_id,) = {e.incident.incident_id for e in events}
+    assert opened.getMessage().startswith(
+        f"rankwatch incident {incident_id} opened: critical step_time_straggler"
+    )
+    assert closed.getMessage().startswith(
+        f"rankwatch incident {incident_id} closed (run ended): critical step_time_straggler"
+    )
+    assert [(e.action, e.reason) for e in events] == [("open", ""), ("close", "run ended")]
 
 
 def test_collection_errors_and_invalid_windows_are_counted():
@@ -172,22 +185,78 @@ def test_rank_comes_from_the_environment(monkeypatch):
 
 def test_default_publishers_follow_the_config():
     assert default_publishers(RankwatchConfig(enabled=False), 0) == []
-    (hub,) = default_publishers(RankwatchConfig(metrics_port=0), 1)
+    hub, recorder = default_publishers(RankwatchConfig(metrics_port=0, run_id="r7"), 1)
     try:
         assert isinstance(hub, PublisherHub) and hub.metrics_url is not None
+        assert isinstance(recorder, RunRecorder) and recorder.out_dir is None
+        assert recorder.run["run_id"] == "r7"
     finally:
         hub.close(2)
+        recorder.close(2)
     with pytest.raises(TypeError, match="config"):
         default_publishers(None, 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="local_rank"):
         default_publishers(RankwatchConfig(), True)  # type: ignore[arg-type]
 
 
+def _run_a_few_steps(rw, steps: int = 30) -> None:
+    for _ in range(steps):
+        with rw.step():
+            with rw.phase("input_wait"):
+                pass
+            with rw.phase("forward"):
+                sum(range(200))
+            with rw.phase("backward"):
+                sum(range(400))
+        rw.collect()
+
+
+def test_close_prints_the_run_verdict_and_where_the_summary_is(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    rw = exporter.init(metrics_enabled=False, run_id="end-test", artifact_dir=str(tmp_path))
+    _run_a_few_steps(rw)
+    rw.close(5.0)
+    err = capsys.readouterr().err
+    block = err[err.index("rankwatch: run end-test ended") :]
+    lines = block.splitlines()
+    assert lines[1].startswith("  Verdict: ")
+    assert "  Incidents: 0 (0 critical)" in lines
+    assert f"  Summary: {tmp_path / 'summary.txt'} (and summary.json beside it)" in lines
+    assert (tmp_path / "summary.json").is_file()
+    # once: a second close prints nothing
+    rw.close(5.0)
+    assert "ended" not in capsys.readouterr().err
+
+
+def test_end_of_run_text_rejects_bad_input():
+    with pytest.raises(TypeError, match="summary: expected"):
+        end_of_run_text(["verdict"], None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="written: expected"):
+        end_of_run_text({}, "summary.txt")  # type: ignore[arg-type]
+    # an empty run still says what it knows
+    assert end_of_run_text({}, None).splitlines()[:2] == [
+        "rankwatch: run (unnamed) ended",
+        "  Verdict: no window was diagnosed.",
+    ]
+
+
+def test_the_end_of_run_block_is_off_with_one_setting(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANKWATCH_END_SUMMARY", "0")
+    rw = exporter.init(metrics_enabled=False, run_id="quiet")
+    _run_a_few_steps(rw, 5)
+    rw.close(5.0)
+    assert "rankwatch: run" not in capsys.readouterr().err
+    monkeypatch.setenv("RANKWATCH_END_SUMMARY", "maybe")
+    with pytest.raises(ValueError, match="RANKWATCH_END_SUMMARY"):
+        exporter.init(metrics_enabled=False)
+
+
 def test_init_starts_rankwatch_with_the_default_publishers(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     rw = exporter.init(metrics_port=0, run_id="init-test")
     try:
-        (hub,) = rw.publishers
+        hub, _ = rw.publishers
         assert isinstance(hub, PublisherHub)
         assert hub.config.run_id == "init-test"
         assert hub.metrics_url is not None

@@ -1,0 +1,149 @@
+"""The run name: ``RANKWATCH_RUN_ID``, else the launcher's job (``identity.run_name_from_env``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rankwatch.exporter.cli.main import main
+from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.identity import RunName, run_name_from_env
+
+K8S = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+
+CASES = [
+    ({}, RunName("", "")),
+    ({"RANKWATCH_RUN_ID": "mine"}, RunName("mine", "RANKWATCH_RUN_ID")),
+    (
+        {"RANKWATCH_RUN_ID": "mine", "SLURM_JOB_ID": "7", "TORCHELASTIC_RUN_ID": "t"},
+        RunName("mine", "RANKWATCH_RUN_ID"),
+    ),
+    ({"RANKWATCH_RUN_ID": "  ", "SLURM_JOB_ID": "7"}, RunName("slurm-7", "SLURM_JOB_ID")),
+    ({"TORCHELASTIC_RUN_ID": "exp-42"}, RunName("exp-42", "TORCHELASTIC_RUN_ID")),
+    # torchrun without --rdzv-id writes the literal "none": no name
+    ({"TORCHELASTIC_RUN_ID": "none"}, RunName("", "")),
+    ({"SLURM_JOB_ID": "123456"}, RunName("slurm-123456", "SLURM_JOB_ID")),
+    (
+        {"SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "pretrain"},
+        RunName("pretrain-123456", "SLURM_JOB_ID, SLURM_JOB_NAME"),
+    ),
+    (
+        {"SLURM_JOB_ID": "123460", "SLURM_ARRAY_JOB_ID": "123456", "SLURM_ARRAY_TASK_ID": "4"},
+        RunName("slurm-123456_4", "SLURM_ARRAY_JOB_ID, SLURM_ARRAY_TASK_ID"),
+    ),
+    # the scheduler's name wins over torchrun's (often a UUID torchrun made up)
+    (
+        {"SLURM_JOB_ID": "9", "TORCHELASTIC_RUN_ID": "0b6f2c1e-6a1c-4d4e-9a57-1f7f0e3c2b11"},
+        RunName("slurm-9", "SLURM_JOB_ID"),
+    ),
+    ({"JOBSET_NAME": "llm-pretrain"}, RunName("llm-pretrain", "JOBSET_NAME")),
+    (
+        {**K8S, "HOSTNAME": "train-7b-3", "JOB_COMPLETION_INDEX": "3"},
+        RunName("train-7b", "Kubernetes Indexed Job pod (HOSTNAME, JOB_COMPLETION_INDEX)"),
+    ),
+    (
+        {
+            **K8S,
+            "HOSTNAME": "pytorch-workers-1-2",
+            "JOB_COMPLETION_INDEX": "2",
+            "REPLICATED_JOB_NAME": "workers",
+            "JOB_INDEX": "1",
+        },
+        RunName("pytorch", "JobSet pod (HOSTNAME, REPLICATED_JOB_NAME, JOB_INDEX)"),
+    ),
+    # a JobSet's pod without the JobSet's variables: its Job's name differs between the
+    # JobSet's Jobs, so nothing is derived
+    ({**K8S, "HOSTNAME": "pytorch-workers-1-2", "JOB_COMPLETION_INDEX": "2"}, RunName("", "")),
+    # outside a cluster, or a hostname that does not end in the index: nothing derived
+    ({"HOSTNAME": "train-7b-3", "JOB_COMPLETION_INDEX": "3"}, RunName("", "")),
+    ({**K8S, "HOSTNAME": "train-7b-x1y2z", "JOB_COMPLETION_INDEX": "3"}, RunName("", "")),
+    (
+        {**K8S, "HOSTNAME": "bert-ft-worker-2", "MASTER_ADDR": "bert-ft-master-0"},
+        RunName("bert-ft", "Kubeflow PyTorchJob (MASTER_ADDR)"),
+    ),
+    ({**K8S, "MASTER_ADDR": "10.1.2.3"}, RunName("", "")),
+    ({"MASTER_ADDR": "bert-ft-master-0"}, RunName("", "")),
+]
+
+
+@pytest.mark.parametrize(("env", "want"), CASES)
+def test_run_name_from_the_environment(env, want):
+    assert run_name_from_env(env) == want
+    assert RankwatchConfig.from_env(env).run_id == want.name
+
+
+@pytest.mark.parametrize(("env", "want"), CASES)
+def test_every_rank_of_a_job_gets_the_same_name(env, want):
+    # what differs between the ranks of one job must not change the name
+    for rank in range(3):
+        per_rank = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "SLURM_PROCID": str(rank)}
+        assert run_name_from_env(per_rank) == want
+
+
+def test_a_bad_environment_is_named():
+    with pytest.raises(TypeError, match="env: expected a mapping"):
+        run_name_from_env(["SLURM_JOB_ID=7"])  # type: ignore[arg-type]
+
+
+def test_an_override_wins_over_the_environment():
+    env = {"SLURM_JOB_ID": "7"}
+    assert RankwatchConfig.from_env(env, run_id="given").run_id == "given"
+    assert RankwatchConfig.from_env(env, run_id="").run_id == ""
+
+
+def test_rankwatch_config_shows_the_name_and_its_source(monkeypatch, capsys):
+    for name in [v for v in os.environ if v.startswith(("SLURM_", "TORCHELASTIC_", "RANKWATCH_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_ID", "555")
+    assert main(["config"]) == 0
+    assert "Run name: slurm-555 (from SLURM_JOB_ID)" in capsys.readouterr().out
+    assert main(["config", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["run"] == {"name": "slurm-555", "source": "SLURM_JOB_ID"}
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["config"]) == 0
+    assert "Run name: none (" in capsys.readouterr().out
+
+
+_PRINT_RUN = textwrap.dedent(
+    """
+    import json, os
+    from rankwatch.exporter.config import RankwatchConfig
+    print(json.dumps([os.environ["RANK"], RankwatchConfig.from_env().run_id]))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "want"),
+    [(["--rdzv-id", "exp-7"], {"exp-7"}), ([], None)],
+    ids=["rdzv-id", "standalone-uuid"],
+)
+def test_a_real_torchrun_launch_names_every_rank_alike(tmp_path: Path, args, want):
+    script = tmp_path / "print_run.py"
+    script.write_text(_PRINT_RUN)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "RANKWATCH_", "KUBERNETES_"))
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    if args:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", *args]
+    proc = subprocess.run(
+        [*cmd, str(script)], env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert sorted(rank for rank, _ in rows) == ["0", "1"]
+    names = {name for _, name in rows}
+    assert len(names) == 1 and "" not in names and "none" not in names
+    if want is not None:
+        assert names == want
