@@ -24,7 +24,7 @@ import pytest
 
 from tests.e2e.test_alerting_e2e import alertmanager_config, prometheus_config, start_webhook
 from tests.framework_world import SLEEP_S, LogLines, incident_fields, run_world
-from tests.servers import REPO, alertmanager, free_port, prom_query, prometheus
+from tests.servers import alertmanager, free_port, prom_query, prometheus
 
 pytestmark = [pytest.mark.servers, pytest.mark.multiproc]
 
@@ -40,10 +40,11 @@ COMPUTE_S = 0.005
 def render_rules(for_: dict[str, str], keep_firing_for: dict[str, str]) -> str:
     """The shipped alert rules with some ``for:`` / ``keep_firing_for:`` durations replaced.
 
-    The one place this test renders rules: when the rules generator moves, change it here.
+    Rendered the supported way, as a user of the installed package would:
+    ``rankwatch assets export DIR --for ALERT=DURATION``.
     """
     with tempfile.TemporaryDirectory(prefix="rw-rules-") as tmp:
-        argv = [sys.executable, str(REPO / "dashboards" / "generate.py"), "--out", tmp]
+        argv = [sys.executable, "-m", "rankwatch.exporter.cli", "assets", "export", tmp]
         argv += [f"--for={alert}={d}" for alert, d in for_.items()]
         argv += [f"--keep-firing-for={alert}={d}" for alert, d in keep_firing_for.items()]
         subprocess.run(argv, check=True, capture_output=True, timeout=120)
