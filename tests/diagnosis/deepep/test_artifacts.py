@@ -396,7 +396,7 @@ def test_not_an_archive_is_rejected(tmp_path: Path) -> None:
     single = tmp_path / "single.npy"
     np.save(single, np.zeros(3))
     assert "not an NPZ (zip) archive" in _load_error(single)
-    with pytest.raises(FileNotFoundError, match="path: no artifact file at"):
+    with pytest.raises(FileNotFoundError, match="no such file"):
         load_window_artifact(tmp_path / "absent.npz")
     with pytest.raises(TypeError, match="path: expected a path, got NoneType"):
         load_window_artifact(None)  # type: ignore[arg-type]
