@@ -246,9 +246,13 @@ def _window_arrays(window: NormalWindow, report: object) -> dict[str, np.ndarray
 
 def _json_text(name: str, value: object) -> str:
     try:
-        return json.dumps(json_ready(value), sort_keys=True, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(json_ready(value), sort_keys=True, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: not JSON-serialisable ({exc})") from None
+    if len(text) > MAX_JSON_CHARS:
+        # Never write what the loader would refuse.
+        raise ValueError(f"{name}: {len(text)} characters as JSON, more than {MAX_JSON_CHARS}")
+    return text
 
 
 def save_window_artifact(

@@ -249,6 +249,8 @@ def test_save_rejects_bad_input(tmp_path: Path) -> None:
         save_window_artifact(tmp_path / "a.npz", window, name="b.npz")
     with pytest.raises(ValueError, match="report: not JSON-serialisable"):
         save_window_artifact(tmp_path, window, {"ep_size": 16, "obj": object()})
+    with pytest.raises(ValueError, match=r"report: \d+ characters as JSON, more than 1048576"):
+        save_window_artifact(tmp_path, window, {"ep_size": 16, "note": "x" * 2**20})
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
