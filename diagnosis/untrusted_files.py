@@ -42,6 +42,8 @@ MAX_JSON_DEPTH = 64
 # every int64 with its sign. Longer integers cost quadratic time to convert.
 MAX_JSON_INT_DIGITS = 20
 
+# Opening a FIFO for reading blocks until a writer comes; non-blocking, it returns at once.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _SCAN_CHUNK_BYTES = 1 << 18
 _QUOTE = ord('"')
 _BACKSLASH = ord("\\")
@@ -81,7 +83,7 @@ def open_regular_file(path: str | os.PathLike[str], *, max_bytes: int) -> Binary
     p = Path(path)
     try:
         _check_stat(p, os.stat(p), max_bytes)
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        fd = os.open(p, os.O_RDONLY | _NONBLOCK | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, "no such file", str(p)) from None
     except OSError as exc:
@@ -89,7 +91,8 @@ def open_regular_file(path: str | os.PathLike[str], *, max_bytes: int) -> Binary
     try:
         # The file may have been swapped since the stat: check what was really opened.
         _check_stat(p, os.fstat(fd), max_bytes)
-        os.set_blocking(fd, True)
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
