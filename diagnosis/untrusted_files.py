@@ -9,7 +9,7 @@ field and the value, before anything proportional to what the file *declares* is
   FIFO between the check and the open cannot hang the reader either.
 - A file larger than the caller's byte budget is refused from its size.
 - JSON is scanned before it is parsed: nesting deeper than :data:`MAX_JSON_DEPTH` or more than
-  the caller's number of containers is refused, integers longer than
+  the caller's number of objects, arrays and strings is refused, integers longer than
   :data:`MAX_JSON_INT_DIGITS` digits, ``NaN``, ``Infinity`` and numbers that overflow to
   infinity are refused while parsing.
 """
@@ -116,14 +116,16 @@ def read_text_file(path: str | os.PathLike[str], *, max_bytes: int) -> str:
         ) from None
 
 
-def _structure(text: str, max_depth: int, max_containers: int) -> tuple[int, int]:
-    """(deepest nesting, containers) of a JSON text, stopping once past either bound.
+def _structure(text: str, max_depth: int, max_items: int) -> tuple[int, int]:
+    """(deepest nesting, objects + arrays + strings) of a JSON text, stopping once past
+    either bound. Those are what costs the parser memory beyond the text's size: a two-letter
+    string costs Python 51 bytes, an empty list 56.
 
     A vectorised scan in chunks, linear in the text whatever it holds: a quote opens or closes
     a string unless an odd run of backslashes precedes it; brackets outside strings add one
     level (opening) or remove one (closing). The parser sees the text only after this."""
     data = text.encode("utf-8", "surrogatepass")
-    depth = deepest = containers = 0
+    depth = deepest = containers = quotes = 0
     in_string = 0  # 1 while the scan is inside a string (carried from chunk to chunk)
     backslashes = 0  # the run of backslashes that ended the previous chunk
     for start in range(0, len(data), _SCAN_CHUNK_BYTES):
@@ -141,15 +143,15 @@ def _structure(text: str, max_depth: int, max_containers: int) -> tuple[int, int
         steps = opens.astype(np.int64) - (np.isin(chunk, _CLOSE) & outside)
         in_string = int(quotes_before[-1] + quote[-1]) % 2
         backslashes = int(run[-1])
-        if not steps.any():
-            continue
-        running = np.cumsum(steps) + depth
-        deepest = max(deepest, int(running.max()))
-        containers += int(opens.sum())
-        depth = int(running[-1])
-        if deepest > max_depth or containers > max_containers:
+        quotes += int(quote.sum())
+        if steps.any():
+            running = np.cumsum(steps) + depth
+            deepest = max(deepest, int(running.max()))
+            containers += int(opens.sum())
+            depth = int(running[-1])
+        if deepest > max_depth or containers + (quotes + 1) // 2 > max_items:
             break
-    return deepest, containers
+    return deepest, containers + (quotes + 1) // 2
 
 
 def _bounded_int(text: str) -> int:
@@ -177,19 +179,20 @@ def parse_json(
     field: str,
     text: str,
     *,
-    max_containers: int,
+    max_items: int,
     max_depth: int = MAX_JSON_DEPTH,
 ) -> Any:
-    """Parse ``text`` (the JSON of ``field`` in file ``path``) within the bounds above."""
-    deepest, containers = _structure(text, max_depth, max_containers)
+    """Parse ``text`` (the JSON of ``field`` in file ``path``) within the bounds above:
+    ``max_items`` objects, arrays and strings (keys included) at the most."""
+    deepest, items = _structure(text, max_depth, max_items)
     if deepest > max_depth:
         raise ArtifactError(
             f"{path}: {field}: JSON nested more than {max_depth} levels deep (at least {deepest})"
         )
-    if containers > max_containers:
+    if items > max_items:
         raise ArtifactError(
-            f"{path}: {field}: more than {max_containers} JSON objects and arrays (at least "
-            f"{containers})"
+            f"{path}: {field}: more than {max_items} JSON objects, arrays and strings (at "
+            f"least {items})"
         )
     try:
         return json.loads(

@@ -71,7 +71,7 @@ MAX_EP_SIZE = 1024
 MAX_INSTANCE_ID_CHARS = 256
 # A stored diagnosis is a few kB (verdicts, not arrays); extra_json is the caller's small dict.
 MAX_JSON_CHARS = 2**20
-MAX_JSON_CONTAINERS = 100_000
+MAX_JSON_ITEMS = 100_000
 COMPRESS_LEVEL = 1
 # An artifact has at most 12 scalar keys + 4 per Notify probe + 5 per Completion probe.
 MAX_MEMBERS = 64
@@ -572,7 +572,7 @@ def _load(p: Path, npz: Any) -> tuple[NormalWindow, dict[str, Any] | None, Artif
 
 
 def _parse_json(r: _Reader, key: str, text: str) -> dict[str, Any]:
-    value = parse_json(r.path, f"key {key!r}", text, max_containers=MAX_JSON_CONTAINERS)
+    value = parse_json(r.path, f"key {key!r}", text, max_items=MAX_JSON_ITEMS)
     if not isinstance(value, dict):
         raise r.fail(key, f"expected a JSON object, got {type(value).__name__}")
     return value

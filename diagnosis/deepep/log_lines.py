@@ -235,7 +235,7 @@ def parse_log_line(line: str) -> NormalLogLine:
     try:
         # Bounded like a file's JSON: a payload nested a million deep would otherwise raise
         # RecursionError. A details line of EP 1,024 holds 1,025 lists.
-        payload = parse_json("line", "payload", m["payload"], max_containers=1 << 16)
+        payload = parse_json("line", "payload", m["payload"], max_items=1 << 16)
     except ArtifactError as exc:
         reason = str(exc).removeprefix("line: payload: ")
         raise ValueError(f"line: payload is not JSON we read ({reason}): {line[:120]!r}") from None

@@ -105,8 +105,8 @@ _RANK_KEYS = frozenset(("step_id", *CLOCKS, _ASYNC))
 # 1,024 ranks x 100 steps with every signal on both clocks is 22 MiB of JSON; 64 MiB holds
 # about 2,900 such ranks.
 MAX_FILE_BYTES = 64 * 2**20
-# Per rank about 17 objects and arrays (the rank, its clocks, one list per signal).
-MAX_JSON_CONTAINERS = 1_000_000
+# Per rank about 35 objects, arrays and strings (the rank, its clocks, a list per signal, keys).
+MAX_JSON_ITEMS = 1_000_000
 MAX_RANKS = 65_536
 # Rows become one float64 [n, ROW_WIDTH] array per rank: 2**20 rows are 128 MiB
 # (4,096 ranks x 256 steps, or 1,024 ranks x 1,024 steps).
@@ -433,7 +433,7 @@ def window_from_dict(obj: object) -> StepTimeWindow:
 def load_window(path: str | os.PathLike[str]) -> StepTimeWindow:
     """Read and validate an artifact file; :class:`ArtifactError` naming the file and field."""
     text = read_text_file(path, max_bytes=MAX_FILE_BYTES)
-    obj = parse_json(path, "document", text, max_containers=MAX_JSON_CONTAINERS)
+    obj = parse_json(path, "document", text, max_items=MAX_JSON_ITEMS)
     try:
         return window_from_dict(obj)
     except ValueError as exc:

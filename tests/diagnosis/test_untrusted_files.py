@@ -36,13 +36,13 @@ _documents = st.recursive(
 
 
 def _structure_of(value: Any) -> tuple[int, int]:
-    """(depth, containers) of a parsed document, the truth the scan must match."""
+    """(depth, objects + arrays + strings) of a parsed document: what the scan must find."""
     if isinstance(value, list):
         parts = [_structure_of(v) for v in value]
     elif isinstance(value, dict):
-        parts = [_structure_of(v) for v in value.values()]
+        parts = [_structure_of(v) for v in value.values()] + [(0, 1)] * len(value)
     else:
-        return 0, 0
+        return 0, int(isinstance(value, str))
     return 1 + max((d for d, _ in parts), default=0), 1 + sum(c for _, c in parts)
 
 
@@ -63,7 +63,8 @@ def test_the_scan_agrees_with_the_parser(doc: Any, ascii_only: bool, chunk: int)
     [
         ("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1), "nested more than 64 levels"),
         ('{"a": ' + "[" * 10**6, "nested more than 64 levels"),
-        ("[" + ",".join(["[]"] * 11) + "]", "more than 10 JSON objects and arrays"),
+        ("[" + ",".join(["[]"] * 11) + "]", "more than 10 JSON objects, arrays and strings"),
+        ('["a",' + ",".join(['"\\"b"'] * 10) + "]", "more than 10 JSON objects, arrays and"),
         ('{"a": NaN}', "NaN is not a JSON number"),
         ("[Infinity]", "Infinity is not a JSON number"),
         ("[-1e999]", "not finite as float64"),
@@ -74,16 +75,16 @@ def test_the_scan_agrees_with_the_parser(doc: Any, ascii_only: bool, chunk: int)
 )
 def test_parse_json_refuses_by_name(text: str, says: str) -> None:
     with pytest.raises(ArtifactError, match=r"^f\.json: doc: ") as info:
-        parse_json("f.json", "doc", text, max_containers=10)
+        parse_json("f.json", "doc", text, max_items=10)
     assert says in str(info.value)
 
 
 def test_parse_json_accepts_the_bounds_themselves() -> None:
     deepest = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
-    assert parse_json("f", "doc", deepest, max_containers=MAX_JSON_DEPTH) is not None
-    assert parse_json("f", "doc", "[" + "9" * 20 + "]", max_containers=1) == [10**20 - 1]
+    assert parse_json("f", "doc", deepest, max_items=MAX_JSON_DEPTH) is not None
+    assert parse_json("f", "doc", "[" + "9" * 20 + "]", max_items=1) == [10**20 - 1]
     # Brackets and escaped quotes inside strings are text, not structure.
-    assert parse_json("f", "doc", json.dumps(['\\"[[[', "{{{"]), max_containers=1)
+    assert parse_json("f", "doc", json.dumps(['\\"[[[', "{{{"]), max_items=3)
 
 
 def test_non_regular_files_are_refused_without_opening(tmp_path: Path) -> None:

@@ -400,7 +400,12 @@ CASES = [
     Case(
         "million-lists.json",
         step_json(_raw_value("meta", "[" + ",".join(["[]"] * 1_000_001) + "]")),
-        "more than 1000000 JSON objects and arrays",
+        "more than 1000000 JSON objects, arrays and strings",
+    ),
+    Case(
+        "million-strings.json",
+        step_json(_raw_value("meta", "[" + ",".join(['"ab"'] * 1_000_001) + "]")),
+        "more than 1000000 JSON objects, arrays and strings",
     ),
     Case("long-key.json", step_json(_set("x" * 10**6, 1)), "unknown key in a version 1"),
     # ---- not regular files, and files too large to be one --------------------------------------
