@@ -263,15 +263,14 @@ def save_window(
 # --------------------------------------------------------------------------------------------
 
 
-def _clip(name: str) -> str:
-    """A key from a file as a field name, cut short like :func:`_short`."""
-    return name if len(name) <= 80 else name[:77] + "..."
+def _clip(text: str, limit: int = 80) -> str:
+    """Text from a file (a key, a value's repr) cut short: a message stays one readable line."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _short(value: object) -> str:
-    """``repr`` of a value from a file, cut short: a message stays one readable line."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """``repr`` of a value from a file, cut short."""
+    return _clip(repr(value))
 
 
 def is_step_time_artifact(obj: object) -> bool:
@@ -437,7 +436,8 @@ def load_window(path: str | os.PathLike[str]) -> StepTimeWindow:
     try:
         return window_from_dict(obj)
     except ValueError as exc:
-        raise ArtifactError(f"{path}: {exc}") from None
+        # Checks outside this module (the config's) may quote a value whole.
+        raise ArtifactError(f"{path}: {_clip(str(exc), 400)}") from None
 
 
 def diagnose_file(

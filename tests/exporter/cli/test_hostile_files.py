@@ -408,6 +408,11 @@ CASES = [
         "more than 1000000 JSON objects, arrays and strings",
     ),
     Case("long-key.json", step_json(_set("x" * 10**6, 1)), "unknown key in a version 1"),
+    Case(
+        "long-config-value.json",
+        step_json(_set("config", {"straggler_warning_score": "x" * 10**6})),
+        "config: ",
+    ),
     # ---- not regular files, and files too large to be one --------------------------------------
     Case("fifo.json", special("fifo"), "not a regular file (a FIFO)"),
     Case("fifo.npz", special("fifo"), "not a regular file (a FIFO)"),
