@@ -6,7 +6,10 @@ counter deltas and derived arrays, and the diagnosis as a JSON string. It is wri
 (temporary file, then rename) and read back with ``allow_pickle=False``; every array's declared
 shape and dtype are checked against the declared EP size *before* its data is decompressed, so
 a damaged or hostile file is rejected with an :class:`ArtifactError` naming the key instead of
-exhausting memory. ``docs/artifacts.md`` lists the keys.
+exhausting memory. Before that, the file itself must be a regular file within
+:data:`MAX_FILE_BYTES`, its zip directory may list at most :data:`MAX_MEMBERS` members, and the
+uncompressed sizes the directory declares must add up to at most :data:`MAX_DECLARED_BYTES`.
+``docs/artifacts.md`` lists the keys and the bounds.
 
 Probes absent from the window are absent from the file (listed in ``probes``): a missing
 measurement is never written as zeros.
@@ -19,6 +22,7 @@ import math
 import numbers
 import os
 import re
+import struct
 import tempfile
 import threading
 import time
@@ -28,7 +32,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 import numpy as np
 
@@ -37,11 +41,14 @@ from rankwatch.diagnosis.deepep.normal.report import NormalReport, json_ready
 from rankwatch.diagnosis.deepep.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES, PROBES
 from rankwatch.diagnosis.deepep.normal.window import NormalWindow
 from rankwatch.diagnosis.retention import files_oldest_first, prune_oldest
+from rankwatch.diagnosis.untrusted_files import ArtifactError, open_regular_file, parse_json
 
 __all__ = [
     "ARTIFACT_KIND",
     "ARTIFACT_PREFIX",
+    "MAX_DECLARED_BYTES",
     "MAX_EP_SIZE",
+    "MAX_FILE_BYTES",
     "SCHEMA_VERSION",
     "ArtifactError",
     "ArtifactMeta",
@@ -60,13 +67,27 @@ __all__ = [
 SCHEMA_VERSION = 2
 ARTIFACT_KIND = "rankwatch.deepep_normal_window"
 ARTIFACT_PREFIX = "deepep-normal-"
-# Largest EP group an artifact may declare: one float64 [EP, EP] matrix is then 128 MiB.
-MAX_EP_SIZE = 4096
+# Largest EP group an artifact may declare. DeepEP's internode normal mode reaches 160 ranks
+# (20 RDMA peers of 8 NVLink ranks each); 1,024 keeps room for a later DeepEP and for the sizes
+# the benchmarks diagnose. One float64 [EP, EP] matrix is then 8 MiB, a whole file's arrays
+# 120 MiB (a file declaring EP 4,096 would ask for 1.9 GiB).
+MAX_EP_SIZE = 1024
 MAX_INSTANCE_ID_CHARS = 256
-MAX_JSON_CHARS = 32 * 2**20
+# A stored diagnosis is a few kB (verdicts, not arrays); extra_json is the caller's small dict.
+MAX_JSON_CHARS = 2**20
+MAX_JSON_ITEMS = 100_000
 COMPRESS_LEVEL = 1
-# An artifact has at most 9 scalar keys + 4 per Notify probe + 5 per Completion probe.
+# An artifact has at most 12 scalar keys + 4 per Notify probe + 5 per Completion probe.
 MAX_MEMBERS = 64
+# What a whole EP-MAX_EP_SIZE artifact may declare uncompressed: every Completion array, every
+# Notify array, both JSON strings (4 bytes per character in a .npy) and 1 MiB for the rest.
+MAX_DECLARED_BYTES = (
+    (3 * 5 * MAX_EP_SIZE + 3 * 4) * MAX_EP_SIZE * 8 + 2 * 4 * MAX_JSON_CHARS + 2**20
+)
+# Deflate never makes data much larger: the compressed file fits in the same budget.
+MAX_FILE_BYTES = MAX_DECLARED_BYTES
+# 64 members with their names and ZIP64 fields take under 8 KiB of zip directory.
+MAX_DIRECTORY_BYTES = 64 * 2**10
 
 NOTIFY_RAW = ("duration_ns", "count")
 NOTIFY_DERIVED = ("avg_ns", "ratio")
@@ -107,10 +128,6 @@ _READ_ERRORS = (
     TypeError,
     tokenize.TokenError,
 )
-
-
-class ArtifactError(ValueError):
-    """An artifact file cannot be read: names the file and, where known, the key."""
 
 
 @dataclass(frozen=True)
@@ -233,9 +250,13 @@ def _window_arrays(window: NormalWindow, report: object) -> dict[str, np.ndarray
 
 def _json_text(name: str, value: object) -> str:
     try:
-        return json.dumps(json_ready(value), sort_keys=True, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(json_ready(value), sort_keys=True, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: not JSON-serialisable ({exc})") from None
+    if len(text) > MAX_JSON_CHARS:
+        # Never write what the loader would refuse.
+        raise ValueError(f"{name}: {len(text)} characters as JSON, more than {MAX_JSON_CHARS}")
+    return text
 
 
 def save_window_artifact(
@@ -398,30 +419,73 @@ def load_window_artifact(
 ) -> tuple[NormalWindow, dict[str, Any] | None, ArtifactMeta]:
     """Read an artifact back: ``(window, diagnosis dict or None, meta)``.
 
-    Raises :class:`ArtifactError` (a ``ValueError``) naming the file and the key on a wrong
-    schema version, a missing key, a wrong shape or dtype, an array larger than the declared EP
-    size allows, or a truncated or corrupt file; ``FileNotFoundError`` when there is no file.
+    Raises :class:`ArtifactError` (a ``ValueError``) naming the file, the key and the value on
+    anything but a regular file within the size bounds, a wrong schema version, a missing key,
+    a wrong shape or dtype, an EP size above :data:`MAX_EP_SIZE`, JSON nested too deep, or a
+    truncated or corrupt file; ``FileNotFoundError`` when there is no file. Memory stays
+    within the declared-size budget whatever the file holds.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a path, got {type(path).__name__}")
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"path: no artifact file at {p}")
-    if not zipfile.is_zipfile(p):
+    with open_regular_file(p, max_bytes=MAX_FILE_BYTES) as fh:
+        _check_directory(p, fh)
+        try:
+            # NpzFile directly rather than np.load, which would read a .npy (of any declared
+            # size) given a file that merely looks like one.
+            npz = np.lib.npyio.NpzFile(fh, allow_pickle=False)
+        except _READ_ERRORS as exc:
+            raise ArtifactError(f"{p}: cannot open as NPZ ({exc})") from None
+        with npz:
+            return _load(p, npz)
+
+
+_END_RECORD = struct.Struct("<4s4H2LH")
+_END_SIGNATURE = b"PK\x05\x06"
+_ZIP64_LOCATOR_SIGNATURE = b"PK\x06\x07"
+_ZIP64_LOCATOR_BYTES = 20
+
+
+def _check_directory(p: Path, fh: BinaryIO) -> None:
+    """Bound the zip directory before :mod:`zipfile` parses it: it would read as many entries
+    as the end record declares, one Python object each. Finds the end record as zipfile does."""
+    size = os.fstat(fh.fileno()).st_size
+    head = fh.read(4)
+    tail_bytes = min(size, _END_RECORD.size + 0xFFFF + _ZIP64_LOCATOR_BYTES)
+    fh.seek(size - tail_bytes)
+    tail = fh.read(tail_bytes)
+    at = len(tail) - _END_RECORD.size
+    if not (tail[at : at + 4] == _END_SIGNATURE and tail[-2:] == b"\0\0"):
+        at = tail.rfind(_END_SIGNATURE)
+    if at < 0 or len(tail) - at < _END_RECORD.size or head != b"PK\x03\x04":
+        # Every artifact starts with a local member header and ends with the end record.
         raise ArtifactError(f"{p}: not an NPZ (zip) archive, or truncated")
-    try:
-        npz = np.load(p, allow_pickle=False)
-    except _READ_ERRORS as exc:
-        raise ArtifactError(f"{p}: cannot open as NPZ ({exc})") from None
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise ArtifactError(f"{p}: not an NPZ archive")
-    with npz:
-        return _load(p, npz)
+    if at >= _ZIP64_LOCATOR_BYTES and tail[at - _ZIP64_LOCATOR_BYTES :].startswith(
+        _ZIP64_LOCATOR_SIGNATURE
+    ):
+        raise ArtifactError(
+            f"{p}: zip directory: a ZIP64 end record (an artifact has at most {MAX_MEMBERS} "
+            "members and is far below 4 GiB, so it never needs one)"
+        )
+    _, _, _, _, entries, directory_bytes, _, _ = _END_RECORD.unpack_from(tail, at)
+    if entries > MAX_MEMBERS or directory_bytes > MAX_DIRECTORY_BYTES:
+        raise ArtifactError(
+            f"{p}: zip directory: declares {entries} members in {directory_bytes} bytes, more "
+            f"than {MAX_MEMBERS} members or {MAX_DIRECTORY_BYTES} bytes"
+        )
+    fh.seek(0)
 
 
 def _load(p: Path, npz: Any) -> tuple[NormalWindow, dict[str, Any] | None, ArtifactMeta]:
     if len(npz.files) > MAX_MEMBERS:
         raise ArtifactError(f"{p}: {len(npz.files)} members, more than {MAX_MEMBERS} expected")
+    # Checked before any member is decompressed.
+    declared = sum(info.file_size for info in npz.zip.infolist())
+    if declared > MAX_DECLARED_BYTES:
+        raise ArtifactError(
+            f"{p}: members declare {declared} bytes uncompressed, more than the "
+            f"{MAX_DECLARED_BYTES} an EP-{MAX_EP_SIZE} artifact needs"
+        )
     r = _Reader(p, npz)
     if "schema_version" not in npz.files:
         raise ArtifactError(f"{p}: missing key 'schema_version' (not a rankwatch artifact?)")
@@ -518,10 +582,7 @@ def _load(p: Path, npz: Any) -> tuple[NormalWindow, dict[str, Any] | None, Artif
 
 
 def _parse_json(r: _Reader, key: str, text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise r.fail(key, f"not valid JSON ({exc})") from None
+    value = parse_json(r.path, f"key {key!r}", text, max_items=MAX_JSON_ITEMS)
     if not isinstance(value, dict):
         raise r.fail(key, f"expected a JSON object, got {type(value).__name__}")
     return value

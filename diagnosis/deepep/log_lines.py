@@ -26,6 +26,7 @@ import numpy as np
 from rankwatch.diagnosis.deepep.normal.report import Anomaly, NormalReport, ProbeResult
 from rankwatch.diagnosis.deepep.normal.schema import NOTIFY_PROBES, PROBES
 from rankwatch.diagnosis.deepep.normal.window import NormalWindow
+from rankwatch.diagnosis.untrusted_files import ArtifactError, parse_json
 
 __all__ = [
     "LINE_PREFIX",
@@ -232,9 +233,12 @@ def parse_log_line(line: str) -> NormalLogLine:
     if m is None or m["record"] not in RECORDS:
         raise ValueError(f"line: not a normal-mode diagnosis line: {line[:120]!r}")
     try:
-        payload = json.loads(m["payload"])
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"line: payload is not JSON ({exc}): {line[:120]!r}") from None
+        # Bounded like a file's JSON: a payload nested a million deep would otherwise raise
+        # RecursionError. A details line of EP 1,024 holds 1,025 lists.
+        payload = parse_json("line", "payload", m["payload"], max_items=1 << 16)
+    except ArtifactError as exc:
+        reason = str(exc).removeprefix("line: payload: ")
+        raise ValueError(f"line: payload is not JSON we read ({reason}): {line[:120]!r}") from None
     return NormalLogLine(
         instance_id=m["instance"],
         ep_size=int(m["ep"]),

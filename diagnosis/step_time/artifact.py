@@ -23,8 +23,12 @@ Layout (version 1)::
     }
 
 Times are milliseconds; ``null`` is an absent value, and a signal or clock absent on every
-step may be left out. Loading validates everything and raises ``ValueError`` naming the path
-of the bad field (``ranks.3.cpu.forward[17]``) and its value.
+step may be left out. Loading validates everything and raises :class:`ArtifactError` (a
+``ValueError``) naming the file, the path of the bad field (``ranks.3.cpu.forward[17]``) and
+its value. A file is read only when it is a regular file of at most :data:`MAX_FILE_BYTES`;
+its JSON may nest :data:`~rankwatch.diagnosis.untrusted_files.MAX_JSON_DEPTH` levels, hold
+:data:`MAX_RANKS` ranks of ids up to ``MAX_RANK_ID`` and :data:`MAX_ROWS` step rows in all, with
+step ids up to :data:`MAX_STEP_ID`.
 
 ``python -m rankwatch.diagnosis.step_time.artifact FILE.json`` prints the report of a saved window;
 ``--example FILE.json`` writes the built-in example window first.
@@ -50,6 +54,7 @@ from rankwatch.diagnosis.step_time.rules import StepTimeReport, diagnose_arrays,
 from rankwatch.diagnosis.step_time.table import (
     CLOCKS,
     EXTRA_COLUMNS,
+    MAX_RANK_ID,
     ROW_WIDTH,
     SIGNALS,
     SYNC_SIGNALS,
@@ -57,14 +62,26 @@ from rankwatch.diagnosis.step_time.table import (
     rank_items,
     validate_window,
 )
+from rankwatch.diagnosis.untrusted_files import (
+    ArtifactError,
+    open_regular_file,
+    parse_json,
+    read_text_file,
+)
 
 __all__ = [
     "FORMAT",
+    "MAX_FILE_BYTES",
+    "MAX_RANKS",
+    "MAX_ROWS",
+    "MAX_STEP_ID",
     "VERSION",
+    "ArtifactError",
     "StepTimeWindow",
     "diagnose_file",
     "example_window",
     "is_step_time_artifact",
+    "is_step_time_file",
     "load_window",
     "main",
     "save_window",
@@ -83,6 +100,20 @@ _ASYNC = EXTRA_COLUMNS[-1]
 _ASYNC_COL = ROW_WIDTH - 1
 _CLOCK_SIGNALS = {"cpu": (*SIGNALS, *SYNC_SIGNALS), "gpu": SIGNALS}
 _RANK_KEYS = frozenset(("step_id", *CLOCKS, _ASYNC))
+
+# Bounds on what a file may declare, checked before anything is allocated for it. A window of
+# 1,024 ranks x 100 steps with every signal on both clocks is 22 MiB of JSON; 64 MiB holds
+# about 2,900 such ranks.
+MAX_FILE_BYTES = 64 * 2**20
+# Per rank about 35 objects, arrays and strings (the rank, its clocks, a list per signal, keys).
+MAX_JSON_ITEMS = 1_000_000
+MAX_RANKS = 65_536
+# Rows become one float64 [n, ROW_WIDTH] array per rank: 2**20 rows are 128 MiB
+# (4,096 ranks x 256 steps, or 1,024 ranks x 1,024 steps).
+MAX_ROWS = 2**20
+# Step ids travel as float64, exact for integers up to 2**53.
+MAX_STEP_ID = 2**53
+_SNIFF_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -232,9 +263,28 @@ def save_window(
 # --------------------------------------------------------------------------------------------
 
 
+def _clip(text: str, limit: int = 80) -> str:
+    """Text from a file (a key, a value's repr) cut short: a message stays one readable line."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(value: object) -> str:
+    """``repr`` of a value from a file, cut short."""
+    return _clip(repr(value))
+
+
 def is_step_time_artifact(obj: object) -> bool:
     """Whether a parsed JSON document claims to be a step-time window artifact."""
     return isinstance(obj, Mapping) and obj.get("format") == FORMAT
+
+
+def is_step_time_file(path: str | os.PathLike[str]) -> bool:
+    """Whether a file names the step-time window format near its start (the writer puts
+    ``format`` first); reads at most 4 KiB. :class:`ArtifactError` for anything but a regular
+    file, so a FIFO or a device is refused without being read."""
+    with open_regular_file(path, max_bytes=sys.maxsize) as fh:
+        head = fh.read(_SNIFF_BYTES)
+    return f'"{FORMAT}"'.encode() in head
 
 
 def _number_list(path: str, values: object, n: int) -> np.ndarray:
@@ -248,22 +298,31 @@ def _number_list(path: str, values: object, n: int) -> np.ndarray:
             out[i] = math.nan
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{path}[{i}]: value {v!r} is not a number of milliseconds or null")
+            raise ValueError(
+                f"{path}[{i}]: value {_short(v)} is not a number of milliseconds or null"
+            )
         if not math.isfinite(v):
-            raise ValueError(f"{path}[{i}]: value {v!r} is not finite")
+            raise ValueError(f"{path}[{i}]: value {_short(v)} is not finite")
         if v < 0:
-            raise ValueError(f"{path}[{i}]: value {v!r} is negative")
+            raise ValueError(f"{path}[{i}]: value {_short(v)} is negative")
         out[i] = v
     return out
 
 
 def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
+    if len(key) > len(str(MAX_RANK_ID)):
+        raise ValueError(
+            f"ranks.{_clip(key)}: rank id of {len(key)} characters is not an int in "
+            f"0..{MAX_RANK_ID}"
+        )
     try:
         rank = int(key)
     except ValueError:
-        raise ValueError(f"ranks.{key}: rank id {key!r} is not an int") from None
+        raise ValueError(f"ranks.{key}: rank id {_short(key)} is not an int") from None
     if str(rank) != key or rank < 0:
-        raise ValueError(f"ranks.{key}: rank id {key!r} is not a non-negative int")
+        raise ValueError(f"ranks.{key}: rank id {_short(key)} is not a non-negative int")
+    if rank > MAX_RANK_ID:
+        raise ValueError(f"ranks.{key}: rank id {rank} is above {MAX_RANK_ID}")
     if obj is None:
         return rank, None
     where = f"ranks.{key}"
@@ -272,13 +331,17 @@ def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
     unknown = set(obj) - _RANK_KEYS
     if unknown:
         bad = sorted(unknown)[0]
-        raise ValueError(f"{where}.{bad}: unknown key (expected step_id, cpu, gpu, {_ASYNC})")
+        raise ValueError(
+            f"{where}.{_clip(bad)}: unknown key (expected step_id, cpu, gpu, {_ASYNC})"
+        )
     ids = obj.get("step_id")
     if not isinstance(ids, list):
-        raise ValueError(f"{where}.step_id: value {ids!r} is not a list of step ids")
+        raise ValueError(f"{where}.step_id: value {_short(ids)} is not a list of step ids")
     for i, s in enumerate(ids):
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise ValueError(f"{where}.step_id[{i}]: value {s!r} is not a non-negative int")
+            raise ValueError(f"{where}.step_id[{i}]: value {_short(s)} is not a non-negative int")
+        if s > MAX_STEP_ID:
+            raise ValueError(f"{where}.step_id[{i}]: value {s} is above {MAX_STEP_ID}")
     n = len(ids)
     arr = np.full((n, ROW_WIDTH), np.nan)
     arr[:, 0] = ids
@@ -287,11 +350,11 @@ def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
         if signals is None:
             continue
         if not isinstance(signals, Mapping):
-            raise ValueError(f"{where}.{clock}: value {signals!r} is not an object")
+            raise ValueError(f"{where}.{clock}: value {_short(signals)} is not an object")
         for signal, values in signals.items():
             if signal not in _CLOCK_SIGNALS[clock]:
                 raise ValueError(
-                    f"{where}.{clock}.{signal}: unknown signal (expected one of "
+                    f"{where}.{clock}.{_clip(signal)}: unknown signal (expected one of "
                     f"{', '.join(_CLOCK_SIGNALS[clock])})"
                 )
             arr[:, column(clock, signal)] = _number_list(f"{where}.{clock}.{signal}", values, n)
@@ -302,11 +365,11 @@ def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
 
 def _config_from_dict(obj: object) -> StepTimeConfig:
     if not isinstance(obj, Mapping):
-        raise ValueError(f"config: value {obj!r} is not an object")
+        raise ValueError(f"config: value {_short(obj)} is not an object")
     known = {f.name for f in fields(StepTimeConfig)}
     unknown = set(obj) - known
     if unknown:
-        raise ValueError(f"config.{sorted(unknown)[0]}: unknown StepTimeConfig field")
+        raise ValueError(f"config.{_clip(sorted(unknown)[0])}: unknown StepTimeConfig field")
     try:
         return StepTimeConfig(**obj)
     except (TypeError, ValueError) as exc:
@@ -318,15 +381,17 @@ def window_from_dict(obj: object) -> StepTimeWindow:
     if not isinstance(obj, Mapping):
         raise ValueError(f"artifact: value of type {type(obj).__name__} is not a JSON object")
     if obj.get("format") != FORMAT:
-        raise ValueError(f"format: value {obj.get('format')!r} is not {FORMAT!r}")
+        raise ValueError(f"format: value {_short(obj.get('format'))} is not {FORMAT!r}")
     version = obj.get("version")
     if isinstance(version, bool) or not isinstance(version, int):
-        raise ValueError(f"version: value {version!r} is not an int")
+        raise ValueError(f"version: value {_short(version)} is not an int")
     if version != VERSION:
         raise ValueError(f"version: value {version} is not supported (this reader knows {VERSION})")
     unknown = set(obj) - _TOP_KEYS
     if unknown:
-        raise ValueError(f"{sorted(unknown)[0]}: unknown key in a version {VERSION} artifact")
+        raise ValueError(
+            f"{_clip(sorted(unknown)[0])}: unknown key in a version {VERSION} artifact"
+        )
     strategy = obj.get("strategy")
     try:
         if strategy is not None:
@@ -336,15 +401,24 @@ def window_from_dict(obj: object) -> StepTimeWindow:
         raise ValueError(str(exc).replace("field ", "", 1)) from None
     ranks = obj.get("ranks")
     if not isinstance(ranks, Mapping) or not ranks:
-        raise ValueError(f"ranks: value {ranks!r} is not a non-empty object of ranks")
+        raise ValueError(f"ranks: value {_short(ranks)} is not a non-empty object of ranks")
+    if len(ranks) > MAX_RANKS:
+        raise ValueError(f"ranks: {len(ranks)} ranks, more than the {MAX_RANKS} allowed")
+    rows = sum(
+        len(r["step_id"])
+        for r in ranks.values()
+        if isinstance(r, Mapping) and isinstance(r.get("step_id"), list)
+    )
+    if rows > MAX_ROWS:
+        raise ValueError(f"ranks: {rows} step rows in all, more than the {MAX_ROWS} allowed")
     per_rank = dict(_rank_from_dict(str(k), v) for k, v in ranks.items())
     config = _config_from_dict(obj["config"]) if obj.get("config") is not None else None
     meta = obj.get("meta") or {}
     if not isinstance(meta, Mapping):
-        raise ValueError(f"meta: value {meta!r} is not an object")
+        raise ValueError(f"meta: value {_short(meta)} is not an object")
     report = obj.get("report")
     if report is not None and not isinstance(report, Mapping):
-        raise ValueError(f"report: value {report!r} is not an object")
+        raise ValueError(f"report: value {_short(report)} is not an object")
     return StepTimeWindow(
         per_rank=dict(sorted(per_rank.items())),
         strategy=strategy,
@@ -356,19 +430,14 @@ def window_from_dict(obj: object) -> StepTimeWindow:
 
 
 def load_window(path: str | os.PathLike[str]) -> StepTimeWindow:
-    """Read and validate an artifact file."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
+    """Read and validate an artifact file; :class:`ArtifactError` naming the file and field."""
+    text = read_text_file(path, max_bytes=MAX_FILE_BYTES)
+    obj = parse_json(path, "document", text, max_items=MAX_JSON_ITEMS)
     try:
         return window_from_dict(obj)
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        # Checks outside this module (the config's) may quote a value whole.
+        raise ArtifactError(f"{path}: {_clip(str(exc), 400)}") from None
 
 
 def diagnose_file(

@@ -52,6 +52,7 @@ from numpy.typing import NDArray
 __all__ = [
     "CLOCKS",
     "EXTRA_COLUMNS",
+    "MAX_RANK_ID",
     "MEAN_KEYS",
     "ROW_WIDTH",
     "SIGNALS",
@@ -72,6 +73,8 @@ SYNC_SIGNALS: tuple[str, ...] = ("forward_wait", "backward_wait")
 EXTRA_COLUMNS: tuple[str, ...] = (*SYNC_SIGNALS, "async_collectives")
 BASE_WIDTH = 1 + len(CLOCKS) * len(SIGNALS)  # step_id and the two clocks' signals
 ROW_WIDTH = BASE_WIDTH + len(EXTRA_COLUMNS)
+# torch.distributed ranks are C ints; a larger id cannot be a rank and would not fit int64 math.
+MAX_RANK_ID = 2**31 - 1
 # Keys of a rank's window means: the six signals, the derived residual, the sync waits.
 MEAN_KEYS: tuple[str, ...] = (*SIGNALS, "residual", *SYNC_SIGNALS)
 
@@ -124,8 +127,8 @@ def rank_items(per_rank: Mapping[Any, Any]) -> list[tuple[int, Any]]:
 
 
 def validate_rank_id(rank: object) -> int:
-    """A global rank id as ``int``; ``ValueError`` naming the value for anything else."""
-    if type(rank) is int and rank >= 0:  # the usual case, without the ABC checks below
+    """A global rank id as ``int`` in 0..MAX_RANK_ID; ``ValueError`` naming the value else."""
+    if type(rank) is int and 0 <= rank <= MAX_RANK_ID:  # the usual case, without the checks below
         return rank
     if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, (int, np.integer)):
         raise ValueError(
@@ -134,6 +137,8 @@ def validate_rank_id(rank: object) -> int:
         )
     if rank < 0:
         raise ValueError(f"rank {rank}: field rank_id: value {rank!r} is negative")
+    if rank > MAX_RANK_ID:
+        raise ValueError(f"rank {rank}: field rank_id: value {rank!r} is above {MAX_RANK_ID}")
     return int(rank)
 
 

@@ -1,8 +1,9 @@
 """The ``rankwatch`` command: demo, diagnose, heatmap, replay, config, assets.
 
 Exit codes: 0 success, 1 a failure while running, 2 bad arguments or configuration (the message
-names the option and the value) or a missing optional extra (the message names the
-``pip install`` that adds it), 130 the demo was interrupted with Ctrl-C (after writing its
+names the option and the value), a refused window file (one line naming the file, the field and
+the value; ``replay`` reports each and goes on) or a missing optional extra (the message names
+the ``pip install`` that adds it), 130 the demo was interrupted with Ctrl-C (after writing its
 summary). Heavy imports (torch, matplotlib) happen inside the subcommand that needs them, so
 ``rankwatch config`` and argument errors answer instantly.
 """
@@ -126,15 +127,6 @@ def _timeline(raw: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _existing_file(raw: str) -> Path:
-    path = Path(raw)
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"no such file: {raw!r}")
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"not a file: {raw!r}")
-    return path
-
-
 def _existing_dir(raw: str) -> Path:
     path = Path(raw)
     if not path.is_dir():
@@ -249,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Diagnose a saved DeepEP normal-mode window (.npz) or step-time window "
         "(.json) and print the result.",
     )
-    diagnose.add_argument("window", type=_existing_file, metavar="WINDOW")
+    # The loaders check the file (regular, within its bounds) and refuse it in one line.
+    diagnose.add_argument("window", type=Path, metavar="WINDOW")
     diagnose.add_argument("--json", action="store_true", help="print the full report as JSON")
     diagnose.set_defaults(handler=_cmd_diagnose)
 
@@ -260,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="re-diagnose every saved window of a folder, in order",
         description="Re-diagnose the saved windows of DIR (NPZ and step-time JSON) in window "
-        "order, one line each, then a summary.",
+        "order, one line each, then a summary. A file that cannot be read is reported on its "
+        "own line and the others are still replayed; the exit code is then 2.",
     )
     replay.add_argument("dir", type=_existing_dir, metavar="DIR")
     replay.add_argument("--json", action="store_true", help="one JSON object per window")
@@ -497,6 +491,14 @@ def _cmd_heatmap(args: argparse.Namespace) -> int:
     return int(heatmap.main(list(args.args)))
 
 
+def _refusal(path: Path, exc: BaseException) -> str:
+    """What is wrong with ``path``, once: loader errors already start with the file name."""
+    text = str(exc)
+    if isinstance(exc, FileNotFoundError):
+        return "no such file"
+    return text[len(str(path)) + 2 :] if text.startswith(f"{path}: ") else text
+
+
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     try:
         if args.window.suffix == ".npz":
@@ -509,7 +511,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
                 "or a step-time window (.json)"
             )
     except (ValueError, TypeError, OSError) as exc:
-        raise UsageError(f"WINDOW {str(args.window)!r}: {exc}") from None
+        raise UsageError(f"WINDOW {str(args.window)!r}: {_refusal(args.window, exc)}") from None
     if args.json:
         print(json.dumps(data, indent=2, allow_nan=False))
     else:
@@ -610,26 +612,32 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from rankwatch.diagnosis.config import NormalConfig
     from rankwatch.diagnosis.deepep.artifact import load_window_artifact
     from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
-    from rankwatch.diagnosis.step_time.artifact import is_step_time_artifact, load_window
+    from rankwatch.diagnosis.step_time.artifact import is_step_time_file, load_window
     from rankwatch.exporter.publish.verdicts import describe_normal, describe_step
 
-    npz_files = sorted(p for p in args.dir.rglob("*.npz") if p.is_file())
-    step_files = []
-    for p in sorted(args.dir.rglob("*.json")):
-        try:
-            doc = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue  # not ours: only step-time window artifacts are replayed
-        if is_step_time_artifact(doc):
-            step_files.append(p)
-    if not npz_files and not step_files:
-        raise UsageError(
-            f"DIR {str(args.dir)!r}: no saved windows (DeepEP *.npz or step-time *.json) in it"
-        )
     failures = 0
 
     def emit(obj: dict[str, Any], text: str) -> None:
         print(json.dumps(obj, allow_nan=False) if args.json else text, flush=True)
+
+    def refuse(p: Path, exc: BaseException) -> None:
+        nonlocal failures
+        failures += 1
+        reason = _refusal(p, exc)
+        emit({"path": str(p), "error": reason}, f"{p}: error: {reason}")
+
+    npz_files, json_files = _saved_window_names(args.dir)
+    step_files = []
+    for p in json_files:
+        try:
+            if is_step_time_file(p):  # other JSON documents are not ours: left alone
+                step_files.append(p)
+        except (ValueError, OSError) as exc:
+            refuse(p, exc)
+    if not npz_files and not step_files and not failures:
+        raise UsageError(
+            f"DIR {str(args.dir)!r}: no saved windows (DeepEP *.npz or step-time *.json) in it"
+        )
 
     # DeepEP windows go through one diagnoser in window order, so the global-slowdown history
     # builds up exactly as it did live.
@@ -638,8 +646,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         try:
             window, saved, meta = load_window_artifact(p)
         except (ValueError, OSError) as exc:
-            failures += 1
-            emit({"path": str(p), "error": str(exc)}, f"{p}: error: {exc}")
+            refuse(p, exc)
             continue
         loaded.append((window.window_index, meta.created_at_s, str(p), window, saved))
     loaded.sort(key=lambda item: item[:3])
@@ -671,8 +678,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             saved_step = load_window(p)
             report = saved_step.diagnose()
         except (ValueError, OSError) as exc:
-            failures += 1
-            emit({"path": str(p), "error": str(exc)}, f"{p}: error: {exc}")
+            refuse(p, exc)
             continue
         index = saved_step.meta.get("window_index", -1)
         step_reports.append((index if isinstance(index, int) else -1, str(p), report, saved_step))
@@ -699,7 +705,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         "step_windows": len(step_reports),
         "step_kinds": kinds,
         "differ_from_saved": differs,
-        "unreadable": failures,
+        "refused": failures,
     }
 
     def counts(d: dict[str, int]) -> str:
@@ -709,9 +715,24 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         {"summary": summary},
         f"replayed {len(loaded)} DeepEP windows (incidents: {counts(classes)}) and "
         f"{len(step_reports)} step-time windows (kinds: {counts(kinds)}); "
-        f"{differs} differ from the saved diagnosis; {failures} unreadable",
+        f"{differs} differ from the saved diagnosis; {failures} refused",
     )
-    return EXIT_FAILURE if failures else EXIT_OK
+    return EXIT_USAGE if failures else EXIT_OK
+
+
+def _saved_window_names(folder: Path) -> tuple[list[Path], list[Path]]:
+    """Every ``*.npz`` and ``*.json`` entry below ``folder``, whatever its type (the loaders
+    refuse what is not a regular file), without following links to folders: a link loop or a
+    link to ``/`` cannot make the walk endless."""
+    npz: list[Path] = []
+    json_files: list[Path] = []
+    for where, folders, files in os.walk(folder):
+        for name in (*folders, *files):
+            if name.endswith(".npz"):
+                npz.append(Path(where, name))
+            elif name.endswith(".json"):
+                json_files.append(Path(where, name))
+    return sorted(npz), sorted(json_files)
 
 
 if __name__ == "__main__":

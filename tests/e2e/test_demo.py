@@ -215,7 +215,7 @@ def test_deepep_artifacts_replay_and_heatmaps(demo_run: DemoRun) -> None:
     assert result.returncode == 0, result.stderr
     assert f"pre_stage_arrival_skew[{LATE}]" in result.stdout
     assert "global_data_path_slowdown" in result.stdout
-    assert "0 differ from the saved diagnosis; 0 unreadable" in result.stdout
+    assert "0 differ from the saved diagnosis; 0 refused" in result.stdout
     phases = sorted(p.name for p in (demo_run.out / "heatmaps").iterdir())
     assert phases == [
         "1-baseline",

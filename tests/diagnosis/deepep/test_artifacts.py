@@ -249,6 +249,8 @@ def test_save_rejects_bad_input(tmp_path: Path) -> None:
         save_window_artifact(tmp_path / "a.npz", window, name="b.npz")
     with pytest.raises(ValueError, match="report: not JSON-serialisable"):
         save_window_artifact(tmp_path, window, {"ep_size": 16, "obj": object()})
+    with pytest.raises(ValueError, match=r"report: \d+ characters as JSON, more than 1048576"):
+        save_window_artifact(tmp_path, window, {"ep_size": 16, "note": "x" * 2**20})
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
@@ -402,7 +404,7 @@ def test_not_an_archive_is_rejected(tmp_path: Path) -> None:
     single = tmp_path / "single.npy"
     np.save(single, np.zeros(3))
     assert "not an NPZ (zip) archive" in _load_error(single)
-    with pytest.raises(FileNotFoundError, match="path: no artifact file at"):
+    with pytest.raises(FileNotFoundError, match="no such file"):
         load_window_artifact(tmp_path / "absent.npz")
     with pytest.raises(TypeError, match="path: expected a path, got NoneType"):
         load_window_artifact(None)  # type: ignore[arg-type]

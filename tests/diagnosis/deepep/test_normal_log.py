@@ -178,6 +178,9 @@ def test_parse_ignores_a_logger_prefix_and_rejects_foreign_lines() -> None:
             parse_log_line(bad)
     with pytest.raises(ValueError, match="line: payload is not JSON"):
         parse_log_line(line.split(": {", 1)[0] + ": {oops}")
+    deep = line.split(": {", 1)[0] + ': {"a":' + "[" * 10**6 + "]" * 10**6 + "}"
+    with pytest.raises(ValueError, match=r"payload is not JSON we read \(JSON nested more than 64"):
+        parse_log_line(deep)
     with pytest.raises(TypeError, match="line: expected a string, got bytes"):
         parse_log_line(line.encode())  # type: ignore[arg-type]
 

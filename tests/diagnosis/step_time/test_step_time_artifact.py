@@ -166,7 +166,7 @@ def test_invalid_artifacts_name_the_field(mutate: Any, message: str) -> None:
 def test_load_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
     path.write_text("{not json")
-    with pytest.raises(ValueError, match=r"bad.json: not JSON"):
+    with pytest.raises(ValueError, match=r"bad.json: document: not valid JSON"):
         load_window(path)
     path.write_text(json.dumps({"format": FORMAT, "version": 9}))
     with pytest.raises(ValueError, match=r"bad.json: version: value 9"):

@@ -269,11 +269,11 @@ def test_diagnose_a_balanced_step_window(windows_dir: Path) -> None:
 def test_diagnose_refuses_what_is_not_a_window(windows_dir: Path, tmp_path: Path) -> None:
     missing = run_cli("diagnose", str(tmp_path / "nope.npz"))
     assert missing.returncode == 2
-    assert f"argument WINDOW: no such file: '{tmp_path / 'nope.npz'}'" in missing.stderr
+    assert f"WINDOW '{tmp_path / 'nope.npz'}': no such file" in missing.stderr
 
     folder = run_cli("diagnose", str(tmp_path))
     assert folder.returncode == 2
-    assert "not a file" in folder.stderr
+    assert "unknown window type" in folder.stderr
 
     other_json = run_cli("diagnose", str(windows_dir / "notes.json"))
     assert other_json.returncode == 2
@@ -312,7 +312,7 @@ def test_replay_rediagnoses_in_window_order(windows_dir: Path) -> None:
     assert "INPUT_STRAGGLER critical culprit=2" in steps[1]
     assert lines[-1].startswith("replayed 20 DeepEP windows")
     assert "2 step-time windows" in lines[-1]
-    assert "0 differ from the saved diagnosis; 0 unreadable" in lines[-1]
+    assert "0 differ from the saved diagnosis; 0 refused" in lines[-1]
 
 
 def test_replay_json_lines(windows_dir: Path) -> None:
@@ -329,9 +329,11 @@ def test_replay_reports_unreadable_files(windows_dir: Path, tmp_path: Path) -> N
     (tmp_path / npz.name).write_bytes(npz.read_bytes())
     (tmp_path / "deepep-normal-broken-w00000001.npz").write_bytes(npz.read_bytes()[:200])
     result = run_cli("replay", str(tmp_path))
-    assert result.returncode == 1
-    assert "deepep-normal-broken-w00000001.npz: error:" in result.stdout
-    assert result.stdout.splitlines()[-1].endswith("1 unreadable")
+    assert result.returncode == 2
+    assert "deepep-normal-broken-w00000001.npz: error: not an NPZ" in result.stdout
+    # The readable window is still replayed.
+    assert result.stdout.splitlines()[-1].startswith("replayed 1 DeepEP windows")
+    assert result.stdout.splitlines()[-1].endswith("1 refused")
 
 
 def test_replay_refuses_a_folder_without_windows(tmp_path: Path) -> None:

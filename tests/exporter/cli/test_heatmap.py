@@ -231,7 +231,7 @@ def test_cli_bad_arguments(
 
 def test_cli_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--all", str(tmp_path / "absent.npz")]) == 2
-    assert "no artifact file at" in capsys.readouterr().err
+    assert "no such file" in capsys.readouterr().err
     junk = tmp_path / "junk.npz"
     junk.write_bytes(b"PK\x03\x04 not really")
     assert main(["--all", str(junk)]) == 2
