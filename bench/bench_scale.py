@@ -107,6 +107,7 @@ class _StoreTransport:
         self.failed = False
         self.broken: set[int] = set()
         self.closed: set[int] = set()
+        self.refused: set[int] = set()
         self.queue: list[np.ndarray] = []
         self.consumed = dict.fromkeys(self.peers, 0)
         self.total = -1
