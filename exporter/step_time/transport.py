@@ -214,6 +214,10 @@ class Transport:
     def _admit(self) -> None:
         """Post the first receive of every peer that has created its end of the group (on a
         lazily connected group, of as many as the open-file room allows, and tell them)."""
+        if len(self.refused) == len(self._unposted) and time.monotonic() < (
+            self._room_checked_at + _ROOM_CHECK_SECONDS
+        ):
+            return  # only refused peers wait (thousands, at scale): look again in a second
         said = self.store.multi_get([self._hello[p] for p in self._unposted])
         ready = [p for p, value in zip(self._unposted, said, strict=True) if int(value) >= 1]
         if self._connect_queue is not None:
