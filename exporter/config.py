@@ -166,8 +166,9 @@ class RankwatchConfig:
         default=20_000, metadata=option("RANKWATCH_MAX_BUFFERED_STEPS", 2, 1_000_000)
     )
     # How rankwatch's Gloo group connects (see ``gloo.create_gloo_group``): lazily, a rank
-    # connects to its root only; off, every member to every member (a full mesh takes 4,096
-    # sockets per rank at 4,096 ranks, over common open-file limits).
+    # connects to its root only, and the root admits as many as its open-file limit has room
+    # for; off, every member to every member (a full mesh takes 4,096 sockets per rank at
+    # 4,096 ranks, over common open-file limits).
     gloo_lazy_connect: bool = field(default=True, metadata=option("RANKWATCH_GLOO_LAZY_CONNECT"))
     strategy: str = field(
         default="", metadata=option("RANKWATCH_STRATEGY", choices=("", "ddp", "fsdp"))

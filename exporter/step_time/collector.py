@@ -270,11 +270,13 @@ class WindowCollector:
         transport = self.transport
         if transport is None or transport.failed:
             return
-        rows, self._cursor, lost = self.timer.read(self._cursor)
-        self.lost += lost
-        buf = transport.send_buffer
-        chunks = max(1, math.ceil(len(rows) / CHUNK_ROWS))
         try:
+            if not transport.admitted():
+                return  # the root has no room for this rank (yet): the rows stay in the ring
+            rows, self._cursor, lost = self.timer.read(self._cursor)
+            self.lost += lost
+            buf = transport.send_buffer
+            chunks = max(1, math.ceil(len(rows) / CHUNK_ROWS))
             for k in range(chunks):
                 part = rows[k * CHUNK_ROWS : (k + 1) * CHUNK_ROWS]
                 last = k == chunks - 1
@@ -407,11 +409,12 @@ class WindowCollector:
         return out
 
     def _broken(self) -> set[int]:
-        """Peers that can ship no more and have not shipped their final rows."""
+        """Peers that cannot ship (refused for want of open files at the root, or failed) or
+        can ship no more and have not shipped their final rows."""
         if self.transport is None:
             return set()
         hung_up = {p for p in self.transport.closed if not self._peers[p].final}
-        return self.transport.broken | hung_up
+        return self.transport.broken | self.transport.refused | hung_up
 
     def _mark_missing(self, peer: int, now: float) -> None:
         st = self._peers[peer]

@@ -14,13 +14,20 @@ connects lazily, so a rank opens a connection to the root only, never a full mes
 root's first receives, which make those connections, are posted by connector threads (Gloo
 waits inside them for a peer that never connects). A dead peer's connection failing never
 affects the others'.
+
+The root of a lazily connected group holds one connection per rank, so it admits ranks only
+while its open-file limit leaves room (:func:`connection_room`): Gloo aborts the whole process
+when it cannot accept a connection for want of a file descriptor. A rank ships once the root
+has admitted it (its admission key); the others are named missing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +36,7 @@ from numpy.typing import NDArray
 
 from rankwatch.exporter.step_time.messages import MESSAGE_SHAPE, TAG, message_buffer
 
-__all__ = ["GroupLayout", "Transport"]
+__all__ = ["GroupLayout", "Transport", "connection_room"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,28 @@ log = logging.getLogger(__name__)
 # its connection was made holds one for the group's timeout; the others keep connecting.
 _CONNECTOR_THREADS = 8
 _ANY_DOORBELL = "db/any"
+# Open files the root leaves to training when it admits ranks: a quarter of its limit, and
+# at least this many (data loaders, checkpoints, the job's own connections).
+_FILES_KEPT_FOR_TRAINING = 64
+# Seconds between two looks at the open-file room while ranks wait for admission.
+_ROOM_CHECK_SECONDS = 1.0
+
+
+def connection_room() -> int | None:
+    """Connections this process may still open for rankwatch: its open-file limit (soft)
+    less the files open now and those kept for training (a quarter of the limit, at least
+    64). None where the limit is unlimited or the open files cannot be counted (no
+    ``/proc/self/fd``)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        open_now = len(os.listdir("/proc/self/fd"))
+    except (ImportError, OSError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return max(0, soft - open_now - max(_FILES_KEPT_FOR_TRAINING, soft // 4))
 
 
 @dataclass(frozen=True)
@@ -96,6 +125,14 @@ class Transport:
         # posted): a rank that shipped its final rows and exited, or one that crashed.
         self.closed: set[int] = set()
         self.failed = False  # the store or the root is gone: nothing more will move
+        self.lazy = lazy
+        # Root: peers said hello but not admitted, for want of open-file room (named missing
+        # until admitted); peers admitted. A peer: whether the root admitted it.
+        self.refused: set[int] = set()
+        self._admitted: set[int] = set()
+        self._is_admitted = not lazy  # a full mesh is connected already: nothing to admit
+        self._room_checked_at = -float("inf")
+        self._refusal_logged = False
         # Peers whose receive is not posted yet: the group connects lazily, and posting a
         # receive connects to the peer, so the root posts one only once the peer says its end
         # of the group exists (its hello key); a connection to a peer that has not created the
@@ -153,9 +190,17 @@ class Transport:
         work = dist.irecv(buf, src=peer, group=self.group, tag=TAG)
         self._recv[peer] = (work, buf)
 
+    def admitted(self) -> bool:
+        """Whether this rank may ship: always on a full mesh; on a lazily connected group once
+        the root has admitted it (one store look per call until then)."""
+        if not self._is_admitted:
+            self._is_admitted = bool(self.store.check([f"admit/{self.layout.rank}"]))
+        return self._is_admitted
+
     def send(self, message: NDArray[np.float64]) -> None:
         """Ship one message to the root and ring the doorbell (blocks until the root's posted
-        receive has taken it; raises if the root's connection failed)."""
+        receive has taken it; raises if the root's connection failed). On a lazily connected
+        group only once :meth:`admitted`: the first send connects to the root."""
         import torch
         import torch.distributed as dist
 
@@ -167,17 +212,57 @@ class Transport:
         self.store.add(_ANY_DOORBELL, 1)
 
     def _admit(self) -> None:
-        """Post the first receive of every peer that has created its end of the group."""
+        """Post the first receive of every peer that has created its end of the group (on a
+        lazily connected group, of as many as the open-file room allows, and tell them)."""
+        if len(self.refused) == len(self._unposted) and time.monotonic() < (
+            self._room_checked_at + _ROOM_CHECK_SECONDS
+        ):
+            return  # only refused peers wait (thousands, at scale): look again in a second
         said = self.store.multi_get([self._hello[p] for p in self._unposted])
-        waiting = []
-        for peer, value in zip(self._unposted, said, strict=True):
-            if int(value) < 1:
-                waiting.append(peer)
-            elif self._connect_queue is not None:
+        ready = [p for p, value in zip(self._unposted, said, strict=True) if int(value) >= 1]
+        if self._connect_queue is not None:
+            ready = self._within_room(ready)
+            if ready:
+                self.store.multi_set([f"admit/{p}" for p in ready], ["1"] * len(ready))
+        for peer in ready:
+            if self._connect_queue is not None:
+                self._admitted.add(peer)
+                self.refused.discard(peer)
                 self._connect_queue.put(peer)
             else:
                 self._post_first(peer)
-        self._unposted = waiting
+        taken = set(ready)
+        self._unposted = [p for p in self._unposted if p not in taken]
+
+    def _within_room(self, ready: list[int]) -> list[int]:
+        """The first of ``ready`` the root's open files leave room to connect to; the rest are
+        refused (looked at again once a second)."""
+        if not ready:
+            return ready
+        now = time.monotonic()
+        if self.refused and now < self._room_checked_at + _ROOM_CHECK_SECONDS:
+            self.refused.update(ready)
+            return []
+        self._room_checked_at = now
+        room = connection_room()
+        if room is None:
+            return ready
+        # Admitted peers not connected yet hold no file descriptor yet, but will.
+        connecting = len(self._admitted) - len(self._recv) - len(self._admitted & self.broken)
+        room = max(0, room - max(0, connecting))
+        if room >= len(ready):
+            return ready
+        self.refused.update(ready[room:])
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            log.warning(
+                "rankwatch: the root's open-file limit leaves no room to connect to %d more "
+                "rank(s) (first: rank %d); they are named missing. Raise the limit (ulimit -n) "
+                "or split the job into groups (RankWatch(group=...))",
+                len(ready) - room,
+                ready[room],
+            )
+        return ready[:room]
 
     def _post_first(self, peer: int) -> None:
         try:

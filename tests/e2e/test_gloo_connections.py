@@ -142,7 +142,12 @@ def _run_world(target: Any, tmp_path: Path) -> list[dict[str, Any]]:
     for p in procs:
         if p.is_alive():
             p.kill()
-    got: list[dict[str, Any]] = [json.loads(Path(o).read_text()) for o in outs]
+    got: list[dict[str, Any]] = [
+        json.loads(Path(o).read_text())
+        if Path(o).exists()
+        else {"error": f"no result: exit code {p.exitcode}"}
+        for o, p in zip(outs, procs, strict=True)
+    ]
     for r, g in enumerate(got):
         assert "error" not in g, (r, g.get("error"))
     return got
@@ -236,6 +241,86 @@ def test_rankwatch_without_lazy_connect_holds_the_full_mesh(tmp_path: Path) -> N
     short = {r: (g["came"], g["went"]) for r, g in enumerate(got) if g["new"] < WORLD}
     assert not short, ([g["new"] for g in got], short)
     assert all(g["sockets_left"] <= 0 for g in got), [g["sockets_left"] for g in got]
+
+
+# RankWatch's own files on the root (the group's listening socket, its event loop's, ...).
+GROUP_FILES = 4
+# Files rankwatch keeps for training under a limit this low.
+KEPT_FILES = 64
+
+
+def _tight_root_rank(rank: int, world: int, port: int, out: str, spare_files: int) -> None:
+    try:
+        import resource
+
+        import torch.distributed as dist
+
+        from rankwatch.exporter.config import RankwatchConfig
+        from rankwatch.exporter.step_time.rank_watch import RankWatch
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        if rank == 0:
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            limit = len(os.listdir("/proc/self/fd")) + spare_files
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        cfg = RankwatchConfig.from_env(
+            env={}, interval_seconds=0.2, metrics_enabled=False, otlp_enabled=False
+        )
+        rw = RankWatch(config=cfg, publishers=[])
+        for _ in range(40):
+            with rw.step(), rw.phase("forward"):
+                time.sleep(0.01)
+            rw.collect()
+        collector = rw._collector
+        assert collector is not None and collector.transport is not None
+        transport = collector.transport
+        admitted = transport.admitted() if rank else None
+        refused = sorted(transport.refused)
+        rw.close(5.0)
+        latest = rw.latest_report
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "admitted": admitted,
+                    "refused": refused,
+                    "sent": collector.sent_messages,
+                    "kind": None if latest is None else latest.window_kind,
+                    "missing": None if latest is None else list(latest.missing_ranks),
+                }
+            )
+        )
+        dist.destroy_process_group()
+    except Exception:
+        Path(out).write_text(json.dumps({"error": traceback.format_exc()}))
+
+
+@pytest.mark.parametrize(
+    "spare_files",
+    [
+        # Room for two of the five connections: before admission, Gloo's accept of the third
+        # failed and aborted the root's process; now none is admitted (the kept files).
+        GROUP_FILES + 2,
+        # Room for about two beyond the kept files: those ranks ship, the others do not.
+        KEPT_FILES + GROUP_FILES + 2,
+    ],
+)
+def test_a_root_short_of_open_files_admits_what_fits_and_lives(
+    tmp_path: Path, spare_files: int
+) -> None:
+    """The root admits ranks only while its open-file limit leaves room (less the files kept
+    for training): the others never connect and are named missing, and the root lives."""
+    got = _run_world(functools.partial(_tight_root_rank, spare_files=spare_files), tmp_path)
+    refused = got[0]["refused"]
+    if spare_files < KEPT_FILES:
+        assert refused == list(range(1, WORLD)), refused
+    else:
+        assert 1 <= len(refused) < WORLD - 1, refused
+    assert got[0]["kind"] == "summary" and got[0]["missing"] == refused, got[0]
+    for rank in range(1, WORLD):
+        shipped = got[rank]["sent"] > 0
+        assert got[rank]["admitted"] == shipped == (rank not in refused), (rank, got[rank])
 
 
 LATE = 2  # the peer whose first receive the root records late
