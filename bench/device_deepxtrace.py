@@ -537,12 +537,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     os.environ.setdefault("DEEPEP_DIAGNOSE_LOG_PATH", tempfile.mkdtemp(prefix="deepxtrace-check-"))
     os.environ["DEEPEP_DIAGNOSE_LOG_DETAILS"] = "1"
-    # The check collects synchronously, with diagnosis on whatever the launcher's environment.
+    # Diagnosis on and synchronous, whatever the launcher's environment says.
     os.environ["DEEPEP_DIAGNOSE_ENABLE"] = "1"
     os.environ["DEEPEP_DIAGNOSE_ASYNC"] = "0"
     from rankwatch.exporter.deepep import install_as_deepxtrace
 
-    install_as_deepxtrace()
+    # The check is of rankwatch's module: served in this process even where a real DeepXTrace
+    # is installed (nothing is uninstalled).
+    install_as_deepxtrace(force=True)
     group, rank, ep = _init_world()
     started = time.monotonic()
     run = run_normal if args.mode == "normal" else run_low_latency
