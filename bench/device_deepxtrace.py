@@ -391,8 +391,9 @@ def run_normal(args: argparse.Namespace, group: Any, rank: int, ep: int) -> list
 
     def window(delay: bool) -> Any:
         assert buffer is not None and sync is not None, "no Buffer with DeepXTrace"
+        early = []  # steps before the last that returned something
         result = None
-        for _ in range(args.steps):
+        for step in range(args.steps):
             x, topk_idx, weights = _random_batch(args)
             per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
                 topk_idx, args.num_experts
@@ -411,7 +412,11 @@ def run_normal(args: argparse.Namespace, group: Any, rank: int, ep: int) -> list
             buffer.dispatch(x, handle=handle)  # cached: the cached Notify counters
             buffer.combine(recv_x, handle, topk_weights=recv_weights)
             result = sync(args.steps)
+            if result is not None and step < args.steps - 1:
+                early.append(step)
         torch.cuda.synchronize()
+        if early:
+            raise RuntimeError(f"results before step {args.steps}, at steps {early}")
         return result
 
     _phase(state, "warm", lambda: window(False))
