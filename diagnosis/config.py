@@ -451,7 +451,7 @@ class NormalConfig(EnvOptions):
     # Hang suspect: a rank (or a source) that advanced by nothing is named only when a peer
     # advanced by at least this many Notify launches or Completion samples in the same window.
     hang_min_progress: int = field(
-        default=2, metadata=option("RANKWATCH_NORMAL_HANG_MIN_PROGRESS", 1, 1_000_000)
+        default=2, metadata=option("RANKWATCH_NORMAL_HANG_MIN_PROGRESS", 1, 1_000_000_000)
     )
 
     def __post_init__(self) -> None:
