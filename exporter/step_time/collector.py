@@ -271,7 +271,7 @@ class WindowCollector:
         if transport is None or transport.failed:
             return
         try:
-            if not transport.admitted():
+            if not self._wait_admitted(final=bool(flags & FLAG_FINAL)):
                 return  # the root has no room for this rank (yet): the rows stay in the ring
             rows, self._cursor, lost = self.timer.read(self._cursor)
             self.lost += lost
@@ -299,6 +299,18 @@ class WindowCollector:
                 exc,
             )
             transport.failed = True
+
+    def _wait_admitted(self, *, final: bool) -> bool:
+        """Whether the root has admitted this rank. The final shipment waits for it until the
+        final deadline: a rank that closes before the root's first look at its hello (a short
+        run, a synchronous run with no round before close) would otherwise lose its rows."""
+        transport = self.transport
+        assert transport is not None
+        while not transport.admitted():
+            if not final or time.monotonic() >= self._final_deadline:
+                return False
+            time.sleep(POLL_SECONDS)
+        return True
 
     # root -----------------------------------------------------------------------------------
 
