@@ -231,6 +231,7 @@ class StandIn(Collector):
             ],
             ["localized_data_path_slowdown", "warning", "dispatch_final", "1", "node-0", "row"],
             ["pre_stage_arrival_skew", "warning", "notify_dispatch", "3", "node-1", "late_arrival"],
+            ["hang_suspect", "critical", "notify_dispatch", "5", "node-1", "rank"],
         ]
         if slow:
             open_.append(
@@ -244,12 +245,14 @@ class StandIn(Collector):
                 ]
             )
         yield gauge("incident_active", labels, [(v, 1.0) for v in open_])
+        # A hang names ranks and has no score: the exporter writes no score series for it.
         yield gauge(
             "incident_score",
             labels,
             [
                 (v, {"step_time_straggler": 0.3, "pre_stage_arrival_skew": 0.05}.get(v[0], 1.45))
                 for v in open_
+                if v[0] != "hang_suspect"
             ],
         )
         yield counter("incidents", ["class", "severity"], [([v[0], v[1]], 1) for v in open_])
@@ -372,6 +375,7 @@ class StandInWorkload(Workload):
         "global_data_path_slowdown",
         "localized_data_path_slowdown",
         "pre_stage_arrival_skew",
+        "hang_suspect",
     )
 
     def start(self) -> None:
