@@ -376,7 +376,11 @@ class _Reader:
     def fail(self, key: str, message: str) -> ArtifactError:
         return ArtifactError(f"{self.path}: key {key!r}: {message}")
 
-    def load(self, key: str, kind: str, shape: tuple[int, ...], max_chars: int = 0) -> Any:
+    def load(
+        self, key: str, kind: str, shape: tuple[int, ...], max_chars: int = 0, shape_from: str = ""
+    ) -> Any:
+        """Member ``key`` checked against ``kind`` and ``shape`` before it is read;
+        ``shape_from`` says where an expected shape comes from (a mismatch may be that key's)."""
         if key not in self.npz.files:
             raise ArtifactError(f"{self.path}: missing key {key!r}")
         declared_shape, dtype = _header(self.path, self.zip, key)
@@ -391,8 +395,11 @@ class _Reader:
         else:
             want = np.dtype(np.int64 if kind == "i" else np.float64)
             if dtype != want or declared_shape != shape:
+                origin = f" ({shape_from})" if shape_from else ""
                 raise self.fail(
-                    key, f"expected {want} of shape {shape}, got {dtype} of shape {declared_shape}"
+                    key,
+                    f"expected {want} of shape {shape}{origin}, got {dtype} of shape "
+                    f"{declared_shape}",
                 )
         try:
             arr = self.npz[key]
@@ -508,7 +515,7 @@ def _load(p: Path, npz: Any) -> tuple[NormalWindow, dict[str, Any] | None, Artif
     if not 1 <= ep <= MAX_EP_SIZE:
         raise r.fail("ep_size", f"must be in 1..{MAX_EP_SIZE}, got {ep}")
     if not 1 <= rpn <= ep or ep % rpn:
-        raise r.fail("ranks_per_node", f"must be a positive divisor of ep_size={ep}, got {rpn}")
+        raise r.fail("ranks_per_node", f"must be a positive divisor of 'ep_size' ({ep}), got {rpn}")
     if scalars["window_index"] < 0:
         raise r.fail("window_index", f"must be >= 0, got {scalars['window_index']}")
 
@@ -525,7 +532,7 @@ def _load(p: Path, npz: Any) -> tuple[NormalWindow, dict[str, Any] | None, Artif
     arrays: dict[str, np.ndarray] = {}
     for key in artifact_keys(probes)[len(_SCALARS) + 1 :]:
         shape = (ep,) if key.startswith("notify.") else (ep, ep)
-        arrays[key] = r.load(key, "f", shape)
+        arrays[key] = r.load(key, "f", shape, shape_from=f"'ep_size' = {ep}")
 
     diagnosis: dict[str, Any] | None = None
     if scalars["diagnosis_json"]:

@@ -313,7 +313,7 @@ def test_wrong_shape_or_dtype_is_rejected_by_name(
     [
         ("ep_size", np.int64(MAX_EP_SIZE + 1), f"must be in 1..{MAX_EP_SIZE}"),
         ("ep_size", np.int64(0), "must be in 1.."),
-        ("ranks_per_node", np.int64(5), "positive divisor of ep_size=16, got 5"),
+        ("ranks_per_node", np.int64(5), "positive divisor of 'ep_size' (16), got 5"),
         ("window_index", np.int64(-1), "must be >= 0"),
         ("end_time_s", np.float64("inf"), "must be finite"),
         ("kind", np.array("something.else"), "expected 'rankwatch.deepep_normal_window'"),

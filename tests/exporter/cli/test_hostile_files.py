@@ -295,12 +295,12 @@ CASES = [
     Case(
         "float32-cost.npz",
         npz_with(completion__dispatch_final__cost=np.ones((EP, EP), np.float32)),
-        "expected float64 of shape (4, 4), got float32",
+        "expected float64 of shape (4, 4) ('ep_size' = 4), got float32",
     ),
     Case(
         "huge-shape.npz",
         npz_with(completion__dispatch_final__cost=header_only("<f8", (4096, 4096))),
-        "expected float64 of shape (4, 4), got float64 of shape (4096, 4096)",
+        "expected float64 of shape (4, 4) ('ep_size' = 4), got float64 of shape (4096, 4096)",
     ),
     Case(
         "huge-string.npz",
