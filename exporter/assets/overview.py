@@ -25,7 +25,7 @@ from rankwatch.exporter.assets.grafana import (
     window_age_steps,
     with_runbooks,
 )
-from rankwatch.exporter.assets.prose import duration_words, number, percent
+from rankwatch.exporter.assets.prose import duration_words, number, straggler_percents
 from rankwatch.exporter.assets.settings import Settings
 from rankwatch.exporter.publish.catalogue import METRIC_NAMES as M
 
@@ -35,10 +35,7 @@ __all__ = ["build"]
 def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
     """The overview of every run and group, its bands and prose drawn from ``config``."""
     policy = config.step_time
-    warning, critical = (
-        percent(policy.straggler_warning_score),
-        percent(policy.straggler_critical_score),
-    )
+    warning, critical = straggler_percents(policy)
     score = score_steps(policy)
     slowdown = config.normal.global_slowdown
     stale = s.stale_window_seconds

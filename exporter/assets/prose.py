@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-__all__ = ["count_words", "duration_words", "number", "percent"]
+from rankwatch.diagnosis.config import StepTimeConfig
+
+__all__ = ["count_words", "duration_words", "number", "percent", "straggler_percents"]
 
 
 def percent(ratio: float) -> str:
     """A ratio as a percentage for prose: 0.1 -> ``"10"``, 0.125 -> ``"12.5"``."""
     return f"{ratio * 100:g}"
+
+
+def straggler_percents(policy: StepTimeConfig) -> tuple[str, str]:
+    """The warning and critical straggler scores as percentages for prose."""
+    return percent(policy.straggler_warning_score), percent(policy.straggler_critical_score)
 
 
 def number(value: float) -> str:

@@ -21,7 +21,7 @@ from rankwatch.diagnosis.vocabulary import (
     STRAGGLER_CLASS,
 )
 from rankwatch.exporter.assets import yaml_text
-from rankwatch.exporter.assets.prose import number, percent
+from rankwatch.exporter.assets.prose import number, percent, straggler_percents
 from rankwatch.exporter.assets.settings import Settings
 from rankwatch.exporter.publish.catalogue import METRIC_NAMES as M
 
@@ -100,8 +100,7 @@ DEEPEP_BY = ("job", "run", "group", "probe", "culprit_rank", "hostname")
 
 
 def _straggler(s: Settings, policy: StepTimeConfig, severity: str) -> Rule:
-    warning_pct = percent(policy.straggler_warning_score)
-    critical_pct = percent(policy.straggler_critical_score)
+    warning_pct, critical_pct = straggler_percents(policy)
     cls = f"class={json.dumps(STRAGGLER_CLASS)}"
     by = ", ".join(STRAGGLER_BY)
     expr = (

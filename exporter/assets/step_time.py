@@ -31,7 +31,7 @@ from rankwatch.exporter.assets.grafana import (
     window_age_steps,
     with_runbooks,
 )
-from rankwatch.exporter.assets.prose import duration_words, percent
+from rankwatch.exporter.assets.prose import duration_words, percent, straggler_percents
 from rankwatch.exporter.assets.settings import Settings, duration_seconds
 from rankwatch.exporter.publish.catalogue import METRIC_NAMES as M
 
@@ -41,10 +41,7 @@ __all__ = ["build"]
 def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
     """The step-time straggler dashboard, its bands and prose drawn from ``config``."""
     policy = config.step_time
-    warning, critical = (
-        percent(policy.straggler_warning_score),
-        percent(policy.straggler_critical_score),
-    )
+    warning, critical = straggler_percents(policy)
     score = score_steps(policy)
     stale = s.stale_window_seconds
     critical_for = duration_seconds(s.for_["RankwatchStepTimeStragglerCritical"])
