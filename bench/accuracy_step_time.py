@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.accuracy_frameworks import FRAMEWORK_ROWS, run_cell, sleeper, torchrun_env
+from bench.accuracy_parallel import generated_tail
 
 WORLD = 3
 SLOW_RANK = 1
@@ -461,7 +462,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--cols: unknown column {c!r} (one of {', '.join(COLUMNS)})")
     start = time.monotonic()
     cells = run_matrix([(r, c) for r in rows for c in cols])
-    Path(args.out).write_text(render(cells))
+    out = Path(args.out)
+    # The 3D-parallel matrix's sections below this one are another runner's: kept.
+    tail = generated_tail(out.read_text()) if out.exists() else ""
+    out.write_text(render(cells) + ("\n" + tail if tail else ""))
     right = sum(c.right for c in cells)
     print(f"{right}/{len(cells)} cells right in {time.monotonic() - start:.0f} s -> {args.out}")
     return 0 if right == len(cells) else 1

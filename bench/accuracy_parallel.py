@@ -1,0 +1,796 @@
+"""The 3D-parallel accuracy matrix: real 4-rank Gloo jobs on a device mesh, one slow rank, the
+verdicts of the live windows, the run's verdict and the incidents opened.
+
+Rows are parallel shapes real jobs have (tensor parallel over a ``DeviceMesh`` with FSDP2 or
+DDP over the data-parallel dimension, a ``torch.distributed.pipelining`` schedule with DDP over
+the replicas of each stage, FSDP2 with activation checkpointing and ranks that start seconds
+apart, ``torch.compile`` of a DDP model); columns say where one rank is slow (a sleep of
+``SLOW_S`` per step in data loading, forward, backward or the optimizer step) and which rank,
+one per mesh dimension where the dimensions differ, plus a column with no slow rank.
+
+Every cell is a real run: ``WORLD`` spawned processes join a Gloo group, build the mesh with
+``init_device_mesh("cpu", ...)``, and each holds one ``RankWatch`` over the world in sync mode,
+its hooks installed by ``watch()`` as a user installs them and ``collect()`` called once per
+step, so the collector builds a live window every ``SYNC_STEP`` steps (over the last
+``LIVE_WINDOW_STEPS``) and the summary window at ``close()``. The root hands every window to a
+:class:`~rankwatch.exporter.publish.hub.PublisherHub` (its incident tracker opens and closes
+incidents; ``on_incident`` records them) and to a recorder of the verdicts. Every rank's step
+is mostly sleep standing in for compute (``COMPUTE_S``), so runs are short.
+
+``python -m bench.accuracy_parallel`` (``make accuracy-parallel``; ``make accuracy`` runs it
+after the single-dimension matrix) writes its section of ``docs/accuracy.md``;
+:func:`run_matrix` runs any subset (the test suite runs a few cells).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import multiprocessing as mp
+import os
+import subprocess
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.accuracy_frameworks import sleeper
+
+WORLD = 4
+COMPUTE_S = 0.024  # every rank's forward sleeps this long per step (a stand-in for compute)
+SLOW_S = 0.02  # the injected slowdown per step on the slow rank (most of a step)
+STEPS = 60  # steps of a cell with a slow rank
+SYNC_STEP = 5  # a live window every this many steps
+LIVE_WINDOW_STEPS = 10  # steps of each live window
+CONTROL_WINDOWS = 200  # live windows of a full-length no-fault cell
+MICROBATCHES = 4  # per pipeline step
+STAGE1_COST = 1.5  # the second pipeline stage's compute, relative to the first one's
+STAGGER_S = 1.5  # fsdp_ac_nobarrier: rank r enters its loop r * STAGGER_S late
+BATCH = 16
+JOIN_TIMEOUT_S = 1800.0
+
+PLACES: dict[str, str] = {
+    "data": "data loading (the loader sleeps before yielding the batch)",
+    "forward": "forward (a forward pre-hook sleeps)",
+    "backward": "backward (the last layer's backward sleeps)",
+    "optimizer": "optimizer step (a step pre-hook sleeps)",
+}
+NONE = "none"
+NO_STRAGGLER = "no straggler"
+
+
+@dataclass(frozen=True)
+class Row:
+    """A parallel shape: its mesh (dimension name -> size, outermost first), the ranks a fault
+    is put on (a label saying where each sits in the mesh -> rank), and the strategy whose
+    expectations apply (``"fsdp"``: compute is never attributed, as in the plain matrix)."""
+
+    description: str
+    mesh: tuple[tuple[str, int], ...]
+    fault_ranks: dict[str, int]
+    strategy: str
+
+
+ROWS: dict[str, Row] = {
+    "tp_dp_fsdp": Row(
+        'mesh ("dp", "tp") = (2, 2): a tensor-parallel MLP (ColwiseParallel, RowwiseParallel) '
+        "with FSDP2 (fully_shard) over dp",
+        (("dp", 2), ("tp", 2)),
+        {"dp0 tp1": 1},
+        "fsdp",
+    ),
+    "tp_dp_ddp": Row(
+        "the same tensor-parallel MLP, DDP over the dp group (process_group=)",
+        (("dp", 2), ("tp", 2)),
+        {"dp0 tp1": 1},
+        "ddp",
+    ),
+    "pp_dp": Row(
+        f'mesh ("pp", "dp") = (2, 2): a two-stage pipeline (PipelineStage, ScheduleGPipe, '
+        f"{MICROBATCHES} microbatches), DDP (static_graph=True) over the replicas of each stage; "
+        f"stage 1 computes "
+        f"{STAGE1_COST:g}x stage 0",
+        (("pp", 2), ("dp", 2)),
+        {"stage 0": 1, "stage 1": 2},
+        "ddp",
+    ),
+    "fsdp_tp": Row(
+        "FSDP2 + TP as in tp_dp_fsdp, the fault on the other tensor-parallel group's first "
+        "rank (dp1 tp0)",
+        (("dp", 2), ("tp", 2)),
+        {"dp1 tp0": 2},
+        "fsdp",
+    ),
+    "fsdp_ac_nobarrier": Row(
+        f'mesh ("dp",) = (4,): FSDP2 over activation-checkpointed blocks (checkpoint_wrapper); '
+        f"rank r enters its loop {STAGGER_S:g} * r s late, no barrier",
+        (("dp", 4),),
+        {"dp": 1},
+        "fsdp",
+    ),
+    "compile_ddp": Row(
+        "torch.compile(DDP(model)) (default backend; the sleeps are graph breaks), 1D",
+        (("dp", 4),),
+        {"dp": 1},
+        "ddp",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    """One cell: a row, where the fault is (``NONE``: nowhere), on which rank, how long."""
+
+    row: str
+    place: str
+    rank: int | None
+    steps: int
+
+    @property
+    def key(self) -> str:
+        where = self.place if self.rank is None else f"{self.place}@{self.rank}"
+        return f"{self.row}/{where}/{self.steps}"
+
+
+def cells_of(row: str, *, control_windows: int = CONTROL_WINDOWS) -> list[CellSpec]:
+    """Every cell of ``row``: each place on each fault rank, then the no-fault control, long
+    enough for ``control_windows`` live windows."""
+    out = [
+        CellSpec(row, place, rank, STEPS)
+        for rank in ROWS[row].fault_ranks.values()
+        for place in PLACES
+    ]
+    out.append(CellSpec(row, NONE, None, control_windows * SYNC_STEP + 2 * SYNC_STEP))
+    return out
+
+
+def expected(spec: CellSpec) -> str:
+    """The right verdict of a cell (``NO_STRAGGLER``: any kind that names no straggler)."""
+    if spec.place == NONE:
+        return NO_STRAGGLER
+    if spec.place == "data":
+        return "INPUT_STRAGGLER"
+    if spec.place in ("forward", "backward"):
+        # Under FSDP compute is never attributed (the step-time policy): the culprit is named.
+        return "STRAGGLER" if ROWS[spec.row].strategy == "fsdp" else "COMPUTE_STRAGGLER"
+    return "STRAGGLER"  # the optimizer: no attribution component covers it
+
+
+# ---- inside the spawned ranks ----------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One rank's part of a cell: what ``watch()`` gets and one training step."""
+
+    model: Any  # the module handed to watch()
+    optimizer: Any
+    train_step: Callable[[Any, Any], None]
+    forward_module: Any  # its forward pre-hooks sleep (compute, and the forward fault), or None
+    backward_fault: Callable[[float], None]  # installs a sleep in backward
+    mesh: Any
+    forward_sleeps: int = 1  # forward calls per step (microbatches)
+
+
+def _mlp(widths: tuple[int, ...]) -> Any:
+    import torch
+
+    layers: list[Any] = []
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def _mse(out: Any, y: Any) -> Any:
+    import torch
+
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def _plain_step(model: Any, opt: Any) -> Callable[[Any, Any], None]:
+    def train_step(x: Any, y: Any) -> None:
+        _mse(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return train_step
+
+
+def _full_backward_sleep(module: Any) -> Callable[[float], None]:
+    """The module's backward sleeps (once its input gradients are computed). Under FSDP a
+    sharded parameter gets its gradient inside the reduce-scatter call, so a gradient hook
+    there would not be backward compute."""
+    return lambda s: module.register_full_backward_hook(sleeper(s))
+
+
+def _grad_sleep(param: Any) -> Callable[[float], None]:
+    """The first gradient of the pass sleeps once accumulated: the rest of backward waits."""
+    return lambda s: param.register_post_accumulate_grad_hook(sleeper(s))
+
+
+def _tp_job(row: str, mesh: Any) -> Job:
+    import torch
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    net = _mlp((32, 64, 32))
+    parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    model: Any
+    if row == "tp_dp_ddp":
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # DDP takes local tensors: DTensor parameters are turned into local ones around it
+        # (torch's TP + DDP composition).
+        _pre_dp_module_transform(net)
+        model = DDP(net, process_group=mesh["dp"].get_group())
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(net, mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return Job(model, opt, _plain_step(model, opt), net, _full_backward_sleep(net[2]), mesh)
+
+
+def _pp_job(mesh: Any) -> Job:
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    stage_index = mesh.get_local_rank("pp")
+    torch.manual_seed(stage_index)
+    net = _mlp((32, 64, 64)) if stage_index == 0 else _mlp((64, 64, 32))
+    # static_graph: torch 2.13's DDP rebuilds its buckets after the first step and, with the
+    # schedule's several backward passes per step, fails an internal assertion without it.
+    model = DDP(net, process_group=mesh["dp"].get_group(), static_graph=True)
+    stage = PipelineStage(model, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=_mse)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train_step(x: Any, y: Any) -> None:
+        if stage_index == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        opt.step()
+        opt.zero_grad()
+
+    return Job(
+        model,
+        opt,
+        train_step,
+        net,
+        _full_backward_sleep(net[-1]),
+        mesh,
+        forward_sleeps=MICROBATCHES,
+    )
+
+
+def _fsdp_ac_job(mesh: Any) -> Job:
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(3)]
+    head = torch.nn.Linear(32, 32)
+    net = torch.nn.Sequential(*(checkpoint_wrapper(b) for b in blocks), head)
+    for block in net:
+        fully_shard(block, mesh=mesh)
+    model: Any = fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return Job(model, opt, _plain_step(model, opt), net, _full_backward_sleep(head), mesh)
+
+
+_SLEEP_OP: Any = None
+
+
+def _sleep_op() -> Any:
+    """``sleep(x, seconds)``: returns ``x`` after sleeping, as an operator of its own, so a
+    compiled graph calls it in place (a plain ``time.sleep`` in a hook breaks the graph, and
+    the compiled module would then run its hooks eagerly: not the job this row stands for)."""
+    global _SLEEP_OP
+    if _SLEEP_OP is None:
+        import torch
+
+        # (the schema is spelled out: this module's annotations are strings)
+        @torch.library.custom_op(
+            "rankwatch_bench::sleep", mutates_args=(), schema="(Tensor x, float seconds) -> Tensor"
+        )
+        def sleep(x: torch.Tensor, seconds: float) -> torch.Tensor:
+            time.sleep(seconds)
+            return x.clone()
+
+        @sleep.register_fake
+        def _(x: torch.Tensor, seconds: float) -> torch.Tensor:
+            return torch.empty_like(x)
+
+        _SLEEP_OP = sleep
+    return _SLEEP_OP
+
+
+def _compile_ddp_job(mesh: Any, forward_s: float) -> Job:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    op = _sleep_op()
+
+    class Sleep(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return op(x, forward_s)
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(Sleep(), *_mlp((32, 64, 32)))
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # watch() gets the DDP model, as the docs say; training calls the compiled one, so
+    # the hooks on the DDP wrapper run inside the compiled call. Compute (and a slow forward)
+    # sleep inside the graph: nothing for a hook to do.
+    step = _plain_step(torch.compile(model), opt)
+    return Job(model, opt, step, None, _grad_sleep(net[-1].weight), mesh)
+
+
+def _build_job(row: str, forward_s: float) -> Job:
+    """The row's job on this rank; ``forward_s``: this rank's forward sleep per step (compute
+    and a slow forward), for a job whose sleep is not a hook (``forward_module`` None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = ROWS[row].mesh
+    mesh = init_device_mesh(
+        "cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims)
+    )
+    if row in ("tp_dp_fsdp", "tp_dp_ddp", "fsdp_tp"):
+        return _tp_job(row, mesh)
+    if row == "pp_dp":
+        return _pp_job(mesh)
+    if row == "fsdp_ac_nobarrier":
+        return _fsdp_ac_job(mesh)
+    return _compile_ddp_job(mesh, forward_s)
+
+
+def _data_seed(row: str, rank: int, mesh: Any) -> int:
+    """Ranks that must see the same batch share a seed: the members of a tensor-parallel
+    group (same dp index), and the pipeline's stages (one dp index: one micro-batch stream)."""
+    names = mesh.mesh_dim_names or ()
+    return 1 + (mesh.get_local_rank("dp") if "dp" in names else rank)
+
+
+class VerdictRecorder:
+    """A publisher keeping each window's verdict (kind, straggler findings) as plain data."""
+
+    def __init__(self) -> None:
+        self.windows: list[dict[str, Any]] = []
+
+    def publish(self, report: Any) -> None:
+        st = report.step_time
+        top = st.findings[0] if st is not None and st.findings else None
+        self.windows.append(
+            {
+                "window": report.window_kind,
+                "kind": "NO_STEP_TIME" if st is None else st.kind,
+                "culprit": None if top is None else top.culprit_rank,
+                "stragglers": []
+                if st is None
+                else [
+                    [f.kind, f.culprit_rank, list(f.ranks)] for f in st.findings if f.is_straggler
+                ],
+                "score": None if st is None or st.straggler is None else st.straggler.score,
+                "visible": None if st is None else st.visible_definition,
+                "missing": list(report.missing_ranks),
+            }
+        )
+
+    def close(self, timeout_seconds: float) -> None:
+        return None
+
+
+def _run_cell(rank: int, spec: CellSpec) -> dict[str, Any]:
+    import torch
+
+    from rankwatch.diagnosis.config import DiagnosisConfig, StepTimeConfig
+    from rankwatch.exporter.config import RankwatchConfig
+    from rankwatch.exporter.publish.hub import PublisherHub
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
+
+    slow_s = SLOW_S if spec.rank == rank else 0.0
+    row = ROWS[spec.row]
+    # Stage 1 of the pipeline computes more by design (ranks of the outermost "pp" half).
+    stage1 = row.mesh[0][0] == "pp" and rank >= WORLD // 2
+    compute_s = COMPUTE_S * (STAGE1_COST if stage1 else 1.0)
+    fault_forward_s = slow_s if spec.place == "forward" else 0.0
+    job = _build_job(spec.row, compute_s + fault_forward_s)
+    seed = _data_seed(spec.row, rank, job.mesh)
+
+    def batches() -> Iterator[tuple[Any, Any]]:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(spec.steps):
+            if spec.place == "data":
+                time.sleep(slow_s)
+            yield torch.randn(BATCH, 32, generator=gen), torch.randn(BATCH, 32, generator=gen)
+
+    diag = DiagnosisConfig(step_time=StepTimeConfig(live_window_steps=LIVE_WINDOW_STEPS))
+    cfg = RankwatchConfig.from_env(
+        env={},
+        run_id=f"accuracy-{spec.row}",
+        diagnosis=diag,
+        async_mode=False,
+        sync_step=SYNC_STEP,
+        gather_timeout_seconds=60.0,
+        metrics_enabled=False,
+        otlp_enabled=False,
+        end_summary=False,
+        shutdown_timeout_seconds=60.0,
+    )
+    incidents: list[dict[str, Any]] = []
+
+    def on_incident(event: Any) -> None:
+        inc = event.incident
+        incidents.append(
+            {
+                "action": event.action,
+                "cls": inc.cls,
+                "cause": inc.cause,
+                "ranks": list(inc.ranks),
+                "severity": inc.severity,
+                "window": event.window_index,
+            }
+        )
+
+    recorder = VerdictRecorder()
+    hub = PublisherHub(cfg, metrics=False, otlp=False, on_incident=on_incident)
+    rw = RankWatch(config=cfg, publishers=[hub, recorder])
+    loader = rw.watch(job.model, job.optimizer, batches())
+    if job.forward_module is not None:
+        # Compute first, then the fault: both before the forward's own work (per microbatch
+        # in a pipeline, so a step's total is the same).
+        per_call = 1.0 / job.forward_sleeps
+        job.forward_module.register_forward_pre_hook(sleeper(compute_s * per_call))
+        if fault_forward_s:
+            job.forward_module.register_forward_pre_hook(sleeper(fault_forward_s * per_call))
+    if spec.place == "backward" and slow_s:
+        job.backward_fault(slow_s / job.forward_sleeps)
+    if spec.place == "optimizer" and slow_s:
+        job.optimizer.register_step_pre_hook(sleeper(slow_s))
+    if spec.row == "fsdp_ac_nobarrier":
+        time.sleep(STAGGER_S * rank)  # ranks start apart; the first all-gather lines them up
+    for x, y in loader:
+        job.train_step(x, y)
+        rw.collect()
+    rw.close(60.0)
+    return {"windows": recorder.windows, "incidents": incidents} if rw.is_root else {}
+
+
+def _worker(rank: int, port: int, specs: list[CellSpec], out: str) -> None:
+    """A rank of one world, running ``specs`` one after the other."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The incident lines are recorded through on_incident; on stderr they drown the table.
+    logging.getLogger("rankwatch.incidents").setLevel(logging.ERROR)
+    result: dict[str, Any] = {}
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+        )
+        for spec in specs:
+            dist.barrier()
+            start = time.monotonic()
+            try:
+                result[spec.key] = _run_cell(rank, spec)
+                result[spec.key]["seconds"] = time.monotonic() - start
+            except Exception:
+                result[spec.key] = {"error": traceback.format_exc()}
+                raise
+        dist.destroy_process_group()
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+
+
+# ---- in the parent ---------------------------------------------------------------------------
+
+
+def _run_world(specs: list[CellSpec]) -> list[dict[str, Any]]:
+    """Spawn ``WORLD`` ranks running ``specs`` (:func:`_worker`); what each wrote."""
+    from bench.accuracy_step_time import _free_port
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out:
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, port, specs, out)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results = []
+        for r in range(WORLD):
+            path = Path(out, f"{r}.json")
+            results.append(json.loads(path.read_text()) if path.exists() else {"error": "died"})
+    return results
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell's outcome."""
+
+    spec: CellSpec
+    summary_kind: str
+    summary_culprit: int | None
+    live_windows: int
+    named_right: int  # live windows with a straggler finding naming the slow rank
+    named_other: int  # live windows with a straggler finding naming another rank
+    opened: tuple[tuple[str, str, tuple[int, ...]], ...]  # (class, cause, ranks) per opening
+    seconds: float
+    expected: str
+    error: str | None = None
+    live_kinds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def wrong_incidents(self) -> int:
+        """Incidents opened on anything but the slow rank alone (every one, in a control)."""
+        return sum(1 for _, _, ranks in self.opened if ranks != (self.spec.rank,))
+
+    @property
+    def right(self) -> bool:
+        if self.error is not None or self.wrong_incidents:
+            return False
+        if self.expected == NO_STRAGGLER:
+            return "STRAGGLER" not in self.summary_kind
+        return self.summary_kind == self.expected and self.summary_culprit == self.spec.rank
+
+
+def _cell_of(spec: CellSpec, per_rank: list[dict[str, Any]]) -> Cell:
+    want = expected(spec)
+    root = per_rank[0].get(spec.key)
+    errors = [
+        res.get(spec.key, {}).get("error") or res.get("error")
+        for res in per_rank
+        if "error" in res.get(spec.key, {}) or res.get("error")
+    ]
+    if errors or not isinstance(root, dict) or "windows" not in root:
+        err = next((e for e in errors if e), "no result")
+        return Cell(spec, "ERROR", None, 0, 0, 0, (), 0.0, want, str(err))
+    live = [w for w in root["windows"] if w["window"] == "live"]
+    summary = next((w for w in root["windows"] if w["window"] == "summary"), None)
+    right = other = 0
+    kinds: dict[str, int] = {}
+    for w in live:
+        kinds[w["kind"]] = kinds.get(w["kind"], 0) + 1
+        named = {
+            r
+            for _, culprit, ranks in w["stragglers"]
+            for r in ([culprit] if culprit is not None else ranks)
+        }
+        named.discard(None)
+        right += spec.rank in named
+        other += bool(named - {spec.rank})
+    opened = tuple(
+        (i["cls"], i["cause"], tuple(i["ranks"]))
+        for i in root["incidents"]
+        if i["action"] == "open"
+    )
+    return Cell(
+        spec,
+        "NO_SUMMARY" if summary is None else summary["kind"],
+        None if summary is None else summary["culprit"],
+        len(live),
+        right,
+        other,
+        opened,
+        float(root.get("seconds", 0.0)),
+        want,
+        live_kinds=kinds,
+    )
+
+
+def run_matrix(specs: list[CellSpec]) -> list[Cell]:
+    """Run ``specs`` in spawned Gloo worlds, one world per row (a row that breaks its world
+    loses only its own cells); their outcomes, in the order given."""
+    results: dict[str, Cell] = {}
+    for row in dict.fromkeys(s.row for s in specs):
+        world_specs = [s for s in specs if s.row == row]
+        per_rank = _run_world(world_specs)
+        for spec in world_specs:
+            results[spec.key] = _cell_of(spec, per_rank)
+    return [results[s.key] for s in specs]
+
+
+# ---- the report ----------------------------------------------------------------------------
+
+DOC = Path("docs/accuracy.md")
+CURRENT = "current"
+BEFORE = "before"
+TITLES = {
+    CURRENT: "## 3D-parallel matrix",
+    BEFORE: "## 3D-parallel matrix, before the 3D-parallel work",
+}
+
+
+def _marks(section: str) -> tuple[str, str]:
+    return (
+        f"<!-- accuracy-parallel {section}: begin (generated by bench/accuracy_parallel.py) -->",
+        f"<!-- accuracy-parallel {section}: end -->",
+    )
+
+
+def generated_tail(doc: str) -> str:
+    """The part of ``doc`` this module writes (from its first section on; empty without
+    one): the single-dimension matrix rewrites the file above it and keeps this."""
+    at = doc.find("<!-- accuracy-parallel ")
+    return "" if at < 0 else doc[at:]
+
+
+def write_section(section: str, text: str, path: Path = DOC) -> None:
+    """Put ``text`` into ``path`` as ``section`` (between its markers): in place of the old
+    one, else before the other sections of this module (the current matrix comes first),
+    else at the end."""
+    begin, end = _marks(section)
+    doc = path.read_text() if path.exists() else ""
+    block = f"{begin}\n\n{text}\n{end}\n"
+    if begin in doc and end in doc:
+        start, stop = doc.index(begin), doc.index(end) + len(end) + 1
+        doc = doc[:start] + block + doc[stop:]
+    elif section == CURRENT and generated_tail(doc):
+        at = len(doc) - len(generated_tail(doc))
+        doc = doc[:at] + block + "\n" + doc[at:]
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + block
+    path.write_text(doc)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def render(cells: list[Cell], section: str = CURRENT) -> str:
+    """The matrix as a Markdown section."""
+    right = sum(c.right for c in cells)
+    lines = [
+        TITLES[section],
+        "",
+        "Generated by `make accuracy-parallel` (`python -m bench.accuracy_parallel`) on commit "
+        f"`{_commit()}`; do not edit by hand.",
+        "",
+    ]
+    if section == BEFORE:
+        lines += [NOTES_BEFORE, ""]
+    lines += [
+        f"Every cell is a real run: {WORLD} processes under `torch.distributed` (Gloo, CPU) build "
+        'a device mesh (`init_device_mesh("cpu", ...)`), each holds one `RankWatch` over the '
+        "world with `watch()` installed as a user installs it, in sync mode with a live window "
+        f"every {SYNC_STEP} steps (over the last {LIVE_WINDOW_STEPS}); the root publishes to the "
+        "real publisher hub (its incident tracker, `on_incident` records the openings). Every "
+        f"rank's forward sleeps {COMPUTE_S * 1e3:.0f} ms per step (per pipeline stage: split "
+        f"over the {MICROBATCHES} microbatches, x{STAGE1_COST:g} on stage 1); the slow rank "
+        f"sleeps {SLOW_S * 1e3:.0f} ms more per step where the column says. Cells with a slow "
+        f"rank run {STEPS} steps; a control runs until it has had about its number of windows. "
+        "A cell is right when the run's verdict (the summary window) is the expected kind and "
+        "names the slow rank, and no incident opened on any other rank (none at all in a "
+        f"control). Right: {right} of {len(cells)}.",
+        "",
+        "Rows:",
+        "",
+    ]
+    for name in dict.fromkeys(c.spec.row for c in cells):
+        row = ROWS[name]
+        where = ", ".join(f"rank {r} ({label})" for label, r in row.fault_ranks.items())
+        lines.append(f"- `{name}`: {row.description}; slow rank: {where}")
+    lines += ["", "Where the slow rank is slow:", ""]
+    lines += [f"- `{k}`: {v}" for k, v in PLACES.items()]
+    lines += [f"- `{NONE}`: no slow rank (the control)"]
+    lines += [
+        "",
+        "| row | slow in | slow rank | run verdict | culprit | live windows | named slow rank "
+        "| named another | incidents opened | expected | right |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        opened = "; ".join(f"{cause} {list(ranks)}" for _, cause, ranks in c.opened)
+        culprit = "-" if c.summary_culprit is None else str(c.summary_culprit)
+        slow = "-" if c.spec.rank is None else str(c.spec.rank)
+        lines.append(
+            f"| {c.spec.row} | {c.spec.place} | {slow} | {c.summary_kind} | {culprit} "
+            f"| {c.live_windows} | {c.named_right} | {c.named_other} | {opened or 'none'} "
+            f"| {c.expected} | {'yes' if c.right else '**no**'} |"
+        )
+    lines += ["", "The live windows' verdicts, per cell:", ""]
+    for c in cells:
+        kinds = ", ".join(
+            f"{k} {n}" for k, n in sorted(c.live_kinds.items(), key=lambda kv: -kv[1])
+        )
+        where = c.spec.place if c.spec.rank is None else f"{c.spec.place} on rank {c.spec.rank}"
+        lines.append(f"- {c.spec.row}, {where}: {kinds or '-'}")
+    errors = [c for c in cells if c.error]
+    if errors:
+        lines += ["", "Errors:", ""]
+        for c in errors:
+            tail = (c.error or "").strip().splitlines()[-1:]
+            lines.append(f"- {c.spec.row}/{c.spec.place}: {' '.join(tail)}")
+    if section == CURRENT:
+        lines += ["", NOTES]
+    return "\n".join(lines) + "\n"
+
+
+NOTES_BEFORE = """This section ran on the commit above, before the 3D-parallel work (collectives
+of every mesh dimension timed as waits, diagnosis per mesh dimension, robust windows); it is
+kept as it was, for comparison. The section above is the current code."""
+
+NOTES = """### Reading the 3D-parallel matrix
+
+(written after the merge)"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", default=str(DOC), help="Markdown file whose section is written ('-': print)"
+    )
+    parser.add_argument(
+        "--section",
+        default=CURRENT,
+        choices=(CURRENT, BEFORE),
+        help="which section of the file to write",
+    )
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows")
+    parser.add_argument("--places", default=",".join([*PLACES, NONE]), help="comma-separated")
+    parser.add_argument(
+        "--control-windows", type=int, default=CONTROL_WINDOWS, help="live windows per control"
+    )
+    parser.add_argument("--json", default="", help="also write the cells as JSON here")
+    args = parser.parse_args(argv)
+    rows = [r for r in args.rows.split(",") if r]
+    places = [p for p in args.places.split(",") if p]
+    for r in rows:
+        if r not in ROWS:
+            parser.error(f"--rows: unknown row {r!r} (one of {', '.join(ROWS)})")
+    for p in places:
+        if p not in (*PLACES, NONE):
+            parser.error(f"--places: unknown place {p!r} (one of {', '.join([*PLACES, NONE])})")
+    if args.control_windows < 1:
+        parser.error(f"--control-windows: must be >= 1, got {args.control_windows}")
+    specs = [
+        s
+        for r in rows
+        for s in cells_of(r, control_windows=args.control_windows)
+        if s.place in places
+    ]
+    start = time.monotonic()
+    cells = run_matrix(specs)
+    text = render(cells, args.section)
+    if args.out == "-":
+        print(text)
+    else:
+        write_section(args.section, text, Path(args.out))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps([{**c.__dict__, "spec": c.spec.__dict__} for c in cells], indent=1)
+        )
+    right = sum(c.right for c in cells)
+    print(f"{right}/{len(cells)} cells right in {time.monotonic() - start:.0f} s")
+    return 0 if right == len(cells) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
