@@ -31,9 +31,12 @@ import logging
 import multiprocessing as mp
 import os
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
+import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +46,8 @@ from bench.accuracy_frameworks import sleeper
 
 WORLD = 4
 COMPUTE_S = 0.024  # every rank's forward sleeps this long per step (a stand-in for compute)
-SLOW_S = 0.02  # the injected slowdown per step on the slow rank (most of a step)
-STEPS = 60  # steps of a cell with a slow rank
+SLOW_S = 0.03  # the injected slowdown per step on the slow rank (half a step or more)
+STEPS = 100  # steps of a cell with a slow rank
 SYNC_STEP = 5  # a live window every this many steps
 LIVE_WINDOW_STEPS = 10  # steps of each live window
 CONTROL_WINDOWS = 200  # live windows of a full-length no-fault cell
@@ -114,7 +117,15 @@ ROWS: dict[str, Row] = {
         "fsdp",
     ),
     "compile_ddp": Row(
-        "torch.compile(DDP(model)) (default backend; the sleeps are graph breaks), 1D",
+        "torch.compile(DDP(model)) (default backend, the sleeps an operator inside the graph), "
+        "the compiled wrapper watched, as the integration guide says; 1D",
+        (("dp", 4),),
+        {"dp": 1},
+        "ddp",
+    ),
+    "compile_ddp_late": Row(
+        "the same, but watch() gets the DDP model and training calls torch.compile of it (its "
+        "hooks then run inside the compiled call)",
         (("dp", 4),),
         {"dp": 1},
         "ddp",
@@ -320,7 +331,7 @@ def _sleep_op() -> Any:
     return _SLEEP_OP
 
 
-def _compile_ddp_job(mesh: Any, forward_s: float) -> Job:
+def _compile_ddp_job(mesh: Any, forward_s: float, *, watch_compiled: bool) -> Job:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -332,13 +343,12 @@ def _compile_ddp_job(mesh: Any, forward_s: float) -> Job:
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(Sleep(), *_mlp((32, 64, 32)))
-    model = DDP(net)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    # watch() gets the DDP model, as the docs say; training calls the compiled one, so
-    # the hooks on the DDP wrapper run inside the compiled call. Compute (and a slow forward)
-    # sleep inside the graph: nothing for a hook to do.
-    step = _plain_step(torch.compile(model), opt)
-    return Job(model, opt, step, None, _grad_sleep(net[-1].weight), mesh)
+    ddp = DDP(net)
+    compiled = torch.compile(ddp)
+    # Compute (and a slow forward) sleep inside the graph: nothing for a hook to do.
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    watched = compiled if watch_compiled else ddp
+    return Job(watched, opt, _plain_step(compiled, opt), None, _grad_sleep(net[-1].weight), mesh)
 
 
 def _build_job(row: str, forward_s: float) -> Job:
@@ -356,7 +366,7 @@ def _build_job(row: str, forward_s: float) -> Job:
         return _pp_job(mesh)
     if row == "fsdp_ac_nobarrier":
         return _fsdp_ac_job(mesh)
-    return _compile_ddp_job(mesh, forward_s)
+    return _compile_ddp_job(mesh, forward_s, watch_compiled=row == "compile_ddp")
 
 
 def _data_seed(row: str, rank: int, mesh: Any) -> int:
@@ -476,6 +486,8 @@ def _worker(rank: int, port: int, specs: list[CellSpec], out: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The incident lines are recorded through on_incident; on stderr they drown the table.
     logging.getLogger("rankwatch.incidents").setLevel(logging.ERROR)
+    # FSDP2 warns on every run that a Sequential returns a view; nothing here changes it.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     result: dict[str, Any] = {}
     try:
         import torch
@@ -600,15 +612,26 @@ def _cell_of(spec: CellSpec, per_rank: list[dict[str, Any]]) -> Cell:
     )
 
 
-def run_matrix(specs: list[CellSpec]) -> list[Cell]:
+def run_matrix(specs: list[CellSpec], *, one_world: bool = False) -> list[Cell]:
     """Run ``specs`` in spawned Gloo worlds, one world per row (a row that breaks its world
-    loses only its own cells); their outcomes, in the order given."""
+    loses only its own cells), or all in one world (``one_world``: a few cells, one start-up);
+    their outcomes, in the order given."""
+    worlds = (
+        [specs]
+        if one_world
+        else [[s for s in specs if s.row == row] for row in dict.fromkeys(s.row for s in specs)]
+    )
     results: dict[str, Cell] = {}
-    for row in dict.fromkeys(s.row for s in specs):
-        world_specs = [s for s in specs if s.row == row]
+    for world_specs in worlds:
         per_rank = _run_world(world_specs)
         for spec in world_specs:
-            results[spec.key] = _cell_of(spec, per_rank)
+            cell = results[spec.key] = _cell_of(spec, per_rank)
+            print(
+                f"{spec.key}: {cell.summary_kind} {cell.summary_culprit} "
+                f"{'right' if cell.right else 'WRONG'} ({cell.seconds:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     return [results[s.key] for s in specs]
 
 
@@ -707,7 +730,11 @@ def render(cells: list[Cell], section: str = CURRENT) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
-        opened = "; ".join(f"{cause} {list(ranks)}" for _, cause, ranks in c.opened)
+        counts = Counter((cause, ranks) for _, cause, ranks in c.opened)
+        opened = "; ".join(
+            f"{cause} {list(ranks)}" + (f" x{n}" if n > 1 else "")
+            for (cause, ranks), n in counts.items()
+        )
         culprit = "-" if c.summary_culprit is None else str(c.summary_culprit)
         slow = "-" if c.spec.rank is None else str(c.spec.rank)
         lines.append(
