@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from threading import get_ident
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -57,6 +57,7 @@ from rankwatch.exporter.step_time.timer import (
 __all__ = [
     "AttributeShadow",
     "WatchedLoader",
+    "compiled_inner",
     "detect_strategy",
     "install",
     "model_device",
@@ -69,10 +70,19 @@ log = logging.getLogger(__name__)
 _is_compiling = torch.compiler.is_compiling
 
 
+def compiled_inner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), or None when
+    ``model`` is not such a wrapper."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
 def detect_strategy(model: torch.nn.Module) -> str | None:
-    """``"ddp"``/``"fsdp"`` from the wrapper around ``model``, or None for a plain module."""
+    """``"ddp"``/``"fsdp"`` from the wrapper around ``model`` (looked for inside a
+    ``torch.compile`` wrapper too), or None for a plain module."""
     from torch.nn.parallel import DistributedDataParallel
 
+    model = compiled_inner(model) or model
     if isinstance(model, DistributedDataParallel):
         return "ddp"
     fsdp_types: list[type] = []
@@ -410,6 +420,10 @@ def install(
         tracker = _BackwardTracker(timer)
         inner = _ddp_inner(model)
         sync = inner is not None
+        # ``torch.compile(ddp_model)``: the hooks on the compiled wrapper run eagerly, DDP's
+        # module's run inside the graph (no-ops), so its waits are timed differently.
+        compiled = compiled_inner(model)
+        compiled_ddp = compiled if compiled is not None and _ddp_inner(compiled) else None
 
         def forward_pre(module: torch.nn.Module, args: Any) -> None:
             if _is_compiling():
@@ -422,6 +436,8 @@ def install(
             timer.begin(FORWARD)
             if sync:
                 timer.begin(FORWARD_WAIT)
+            elif compiled_ddp is not None:
+                timer.add(FORWARD_WAIT, 0)  # timed, even when no wait is credited below
 
         def forward_post(module: torch.nn.Module, args: Any, output: Any) -> None:
             if _is_compiling():
@@ -438,6 +454,8 @@ def install(
         handles.append(model.register_forward_hook(forward_post, always_call=True))
         if inner is not None:
             handles.extend(_sync_wait_hooks(timer, tracker, inner))
+        elif compiled_ddp is not None:
+            handles.extend(_compiled_ddp_wait_hooks(timer, tracker, compiled_ddp))
         elif not timer.async_collectives:
             handles.extend(_fsdp_wait_hooks(timer, model))
     for k, opt in enumerate(optimizers):
@@ -475,17 +493,50 @@ def _sync_wait_hooks(
         if not _is_compiling() and timer.phase_open(FORWARD):
             timer.begin(FORWARD_WAIT)
 
-    def param_grad(param: torch.Tensor) -> None:
-        if not _is_compiling():
-            tracker.on_param_grad(param)
-
     handles = [
         inner.register_forward_pre_hook(inner_pre, prepend=True),
         inner.register_forward_hook(inner_post, prepend=True),
     ]
-    for param in inner.parameters():
-        if param.requires_grad:
-            handles.append(param.register_post_accumulate_grad_hook(param_grad))
+    return handles + _last_grad_hooks(tracker, inner)
+
+
+def _last_grad_hooks(tracker: _BackwardTracker, module: torch.nn.Module) -> list[RemovableHandle]:
+    """A post-accumulate-grad hook on every trainable parameter of ``module``: the last one of
+    a backward pass starts ``backward_wait`` (one clock read per parameter per backward).
+    Accumulation runs outside a compiled graph, so these run eagerly under compile too."""
+
+    def param_grad(param: torch.Tensor) -> None:
+        if not _is_compiling():
+            tracker.on_param_grad(param)
+
+    return [
+        p.register_post_accumulate_grad_hook(param_grad)
+        for p in module.parameters()
+        if p.requires_grad
+    ]
+
+
+# DDP's own methods around its module's forward: the buffer broadcast and the reducer's
+# preparation before it, the post-forward work after it.
+DDP_FORWARD_SYNC = ("_pre_forward", "_post_forward")
+
+
+def _compiled_ddp_wait_hooks(
+    timer: StepTimer, tracker: _BackwardTracker, ddp: torch.nn.Module
+) -> list[RemovableHandle | AttributeShadow]:
+    """``torch.compile(ddp_model)``: the waits of :func:`_sync_wait_hooks` without hooks on
+    DDP's module (dynamo traces those into the graph, where they do nothing).
+
+    ``forward_wait``: DDP's ``_pre_forward`` and ``_post_forward`` (methods of this DDP
+    object, shadowed on it), which dynamo runs eagerly after a graph break (checked on torch
+    2.13; the first, compiling call is not timed). ``backward_wait``: as under eager DDP.
+    """
+    handles: list[RemovableHandle | AttributeShadow] = [
+        time_as_sync_wait(timer, ddp, name)
+        for name in DDP_FORWARD_SYNC
+        if callable(getattr(ddp, name, None))
+    ]
+    handles.extend(_last_grad_hooks(tracker, cast(torch.nn.Module, ddp.module)))
     return handles
 
 
@@ -552,7 +603,8 @@ def time_as_sync_wait(timer: StepTimer, owner: Any, name: str) -> AttributeShado
     thread = get_ident()
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        if wait.open or get_ident() != thread or _is_compiling():
+        # The compile check first: while dynamo traces, nothing else here is looked at.
+        if _is_compiling() or wait.open or get_ident() != thread:
             return original(*args, **kwargs)
         with wait:
             return original(*args, **kwargs)

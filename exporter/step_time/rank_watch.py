@@ -33,6 +33,7 @@ from rankwatch.exporter.gloo import create_gloo_group, dedicated_store, group_ti
 from rankwatch.exporter.identity import local_identity
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
 from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text
+from rankwatch.exporter.step_time.collectives import install_collective_waits
 from rankwatch.exporter.step_time.collector import WindowCollector
 from rankwatch.exporter.step_time.gpu_events import (
     EventPool,
@@ -369,6 +370,7 @@ class RankWatch:
             # CPU clock cannot contain a wait, and the diagnosis must know it.
             self.timer.async_collectives = device.type != "cpu"
         self._handles.extend(install(self.timer, model, optimizers))
+        self._handles.extend(install_collective_waits(self.timer))
         self._watched.update(id(o) for o in (model, *optimizers) if o is not None)
         self._optimizers_watched |= bool(optimizers)
         if dataloader is None:
