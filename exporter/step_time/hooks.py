@@ -528,11 +528,11 @@ def _compiled_ddp_wait_hooks(
     DDP's module (dynamo traces those into the graph, where they do nothing).
 
     ``forward_wait``: DDP's ``_pre_forward`` and ``_post_forward`` (methods of this DDP
-    object, shadowed on it), which dynamo runs eagerly after a graph break (checked on torch
-    2.13; the first, compiling call is not timed). ``backward_wait``: as under eager DDP.
+    object, shadowed on it, the shadows never compiled: a graph break around each, as DDP has
+    around its module's forward already). ``backward_wait``: as under eager DDP.
     """
     handles: list[RemovableHandle | AttributeShadow] = [
-        time_as_sync_wait(timer, ddp, name)
+        time_as_sync_wait(timer, ddp, name, never_compiled=True)
         for name in DDP_FORWARD_SYNC
         if callable(getattr(ddp, name, None))
     ]
@@ -589,14 +589,19 @@ def _fsdp_wait_hooks(timer: StepTimer, model: torch.nn.Module) -> list[Attribute
     return [time_as_sync_wait(timer, group, name) for group in groups for name in FSDP_COLLECTIVES]
 
 
-def time_as_sync_wait(timer: StepTimer, owner: Any, name: str) -> AttributeShadow:
+def time_as_sync_wait(
+    timer: StepTimer, owner: Any, name: str, *, never_compiled: bool = False
+) -> AttributeShadow:
     """Shadow ``owner.<name>`` (an object's method, a module's function) so that each call runs
     inside the timer's sync wait (:meth:`StepTimer.sync_wait`: the wait joins ``forward_wait``,
     or ``backward_wait`` inside backward); ``remove()`` on the result gives it back.
 
     Calls from another thread than the one shadowing it, calls inside an open sync wait (one
     collective calling another, or a user's ``sync_wait`` block around it) and calls while
-    ``torch.compile`` traces run as they are.
+    ``torch.compile`` traces run as they are. ``never_compiled``: dynamo skips the shadow's own
+    frame (the call is a graph break, the original is compiled as before), for a method that
+    runs eagerly after a graph break anyway: compiled, the shadow would keep only the branch
+    taken while tracing, which times nothing.
     """
     original = getattr(owner, name)
     wait = timer.sync_wait()
@@ -609,6 +614,8 @@ def time_as_sync_wait(timer: StepTimer, owner: Any, name: str) -> AttributeShado
         with wait:
             return original(*args, **kwargs)
 
+    if never_compiled:
+        timed = torch.compiler.disable(timed, recursive=False)
     return AttributeShadow(owner, name, timed)
 
 

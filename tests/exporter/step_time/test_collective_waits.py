@@ -14,8 +14,10 @@ import math
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,6 +31,7 @@ from tests.framework_world import run_world
 
 SLEEP_S = 0.1  # the late rank's sleep before the collective
 STEPS_PER_KIND = 3
+STEPS_COMPILED = 6
 FWD, BWD = column("cpu", "forward"), column("cpu", "backward")
 FWW, BWW = column("cpu", "forward_wait"), column("cpu", "backward_wait")
 STEP = column("cpu", "step")
@@ -164,6 +167,147 @@ def scenario_c10d(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     return result
 
 
+def _late_in_backward(loss: torch.Tensor, rank: int, late_rank: int = 1) -> None:
+    """The late rank starts its backward pass ``SLEEP_S`` late."""
+    if rank == late_rank:
+        loss.register_hook(lambda grad: (time.sleep(SLEEP_S), grad)[1])
+
+
+def _train_rows(rank: int, model: Any, x: torch.Tensor, steps: int) -> list[list[float]]:
+    """``watch()``ed training (steps closed by the optimizer), rank 1 late to forward and to
+    backward; the rows' ``[forward_wait, forward, backward_wait, backward]`` after a warm-up."""
+    rw = _rankwatch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rw.watch(model, opt)
+    if rank == 1:
+        # After watch(): inside the timed forward, before the model's first collective wait.
+        model.register_forward_pre_hook(lambda module, args: _late(rank))
+    for _ in range(1 + steps):
+        loss = model(x).square().mean()
+        _late_in_backward(loss, rank)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    rows = _rows(rw.timer)[1:]
+    rw.close(5.0)
+    return [[r[FWW], r[FWD], r[BWW], r[BWD]] for r in rows]
+
+
+def scenario_tp(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """DTensor tensor parallelism on a 2 x 2 (dp, tp) mesh: ranks 0 and 1 are one TP group."""
+    dist = _init()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)
+    )
+    # The first layer stays replicated: its output needs a gradient, so the column-parallel
+    # layer's input gradient is all-reduced in backward.
+    parallelize_module(model, mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
+    rows = _train_rows(rank, model, torch.randn(4, 8), STEPS_PER_KIND)
+    dist.destroy_process_group()
+    return {"rows": rows}
+
+
+def scenario_fsdp(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """FSDP2 units: their collectives are timed by the unit's shadows and the work waits
+    inside them are not counted again."""
+    dist = _init()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    rows = _train_rows(rank, model, torch.randn(4, 8), STEPS_PER_KIND)
+    dist.destroy_process_group()
+    return {"rows": rows}
+
+
+MICROBATCHES = 2
+
+
+def scenario_pp(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """A 2-stage GPipe schedule; stage 0 is ``SLEEP_S`` late with every microbatch."""
+    dist = _init()
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    stage_module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    schedule = ScheduleGPipe(
+        stage, n_microbatches=MICROBATCHES, loss_fn=torch.nn.functional.mse_loss
+    )
+    rw = _rankwatch()
+    opt = torch.optim.SGD(stage_module.parameters(), lr=0.01)
+    rw.watch(stage_module, opt)
+    if rank == 0:
+        stage_module.register_forward_pre_hook(lambda module, args: _late(rank, 0))
+    x, y = torch.randn(4 * MICROBATCHES, 8), torch.randn(4 * MICROBATCHES, 8)
+    for _ in range(1 + STEPS_PER_KIND):
+        with rw.step():
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[])
+            opt.step()
+            opt.zero_grad()
+    rows = _rows(rw.timer)[1:]
+    rw.close(5.0)
+    dist.destroy_process_group()
+    cols = [FWW, FWD, BWD, column("cpu", "optimizer"), STEP]
+    return {"rows": [[r[c] for c in cols] for r in rows]}
+
+
+def _block() -> torch.nn.Module:
+    # BatchNorm: buffers, so DDP broadcasts them before every forward (a collective wait).
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
+
+
+COMPILE_WARMUP = 2  # steps left out: the compiling first step, and one more
+
+
+def _ddp_rows(rank: int, model: Any, steps: int) -> dict[str, Any]:
+    """Steps opened by the forward hook, closed by the optimizer's; rank 1 late before its
+    forward (outside any step: only its peers' waits show it)."""
+    rw = _rankwatch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rw.watch(model, opt)
+    x = torch.randn(8, 8)
+    for _ in range(COMPILE_WARMUP + steps):
+        _late(rank)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    rows = _rows(rw.timer)[COMPILE_WARMUP:]
+    strategy = rw.strategy
+    rw.close(5.0)
+    return {"rows": rows, "strategy": strategy}
+
+
+def scenario_compile(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """The same DDP job eager, as ``torch.compile(ddp_model)``, and compiled per block."""
+    dist = _init()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    result = {"eager": _ddp_rows(rank, DDP(_block()), STEPS_COMPILED)}
+    torch.manual_seed(0)
+    result["compiled"] = _ddp_rows(rank, torch.compile(DDP(_block())), STEPS_COMPILED)
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*(torch.compile(_block()) for _ in range(2)))
+    result["per_block"] = _ddp_rows(rank, DDP(blocks), STEPS_COMPILED)
+    dist.destroy_process_group()
+    return result
+
+
 # ---- parent side ---------------------------------------------------------------------------
 
 
@@ -244,3 +388,72 @@ def test_install_and_remove_restore_torch_and_nest_per_timer() -> None:
         h.remove()
         h.remove()  # idempotent
     assert all(vars(o)[n] is before[(id(o), n)] for o, n in collective_wait_targets())
+
+
+def test_tensor_parallel_peer_waits_in_forward_and_backward_and_the_other_group_does_not(
+    tmp_path: Path,
+) -> None:
+    res = run_world(f"{MOD}:scenario_tp", 4, tmp_path)
+    waiting, late = np.array(res[0]["rows"]), np.array(res[1]["rows"])
+    fww, fwd, bww, bwd = waiting.T
+    assert np.median(fww) >= FLOOR_MS and np.median(bww) >= FLOOR_MS, waiting
+    assert (fww <= fwd + 0.05).all() and (bww <= bwd + 0.05).all(), waiting
+    assert np.median(late[:, 0]) < np.median(fww) and np.median(late[:, 2]) < np.median(bww)
+    # Ranks 2 and 3 are the other TP group: nobody there is late, nobody waits the sleep.
+    for r in (2, 3):
+        other = np.array(res[r]["rows"])
+        assert np.median(other[:, 0]) < FLOOR_MS and np.median(other[:, 2]) < FLOOR_MS, other
+
+
+def test_fsdp2_waits_are_counted_once(tmp_path: Path) -> None:
+    res = run_world(f"{MOD}:scenario_fsdp", 2, tmp_path)
+    waiting = np.array(res[0]["rows"])
+    fww, fwd, bww, bwd = waiting.T
+    # Both sleeps are waited for. The backward's first all-gather (FSDP2's pre-backward
+    # unshard) runs before the output's gradient reaches the backward hook, so it counts as a
+    # pre-forward wait: the sum is what the straggler rule compares.
+    assert np.median(fww + bww) >= 2 * FLOOR_MS, waiting
+    # Counted twice (the unit's shadow and the work's wait inside it), a wait would outgrow
+    # the phase that holds it.
+    assert (fww <= fwd + 0.05).all() and (bww <= bwd + 0.05).all(), waiting
+    late = np.array(res[1]["rows"])
+    assert np.median(late[:, 0] + late[:, 2]) < np.median(fww + bww)
+
+
+def test_pipeline_recv_wait_is_a_wait_not_residual(tmp_path: Path) -> None:
+    res = run_world(f"{MOD}:scenario_pp", 2, tmp_path)
+    last = np.array(res[1]["rows"])  # stage 1 waits for stage 0's activations
+    fww, fwd, bwd, opt, step = last.T
+    assert np.median(fww) >= MICROBATCHES * FLOOR_MS, last
+    assert (fww <= fwd + 0.05).all(), last  # a wait before forward counts as forward too
+    residual = step - fwd - bwd - np.nan_to_num(opt)
+    assert np.median(residual) < 0.5 * FLOOR_MS, last  # the bubble is not left in the residual
+    first = np.array(res[0]["rows"])
+    assert np.median(first[:, 0]) < np.median(fww)
+
+
+@pytest.mark.slow  # inductor compiles on the CPU: tens of seconds
+def test_compiled_ddp_and_per_block_compile_keep_the_columns_and_the_verdict(
+    tmp_path: Path,
+) -> None:
+    from rankwatch.diagnosis.step_time import diagnose_arrays
+
+    res = run_world(f"{MOD}:scenario_compile", 2, tmp_path)
+    timed = {
+        shape: [~np.isnan(np.array(res[r][shape]["rows"])) for r in (0, 1)]
+        for shape in ("eager", "compiled", "per_block")
+    }
+    for shape in ("compiled", "per_block"):
+        assert res[0][shape]["strategy"] == "ddp", shape
+        for r in (0, 1):
+            # The same columns timed as under eager DDP, the waits among them.
+            assert (timed[shape][r] == timed["eager"][r]).all(), (shape, r)
+            assert timed[shape][r][:, [FWW, BWW]].all(), (shape, r)
+    for shape in ("eager", "compiled", "per_block"):
+        rows = {r: np.array(res[r][shape]["rows"]) for r in (0, 1)}
+        # Rank 0 waits for rank 1 in DDP's buffer broadcast before forward.
+        assert np.median(rows[0][:, FWW]) >= FLOOR_MS, (shape, rows[0][:, FWW])
+        report = diagnose_arrays(rows, strategy="ddp", window=100)
+        assert report.visible_definition == "sync_wait", (shape, report.kind)
+        assert report.straggler is not None and report.straggler.culprit_rank == 1, shape
+        assert report.findings[0].culprit_rank == 1, (shape, report.kind)
