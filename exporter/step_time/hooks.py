@@ -27,10 +27,15 @@ is replaced):
   by its ``with`` block).
 
 Every hook returns at once while ``torch.compile`` traces (``torch.compiler.is_compiling()``),
-so nothing of rankwatch enters a compiled graph and ``fullgraph=True`` keeps working.
+so nothing of rankwatch enters a compiled graph and ``fullgraph=True`` keeps working. A
+compiled DDP model (``torch.compile(ddp_model)``) has its waits timed on DDP's own pre- and
+post-forward methods instead of its module's hooks, which run inside the graph
+(:func:`_compiled_ddp_wait_hooks`). Every other collective wait of the training thread is
+timed by :mod:`.collectives`.
 
-The training strategy is read from the wrapper type: ``DistributedDataParallel`` is ``ddp``,
-FSDP (``FullyShardedDataParallel`` or a module managed by ``fully_shard``) is ``fsdp``.
+The training strategy is read from the wrapper type, inside a ``torch.compile`` wrapper too:
+``DistributedDataParallel`` is ``ddp``, FSDP (``FullyShardedDataParallel`` or a module managed
+by ``fully_shard``) is ``fsdp``.
 """
 
 from __future__ import annotations

@@ -324,7 +324,9 @@ class RankWatch:
         optimizer lands in the step's residual); without one the last optimizer's step closes
         it. The loader must be iterated by the training thread (the thread calling ``watch``):
         a prefetching thread's fetches are not timed. The strategy is detected from a
-        DDP/FSDP wrapper around ``model``.
+        DDP/FSDP wrapper around ``model`` (inside a ``torch.compile`` wrapper too). Every
+        wait of the training thread for a collective is timed as a sync wait from here on
+        (:mod:`.collectives`), until :meth:`close`.
         """
         import torch
 

@@ -293,7 +293,8 @@ def _ddp_rows(rank: int, model: Any, steps: int) -> dict[str, Any]:
 
 
 def scenario_compile(rank: int, world: int, out_dir: str) -> dict[str, Any]:
-    """The same DDP job eager, as ``torch.compile(ddp_model)``, and compiled per block."""
+    """The same DDP job eager, as ``torch.compile(ddp_model)`` and compiled per block; FSDP2
+    around blocks compiled one by one."""
     dist = _init()
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -304,6 +305,18 @@ def scenario_compile(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*(torch.compile(_block()) for _ in range(2)))
     result["per_block"] = _ddp_rows(rank, DDP(blocks), STEPS_COMPILED)
+    # FSDP2 around blocks compiled one by one (fully_shard on each compiled block, then on
+    # the model), as torchtitan does.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = torch.nn.Sequential(*(torch.compile(_block()) for _ in range(2)))
+    for block in sharded:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    result["fsdp_per_block"] = _ddp_rows(rank, sharded, STEPS_COMPILED)
     dist.destroy_process_group()
     return result
 
@@ -433,7 +446,7 @@ def test_pipeline_recv_wait_is_a_wait_not_residual(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # inductor compiles on the CPU: tens of seconds
-def test_compiled_ddp_and_per_block_compile_keep_the_columns_and_the_verdict(
+def test_compiled_ddp_and_per_block_compile_under_ddp_and_fsdp2_keep_the_verdict(
     tmp_path: Path,
 ) -> None:
     from rankwatch.diagnosis.step_time import diagnose_arrays
@@ -449,11 +462,15 @@ def test_compiled_ddp_and_per_block_compile_keep_the_columns_and_the_verdict(
             # The same columns timed as under eager DDP, the waits among them.
             assert (timed[shape][r] == timed["eager"][r]).all(), (shape, r)
             assert timed[shape][r][:, [FWW, BWW]].all(), (shape, r)
-    for shape in ("eager", "compiled", "per_block"):
+    assert res[0]["fsdp_per_block"]["strategy"] == "fsdp"
+    for shape in ("eager", "compiled", "per_block", "fsdp_per_block"):
         rows = {r: np.array(res[r][shape]["rows"]) for r in (0, 1)}
-        # Rank 0 waits for rank 1 in DDP's buffer broadcast before forward.
+        assert not np.isnan(rows[0][:, [FWW, BWW]]).any(), shape
+        # Rank 0 waits for rank 1 before forward: in DDP's buffer broadcast, in FSDP2's
+        # parameter all-gather.
         assert np.median(rows[0][:, FWW]) >= FLOOR_MS, (shape, rows[0][:, FWW])
-        report = diagnose_arrays(rows, strategy="ddp", window=100)
+        strategy = res[0][shape]["strategy"]
+        report = diagnose_arrays(rows, strategy=strategy, window=100)
         assert report.visible_definition == "sync_wait", (shape, report.kind)
         assert report.straggler is not None and report.straggler.culprit_rank == 1, shape
         assert report.findings[0].culprit_rank == 1, (shape, report.kind)
