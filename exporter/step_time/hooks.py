@@ -421,6 +421,7 @@ def install(
     while ``torch.compile`` traces it: nothing of rankwatch enters a compiled graph.
     """
     handles: list[RemovableHandle | AttributeShadow] = []
+    forward_seen = [model is None]  # (a model's forward hook ran outside a compiled graph)
     if model is not None:
         tracker = _BackwardTracker(timer)
         inner = _ddp_inner(model)
@@ -433,6 +434,7 @@ def install(
         def forward_pre(module: torch.nn.Module, args: Any) -> None:
             if _is_compiling():
                 return
+            forward_seen[0] = True
             if not timer.in_step:
                 # A forward outside any step is evaluation or inference: not a training step.
                 if not (module.training and torch.is_grad_enabled()):
@@ -463,8 +465,20 @@ def install(
             handles.extend(_compiled_ddp_wait_hooks(timer, tracker, compiled_ddp))
         elif not timer.async_collectives:
             handles.extend(_fsdp_wait_hooks(timer, model))
+
+    def check_forward_seen() -> None:
+        if not forward_seen[0]:
+            log.warning(
+                "rankwatch: %d optimizer steps and the watched model's forward never ran "
+                "outside a compiled graph: was it compiled after watch()? Its hooks then run "
+                "inside the graph and time nothing (forward, backward and the waits stay "
+                "absent). Watch the module the loop calls: watch(torch.compile(model)).",
+                OPTIMIZER_SILENT_BATCHES,
+            )
+
     for k, opt in enumerate(optimizers):
-        pre, post = _optimizer_hooks(timer, closes_step=k == len(optimizers) - 1)
+        last = k == len(optimizers) - 1
+        pre, post = _optimizer_hooks(timer, last, check_forward_seen if last else None)
         handles.append(opt.register_step_pre_hook(pre))
         handles.append(opt.register_step_post_hook(post))
     return handles
@@ -625,9 +639,10 @@ def time_as_sync_wait(
 
 
 def _optimizer_hooks(
-    timer: StepTimer, closes_step: bool
+    timer: StepTimer, closes_step: bool, at_silent_steps: Callable[[], None] | None = None
 ) -> tuple[Callable[..., None], Callable[..., None]]:
-    """Pre/post step hooks that time the outermost ``step()`` only.
+    """Pre/post step hooks that time the outermost ``step()`` only; ``at_silent_steps`` runs
+    once, after ``OPTIMIZER_SILENT_BATCHES`` outermost steps.
 
     A subclass whose ``step`` calls ``super().step()`` runs the instance's hooks twice, nested
     (torch wraps both methods once the base class has been instantiated); timing the inner
@@ -651,6 +666,8 @@ def _optimizer_hooks(
         timer.end(OPTIMIZER)
         timer.optimizer_steps += 1
         timer.optimizer_end_ns = timer._clock()
+        if timer.optimizer_steps == OPTIMIZER_SILENT_BATCHES and at_silent_steps is not None:
+            at_silent_steps()
         # With a watched loader the next fetch closes the step (post-step work included).
         if closes_step and not timer.loader_steps and timer.auto_step:
             timer.end_step()
