@@ -49,7 +49,6 @@ not timed (on Gloo it only queues the work).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from threading import get_ident
 from typing import Any
@@ -61,7 +60,6 @@ from rankwatch.exporter.step_time.timer import StepTimer, _SyncWait
 
 __all__ = ["CollectiveWaitsHandle", "collective_wait_targets", "install_collective_waits"]
 
-log = logging.getLogger(__name__)
 _is_compiling = torch.compiler.is_compiling
 
 
