@@ -107,6 +107,14 @@ def _kinds(dist: Any, rank: int) -> dict[str, Any]:
         "barrier": lambda: dist.barrier(),
         "all_gather_object": lambda: dist.all_gather_object([None, None], rank),
         "broadcast": lambda: dist.broadcast(t, 1),
+        "reduce": lambda: dist.reduce(t, 0),
+        "gather": lambda: dist.gather(t, [torch.empty(4), torch.empty(4)] if rank == 0 else None),
+        "scatter": lambda: dist.scatter(
+            t, [torch.ones(4), torch.ones(4)] if rank == 1 else None, 1
+        ),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(8), t),
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(4), t),
+        "monitored_barrier": lambda: dist.monitored_barrier(),
         "functional": lambda: float(funcol.all_reduce(t, "sum", dist.group.WORLD).sum()),
         "other_thread": other_thread,
     }
@@ -338,6 +346,12 @@ TIMED_KINDS = [
     "barrier",
     "all_gather_object",
     "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_gather_into_tensor",
+    "all_to_all_single",
+    "monitored_barrier",
     "functional",
     "inside_sync_wait",
     "second_watch",
