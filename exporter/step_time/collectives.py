@@ -39,8 +39,9 @@ and is credited too. The shadows are installed once per process and removed with
 handle; a later replacement by someone else is left alone.
 
 Not covered: DDP's reducer all-reduce and its buffer broadcast run in C++ (the DDP hooks of
-:mod:`.hooks` time those waits); waits inside a compiled graph (``wait_tensor`` compiled into
-it runs as a C++ op); ``Work.get_future().wait()``, ``torch.futures.wait_all`` and polling
+:mod:`.hooks` time those waits); waits inside a compiled region (``wait_tensor`` compiled
+into a graph runs as a C++ op; a wait dynamo runs between two graphs runs the shadow as dynamo
+traced it, untimed); ``Work.get_future().wait()``, ``torch.futures.wait_all`` and polling
 ``is_completed()``; a Python ``Work`` subclass whose own ``wait`` does not call the base
 class's; collectives run on autograd's device threads (accelerators: there the host does not
 wait anyway, see ``StepTimer.async_collectives``). Issuing a collective is not a wait and is
