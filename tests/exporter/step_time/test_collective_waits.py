@@ -360,6 +360,7 @@ TIMED_KINDS = [
 ]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("kind", TIMED_KINDS)
 def test_the_peer_of_a_late_rank_waits_in_each_kind_of_collective(
     c10d_world: dict[int, dict[str, Any]], kind: str
@@ -376,6 +377,7 @@ def test_the_peer_of_a_late_rank_waits_in_each_kind_of_collective(
         assert wait_ms <= step_ms + 0.05, (kind, waiting)
 
 
+@pytest.mark.multiproc
 def test_a_second_rankwatch_in_the_process_is_credited_once_too(
     c10d_world: dict[int, dict[str, Any]],
 ) -> None:
@@ -385,6 +387,7 @@ def test_a_second_rankwatch_in_the_process_is_credited_once_too(
         assert wait_ms <= step_ms + 0.05, second
 
 
+@pytest.mark.multiproc
 def test_nothing_is_timed_on_another_thread_while_compiling_or_after_close(
     c10d_world: dict[int, dict[str, Any]],
 ) -> None:
@@ -417,6 +420,7 @@ def test_install_and_remove_restore_torch_and_nest_per_timer() -> None:
     assert all(vars(o)[n] is before[(id(o), n)] for o, n in collective_wait_targets())
 
 
+@pytest.mark.multiproc
 def test_tensor_parallel_peer_waits_in_forward_and_backward_and_the_other_group_does_not(
     tmp_path: Path,
 ) -> None:
@@ -432,6 +436,7 @@ def test_tensor_parallel_peer_waits_in_forward_and_backward_and_the_other_group_
         assert np.median(other[:, 0]) < FLOOR_MS and np.median(other[:, 2]) < FLOOR_MS, other
 
 
+@pytest.mark.multiproc
 def test_fsdp2_waits_are_counted_once(tmp_path: Path) -> None:
     res = run_world(f"{MOD}:scenario_fsdp", 2, tmp_path)
     waiting = np.array(res[0]["rows"])
@@ -447,6 +452,7 @@ def test_fsdp2_waits_are_counted_once(tmp_path: Path) -> None:
     assert np.median(late[:, 0] + late[:, 2]) < np.median(fww + bww)
 
 
+@pytest.mark.multiproc
 def test_pipeline_recv_wait_is_a_wait_not_residual(tmp_path: Path) -> None:
     res = run_world(f"{MOD}:scenario_pp", 2, tmp_path)
     last = np.array(res[1]["rows"])  # stage 1 waits for stage 0's activations
@@ -459,6 +465,7 @@ def test_pipeline_recv_wait_is_a_wait_not_residual(tmp_path: Path) -> None:
     assert np.median(first[:, 0]) < np.median(fww)
 
 
+@pytest.mark.multiproc
 @pytest.mark.slow  # inductor compiles on the CPU: tens of seconds
 def test_compiled_ddp_and_per_block_compile_under_ddp_and_fsdp2_keep_the_verdict(
     tmp_path: Path,
