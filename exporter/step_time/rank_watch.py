@@ -34,9 +34,11 @@ from rankwatch.exporter.identity import local_identity
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
 from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text
 from rankwatch.exporter.step_time.collector import WindowCollector
+from rankwatch.exporter.step_time.device_waits import fsdp_device_waits
 from rankwatch.exporter.step_time.gpu_events import (
     EventPool,
     GpuTimeline,
+    cuda_capturing,
     cuda_event_factory,
     cuda_stream_of,
 )
@@ -47,17 +49,26 @@ from rankwatch.exporter.step_time.hooks import (
     model_device,
     unwrap_optimizer,
 )
-from rankwatch.exporter.step_time.timer import PHASES, StepTimer
+from rankwatch.exporter.step_time.timer import (
+    BACKWARD_WAIT,
+    FORWARD_WAIT,
+    PHASES,
+    TIMED_SIGNALS,
+    StepTimer,
+)
 from rankwatch.exporter.step_time.transport import GroupLayout, Transport
 
 __all__ = ["RankWatch"]
 
 log = logging.getLogger(__name__)
 
-# Events per step on the GPU clock: two per phase occurrence plus the step's own pair; the
-# pool holds enough for this many steps in flight before a step goes untimed.
+# Events per step on the GPU clock: two per phase occurrence plus the step's own pair, and two
+# per sync wait; the pool holds enough for this many steps in flight before a step goes
+# untimed. Sync waits per step are counted generously (a few collectives a step); FSDP2 adds
+# three waits per unit when it is watched (see ``watch``).
 _GPU_STEPS_IN_FLIGHT = 64
-_EVENTS_PER_STEP = 2 * (len(PHASES) + 1) * 2
+_SYNC_WAITS_PER_STEP = 8
+_EVENTS_PER_STEP = 2 * (len(PHASES) + 1) * 2 + 2 * _SYNC_WAITS_PER_STEP
 
 
 class _Inert:
@@ -369,6 +380,8 @@ class RankWatch:
             # CPU clock cannot contain a wait, and the diagnosis must know it.
             self.timer.async_collectives = device.type != "cpu"
         self._handles.extend(install(self.timer, model, optimizers))
+        if model is not None and self.timer.gpu is not None:
+            self._watch_device_waits(model)
         self._watched.update(id(o) for o in (model, *optimizers) if o is not None)
         self._optimizers_watched |= bool(optimizers)
         if dataloader is None:
@@ -467,6 +480,17 @@ class RankWatch:
                 "model's own device"
             )
 
+    def _watch_device_waits(self, model: Any) -> None:
+        """FSDP2's waits on the compute stream, on the GPU clock (:mod:`.device_waits`); the
+        event pool grows by their pairs."""
+        timer = self.timer
+        assert timer is not None and timer.gpu is not None
+        shadows = fsdp_device_waits(timer, model)
+        self._handles.extend(shadows)
+        pool = timer.gpu.pool
+        in_flight = timer.gpu.max_pending_steps
+        pool.capacity = max(pool.capacity, pool.capacity + 2 * len(shadows) * in_flight)
+
     def _warn_gpu_off(self, why: str) -> None:
         if not self._gpu_off_warned:
             self._gpu_off_warned = True
@@ -495,5 +519,14 @@ class RankWatch:
                 in_flight * _EVENTS_PER_STEP, cuda_event_factory()
             )
         timer.set_gpu(
-            GpuTimeline(pool, len(PHASES), 0, in_flight, stream=cuda_stream_of(dev), device=dev)
+            GpuTimeline(
+                pool,
+                len(TIMED_SIGNALS),
+                0,
+                in_flight,
+                stream=cuda_stream_of(dev),
+                device=dev,
+                capturing=cuda_capturing(),
+                wait_signals=(FORWARD_WAIT, BACKWARD_WAIT),
+            )
         )

@@ -16,6 +16,7 @@ from rankwatch.diagnosis.step_time.table import (
     BASE_WIDTH,
     EXTRA_COLUMNS,
     MEAN_KEYS,
+    ROW_WIDTH,
     SIGNALS,
     column,
     reduce_window,
@@ -182,7 +183,7 @@ def test_state_is_bounded_by_the_window_not_the_run() -> None:
 
 def test_rows_after_drops_resent_and_out_of_order_rows() -> None:
     def ids(*steps: float) -> np.ndarray:
-        rows = np.full((len(steps), 16), 1.0)
+        rows = np.full((len(steps), ROW_WIDTH), 1.0)
         rows[:, 0] = steps
         return rows
 
@@ -190,8 +191,8 @@ def test_rows_after_drops_resent_and_out_of_order_rows() -> None:
     assert rows_after(fresh, 4.0) is fresh  # the usual shipment: nothing copied
     assert rows_after(ids(3, 4, 5, 6), 4.0)[:, 0].tolist() == [5, 6]  # resent head
     assert rows_after(ids(5, 8, 7, 9), 4.0)[:, 0].tolist() == [5, 8, 9]  # one out of order
-    assert rows_after(ids(2, 1), 4.0).shape == (0, 16)
-    assert rows_after(ids(), -1.0).shape == (0, 16)
+    assert rows_after(ids(2, 1), 4.0).shape == (0, ROW_WIDTH)
+    assert rows_after(ids(), -1.0).shape == (0, ROW_WIDTH)
     # The first step of a run (nothing received yet: last step -1) is kept.
     assert rows_after(ids(0, 1), -1.0)[:, 0].tolist() == [0, 1]
 
