@@ -291,3 +291,50 @@ def test_the_gpu_path_never_synchronises(caplog: pytest.LogCaptureFixture) -> No
         FakeStream(device, 0).synchronize()
     with pytest.raises(HostSync):
         device.event().synchronize()
+
+
+def test_fsdp2_device_waits_are_timed_on_the_compute_stream() -> None:
+    # A real FSDP2 model (one-rank Gloo world, in this process); the CUDA double stands in for
+    # the device. As on CUDA, the host-blocking shadows are not installed (async collectives):
+    # FSDP2's waits reach the GPU columns only through the device waits.
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rankwatch.exporter.step_time.device_waits import FSDP_DEVICE_WAITS, fsdp_device_waits
+    from rankwatch.exporter.step_time.hooks import install
+    from tests.servers import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        rank = Rank(Device())
+        rank.timer.async_collectives = True
+        shadows = fsdp_device_waits(rank.timer, model)
+        assert len(shadows) == 2 * len(FSDP_DEVICE_WAITS)  # two units
+        handles = [*install(rank.timer, model, [opt]), *shadows]
+        for _ in range(3):
+            rank.timer.start_step()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            rank.timer.end_step()
+        for handle in handles:
+            handle.remove()
+        rows = rank.rows()
+    finally:
+        dist.destroy_process_group()
+    assert len(rows) == 3
+    assert not np.isnan(gpu(rows, "forward_wait")).any()  # wait_for_unshard, each unit
+    assert not np.isnan(gpu(rows, "backward_wait")).any()  # post_backward, finalize_backward
+    assert np.isnan(rows[:, column("cpu", "forward_wait")]).all()  # the host never blocked
+    group = model._get_fsdp_state()._fsdp_param_group
+    assert not set(FSDP_DEVICE_WAITS) & set(vars(group))  # the methods are given back
