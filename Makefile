@@ -109,7 +109,7 @@ bench-scale: venv
 # The GPU clock's device check, run once by hand on a machine with a CUDA GPU (one is enough;
 # under four minutes): one table, exit 0 when every cell is right. Without CUDA: one line, 0.
 gpu-check: venv
-	$(PY) bench/gpu_check.py
+	$(PY) -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -40,7 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.device_deepxtrace import sleep_cycles_per_ms
+
 PROG = "gpu_check"
+REPO = Path(__file__).resolve().parents[1]  # ``python -m bench.gpu_check`` runs from here
 SLOW_RANK = 1
 FAULT_MS = 30.0
 STEPS = 60  # per scenario; the first WARMUP_STEPS are left out of the window
@@ -166,19 +169,6 @@ def _model(device: Any) -> Any:
     ).to(device)
 
 
-def _cycles_per_ms() -> float:
-    """``torch.cuda._sleep`` cycles per millisecond on this GPU (measured once)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 10_000_000
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()  # the script itself may wait; rankwatch never does
-    return cycles / max(start.elapsed_time(end), 1e-3)
-
-
 class _GpuSleep:
     """Sleeps ``ms`` on the compute stream in forward (``forward``) or in backward."""
 
@@ -271,7 +261,7 @@ def _ddp_worker(rank: int, world: int, port: int, backend: str, out: str) -> Non
     )
     device = torch.device("cuda", rank if backend == "nccl" else 0)
     torch.cuda.set_device(device)
-    cycles = int(_cycles_per_ms() * FAULT_MS)
+    cycles = int(sleep_cycles_per_ms() * FAULT_MS)
     results: dict[str, Any] = {}
     for scenario in SCENARIOS:
         slow = rank == SLOW_RANK
@@ -374,9 +364,11 @@ def run_cell(name: str, workdir: Path) -> tuple[Any, str]:
     error). On time out the whole session is killed, the ranks a cell spawned included."""
     out = workdir / f"{name}.json"
     log = workdir / f"{name}.log"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--cell", name, "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--cell", name, "--out", str(out)]
     with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=CELL_SECONDS[name])
         except subprocess.TimeoutExpired:

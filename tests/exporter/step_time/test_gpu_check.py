@@ -29,13 +29,18 @@ from rankwatch.exporter.step_time.timer import BACKWARD, FORWARD, OPTIMIZER
 from tests.exporter.step_time.cuda_double import Device
 from tests.exporter.step_time.test_gpu_streams import PARAMS, Rank, two_ranks_ddp
 
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "gpu_check.py"
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_without_cuda_the_script_prints_one_line_and_exits_0() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "bench.gpu_check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
