@@ -257,11 +257,14 @@ class GpuTimeline:
 
     def _record(self) -> EventLike | None:
         """A recorded marker, or None (``_miss`` says why); never raises."""
+        # Called for every marker on the training thread: the usual path is one capture query,
+        # a pop from the free list and the record, with no further call.
         if self.broken:
             self._miss = "off"
             return None
+        capturing, stream = self._capturing, self._stream
         try:
-            if self._capturing is not None and self._capturing():
+            if capturing is not None and capturing():
                 self.captured_marks += 1
                 self._miss = "capture"
                 return None
@@ -269,15 +272,16 @@ class GpuTimeline:
             self._device_error("is_current_stream_capturing", exc)
             self._miss = "error"
             return None
-        event = self.pool.acquire()
+        free = self.pool._free
+        event = free.pop() if free else self.pool.acquire()
         if event is None:
             self._miss = "pool"
             return None
         try:
-            if self._stream is None:
+            if stream is None:
                 event.record()
             else:
-                event.record(self._stream())
+                event.record(stream())
         except Exception as exc:
             self.pool.release(event)  # the next record of it overwrites whatever it holds
             self._device_error("record", exc)

@@ -127,6 +127,22 @@ def windows() -> list[tuple[str, dict[int, np.ndarray | None], int]]:
     flagged[2][:, ASYNC_COL] = 0.0
     flagged[2][700, ASYNC_COL] = 1.0  # in the window, older than the tail
     out.append(("async collectives flagged on an old step", flagged, 1000))
+    # The GPU clock with its own sync waits (an NCCL job), the CPU waits different, one old
+    # step of one rank without its GPU backward wait (that step holds the window's fallback).
+    gpu_waits = dict(example_window(4, 1500, slow_rank=1, seed=13).per_rank)
+    for r, rows in gpu_waits.items():
+        assert rows is not None
+        base = 0.5 if r == 1 else 6.0
+        rows[:, column("gpu", "forward_wait")] = base
+        rows[:, column("gpu", "backward_wait")] = base + 0.25 * (rows[:, 0] % 3)
+        rows[:, column("cpu", "forward_wait")] = 0.01
+        rows[:, column("cpu", "backward_wait")] = 0.02
+        rows[:, ASYNC_COL] = 1.0
+    out.append(("sync waits on the GPU clock", gpu_waits, 1000))
+    lost = {r: None if a is None else a.copy() for r, a in gpu_waits.items()}
+    assert lost[0] is not None
+    lost[0][650, column("gpu", "backward_wait")] = np.nan
+    out.append(("a GPU wait lost on an old step", lost, 1000))
     return out
 
 
