@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rankwatch.diagnosis.step_time import SIGNALS
+from rankwatch.diagnosis.step_time.table import column
 from rankwatch.exporter.step_time.gpu_events import EventPool, GpuTimeline
 from rankwatch.exporter.step_time.hooks import model_device
 from rankwatch.exporter.step_time.timer import BACKWARD, FORWARD, TIMED_SIGNALS, StepTimer
@@ -67,8 +68,12 @@ def one_step(timer: StepTimer, backward_device: int) -> None:
     Cuda.current = 0
     timer.begin(FORWARD)
     timer.end(FORWARD)
+    with timer.sync_wait():  # a collective after forward
+        pass
     Cuda.current = backward_device  # the autograd device thread
     timer.begin(BACKWARD)
+    last = timer.last_grad("w")  # post-accumulate-grad hooks, on that thread too
+    timer.add_backward_wait(timer._clock() - last)
     timer.end(BACKWARD)
     Cuda.current = 0
     timer.end_step()
@@ -96,7 +101,7 @@ def test_the_double_enforces_the_device_rule(caplog: pytest.LogCaptureFixture) -
 
 def test_markers_go_on_the_model_devices_stream_from_every_thread() -> None:
     stream = Stream(1)  # the model is on cuda:1; the main thread stays on cuda:0
-    gpu = GpuTimeline(EventPool(8, DeviceEvent), len(TIMED_SIGNALS), 0, 2, stream=lambda: stream)
+    gpu = GpuTimeline(EventPool(32, DeviceEvent), len(TIMED_SIGNALS), 0, 2, stream=lambda: stream)
     timer = StepTimer(16, gpu=gpu)
     for _ in range(10):  # events are recycled many times over
         one_step(timer, backward_device=1)
@@ -104,6 +109,9 @@ def test_markers_go_on_the_model_devices_stream_from_every_thread() -> None:
     rows, _, _ = timer.read(0)
     assert len(rows) == 10
     assert not np.isnan(rows[:, [GPU["forward"], GPU["backward"], GPU["step"]]]).any()
+    # The waits' markers too (the first pass learns its last gradient: absent there).
+    assert not np.isnan(rows[:, column("gpu", "forward_wait")]).any()
+    assert not np.isnan(rows[1:, column("gpu", "backward_wait")]).any()
 
 
 def test_a_phase_that_could_not_be_timed_is_absent_not_a_partial_sum(
