@@ -431,6 +431,7 @@ class GpuTimeline:
     def abort_step(self) -> None:
         """Forget the open step and its phases (the step produced no row)."""
         self._step_failed = False
+        self.grad_reset()  # a backward that failed must not hold the next waits as nested
         for _, a, b, _ in self._pairs:
             self.pool.release(a)
             self.pool.release(b)

@@ -338,3 +338,17 @@ def test_fsdp2_device_waits_are_timed_on_the_compute_stream() -> None:
     assert np.isnan(rows[:, column("cpu", "forward_wait")]).all()  # the host never blocked
     group = model._get_fsdp_state()._fsdp_param_group
     assert not set(FSDP_DEVICE_WAITS) & set(vars(group))  # the methods are given back
+
+
+def test_a_failed_backward_does_not_leave_later_waits_nested() -> None:
+    rank = Rank(Device())
+    rank.ddp_step()  # learns the last gradient
+    t = rank.timer
+    t.start_step()
+    t.begin(BACKWARD)
+    for name in PARAMS:
+        t.last_grad(name)  # the marker at the last gradient is recorded
+    t.abort_step()  # the pass raised before its end: no row
+    rank.collective_step(peer_late_ms=10.0, overlap_ms=0.0)
+    fww = gpu(rank.rows(), "forward_wait")
+    assert len(fww) == 2 and fww[1] == pytest.approx(12.0)
