@@ -64,7 +64,8 @@ __all__ = [
 
 NAN = math.nan
 log = logging.getLogger(__name__)
-# Device errors (record/query/elapsed_time raising) after which GPU timing switches off.
+# Device errors (record/query/elapsed_time raising) after which GPU timing switches off; the
+# default of ``RankwatchConfig.gpu_device_errors_before_off``.
 DEVICE_ERRORS_BEFORE_OFF = 3
 _NESTED = object()  # a wait opened inside another: the outer one's markers hold it
 

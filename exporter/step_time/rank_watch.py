@@ -299,7 +299,9 @@ class RankWatch:
         in ``with rw.sync_wait():`` that wait joins ``forward_wait`` (and ``forward``; inside
         a timed backward: ``backward_wait``), so the rank that waited least is still named.
         Run it on every rank at the same point of every step: the waits are compared only
-        when every rank timed them. Blocks do not nest (``RuntimeError``).
+        when every rank timed them. With GPU timing on, the block is also timed on the compute
+        stream (CUDA events before and after it): put the collective's ``wait()`` inside it.
+        Blocks do not nest (``RuntimeError``).
         """
         if self.timer is None:
             return _INERT
@@ -528,5 +530,6 @@ class RankWatch:
                 device=dev,
                 capturing=cuda_capturing(),
                 wait_signals=(FORWARD_WAIT, BACKWARD_WAIT),
+                max_errors=self.config.gpu_device_errors_before_off,
             )
         )
