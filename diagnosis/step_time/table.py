@@ -11,7 +11,8 @@ clocks (CUDA events and the CPU). One rank's steps travel as a float64 array of
 
 NaN means *absent* (the signal was not timed on that step); a measured zero is ``0.0``.
 :func:`.row_dicts.rows_to_array` builds that array from row dictionaries (which carry the
-twelve clock columns only; the trailing columns stay absent).
+twelve clock columns and, optionally, each clock's sync waits; ``async_collectives`` stays
+absent).
 
 The trailing ``EXTRA_COLUMNS`` are rankwatch's extension of the seed layout: the waits at the
 synchronisation points (``SYNC_SIGNALS``), once per clock, and a flag:

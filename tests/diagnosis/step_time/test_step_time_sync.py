@@ -258,3 +258,38 @@ def test_a_saved_window_keeps_the_sync_waits_and_the_flag(tmp_path: Any) -> None
     per_rank[2][:, ASYNC_COL] = 1.0
     path = save_window(tmp_path / "f.json", per_rank, window=30)
     assert load_window(path).diagnose().visible_definition == "none"
+
+
+def test_row_dictionaries_carry_each_clocks_waits() -> None:
+    from rankwatch.diagnosis.step_time import diagnose_steps
+    from rankwatch.diagnosis.step_time.row_dicts import rows_to_array
+
+    arrays = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0, gpu=True, gpu_waits=True) for r in range(3)}
+    names = ("input_wait", "h2d", "forward", "backward", "optimizer", "step")
+    per_rank = {
+        r: [
+            {
+                "step_id": int(row[0]),
+                **{
+                    clock: {
+                        s: float(row[column(clock, s)])
+                        for s in (*names, "forward_wait", "backward_wait")
+                    }
+                    for clock in ("cpu", "gpu")
+                },
+            }
+            for row in arr
+        ]
+        for r, arr in arrays.items()
+    }
+    np.testing.assert_array_equal(rows_to_array(per_rank[1], rank=1), arrays[1])
+    r = diagnose_steps(per_rank, window=30)
+    assert r == diagnose_arrays(arrays, window=30)
+    assert r.clock == "gpu" and r.visible_definition == "sync_wait"
+    per_rank[2][4]["gpu"]["backward_wait"] = -1.0
+    with pytest.raises(ValueError, match=r"rank 2: row 4 \(step_id 4\): field gpu.backward_wait"):
+        diagnose_steps(per_rank, window=30)
+    per_rank[2][4]["gpu"]["backward_wait"] = 1.0
+    per_rank[2][4]["gpu"]["idle_wait"] = 1.0
+    with pytest.raises(ValueError, match=r"field gpu.idle_wait: unknown signal"):
+        diagnose_steps(per_rank, window=30)
