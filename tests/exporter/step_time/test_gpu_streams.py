@@ -352,3 +352,18 @@ def test_a_failed_backward_does_not_leave_later_waits_nested() -> None:
     rank.collective_step(peer_late_ms=10.0, overlap_ms=0.0)
     fww = gpu(rank.rows(), "forward_wait")
     assert len(fww) == 2 and fww[1] == pytest.approx(12.0)
+
+
+def test_bad_timelines_are_refused_by_name() -> None:
+    device = Device()
+    pool = EventPool(8, device.event)
+    with pytest.raises(
+        ValueError, match=r"StepTimer.gpu: the timeline times 5 signals, expected 7"
+    ):
+        StepTimer(8, gpu=GpuTimeline(pool, 5, 0))
+    with pytest.raises(ValueError, match=r"StepTimer.gpu: the timeline times 5 signals"):
+        StepTimer(8).set_gpu(GpuTimeline(pool, 5, 0))
+    with pytest.raises(ValueError, match=r"GpuTimeline.max_errors: must be an int >= 1, got 0"):
+        GpuTimeline(pool, len(TIMED_SIGNALS), 0, max_errors=0)
+    with pytest.raises(ValueError, match=r"GpuTimeline.wait_signals: \(9,\) must lie in 0..6"):
+        GpuTimeline(pool, len(TIMED_SIGNALS), 0, wait_signals=(9,))
