@@ -489,9 +489,7 @@ class RankWatch:
         assert timer is not None and timer.gpu is not None
         shadows = fsdp_device_waits(timer, model)
         self._handles.extend(shadows)
-        pool = timer.gpu.pool
-        in_flight = timer.gpu.max_pending_steps
-        pool.capacity = max(pool.capacity, pool.capacity + 2 * len(shadows) * in_flight)
+        timer.gpu.pool.capacity += 2 * len(shadows) * timer.gpu.max_pending_steps
 
     def _warn_gpu_off(self, why: str) -> None:
         if not self._gpu_off_warned:
