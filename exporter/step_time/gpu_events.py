@@ -32,10 +32,11 @@ already. :meth:`GpuTimeline.wait_begin`/:meth:`GpuTimeline.wait_end` place those
 outermost of nested waits only). The wait after the last gradient of a DDP backward starts at
 an event recorded in the post-accumulate-grad hook of the parameter whose gradient came last
 in the previous pass (:meth:`GpuTimeline.grad_mark`): one record per backward pass instead of
-one per parameter. The order of gradients is the autograd order, the same every pass of an
-unchanged graph; when another parameter's gradient arrives after the marked one, the marker
-was not the last, and that pass's wait is left absent (never a value that holds compute) while
-the timeline learns the new last parameter.
+one per parameter. Every hook still compares, so the pair is credited only when no gradient
+came after the marked one; an unchanged graph runs in the same order every pass, so that is
+the usual case. When another parameter's gradient arrives after the marked one, that pass's
+wait is left absent (never a value that holds compute) while the timeline learns the new last
+parameter.
 
 Failures never reach training. A marker requested while a CUDA graph is being captured
 (recording a timing event there is illegal) is not recorded: the phase or wait is absent for
