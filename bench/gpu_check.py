@@ -305,6 +305,9 @@ def cell_ddp(out: Path, backend: str) -> None:
         p.start()
     for p in procs:
         p.join()
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"rank(s) {failed} of the {backend} job failed")
     per_rank = [json.loads(Path(p).read_text()) for p in parts]
     verdicts = {
         s: verdict_of({r: per_rank[r][s] for r in range(2)}, window=STEPS) for s in SCENARIOS
