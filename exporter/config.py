@@ -177,6 +177,11 @@ class RankwatchConfig:
     optimizer_silent_batches: int = field(
         default=50, metadata=option("RANKWATCH_OPTIMIZER_SILENT_BATCHES", 1, 1_000_000)
     )
+    # GPU clock: device errors (an event's record/query/elapsed_time raising) before GPU timing
+    # switches itself off with one warning
+    gpu_device_errors_before_off: int = field(
+        default=3, metadata=option("RANKWATCH_GPU_DEVICE_ERRORS_BEFORE_OFF", 1, 1_000_000)
+    )
     # Prometheus pull path
     metrics_enabled: bool = field(default=True, metadata=option("RANKWATCH_METRICS_ENABLE"))
     metrics_addr: str = field(

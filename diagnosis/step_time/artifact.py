@@ -4,17 +4,19 @@ An artifact holds exactly what :func:`~.rules.diagnose_arrays` needs (the per-ra
 the strategy, the window size and the thresholds in force) plus free-form metadata and,
 optionally, the report given live. Replaying it gives the same report: the diagnosis is pure.
 
-Layout (version 1)::
+Layout (version 2)::
 
     {
       "format": "rankwatch.step_time_window",
-      "version": 1,
+      "version": 2,
       "strategy": "ddp" | "fsdp" | null,
       "window": 100,
       "ranks": {
         "0": {"step_id": [5, 6, ...],
-              "cpu": {"input_wait": [1.5, null, ...], "forward": [...], ...},
-              "gpu": {...}},
+              "cpu": {"input_wait": [1.5, null, ...], "forward": [...], ...,
+                      "forward_wait": [...], "backward_wait": [...]},
+              "gpu": {...},                         # the same keys, on the GPU clock
+              "async_collectives": [1, 1, ...]},
         "3": null                                   # expected rank that sent nothing
       },
       "config": {"straggler_warning_score": 0.1, ...},   # optional: StepTimeConfig fields
@@ -23,7 +25,9 @@ Layout (version 1)::
     }
 
 Times are milliseconds; ``null`` is an absent value, and a signal or clock absent on every
-step may be left out. Loading validates everything and raises :class:`ArtifactError` (a
+step may be left out. Version 1 files (written before the GPU clock timed the sync waits) are
+still read: they are version 2 without ``gpu.forward_wait``/``gpu.backward_wait``, which a
+version 1 file may not name. Loading validates everything and raises :class:`ArtifactError` (a
 ``ValueError``) naming the file, the path of the bad field (``ranks.3.cpu.forward[17]``) and
 its value. A file is read only when it is a regular file of at most :data:`MAX_FILE_BYTES`;
 its JSON may nest :data:`~rankwatch.diagnosis.untrusted_files.MAX_JSON_DEPTH` levels, hold
@@ -90,15 +94,20 @@ __all__ = [
 ]
 
 FORMAT = "rankwatch.step_time_window"
-VERSION = 1
+VERSION = 2
+# Versions this reader accepts; each maps to the signals a clock may carry in it.
+_CLOCK_SIGNALS_BY_VERSION: dict[int, dict[str, tuple[str, ...]]] = {
+    1: {"cpu": (*SIGNALS, *SYNC_SIGNALS), "gpu": SIGNALS},
+    2: {clock: (*SIGNALS, *SYNC_SIGNALS) for clock in CLOCKS},
+}
 _TOP_KEYS = frozenset(
     ("format", "version", "strategy", "window", "ranks", "config", "meta", "report")
 )
-# Per rank: the step ids, each clock's signals (the CPU clock also carries the sync waits),
-# and the async-collectives flag (rankwatch's extension of the row layout, see table).
+# Per rank: the step ids, each clock's signals and sync waits, and the async-collectives flag
+# (rankwatch's extension of the row layout, see table).
 _ASYNC = EXTRA_COLUMNS[-1]
 _ASYNC_COL = ROW_WIDTH - 1
-_CLOCK_SIGNALS = {"cpu": (*SIGNALS, *SYNC_SIGNALS), "gpu": SIGNALS}
+_CLOCK_SIGNALS = _CLOCK_SIGNALS_BY_VERSION[VERSION]
 _RANK_KEYS = frozenset(("step_id", *CLOCKS, _ASYNC))
 
 # Bounds on what a file may declare, checked before anything is allocated for it. A window of
@@ -108,7 +117,7 @@ MAX_FILE_BYTES = 64 * 2**20
 # Per rank about 35 objects, arrays and strings (the rank, its clocks, a list per signal, keys).
 MAX_JSON_ITEMS = 1_000_000
 MAX_RANKS = 65_536
-# Rows become one float64 [n, ROW_WIDTH] array per rank: 2**20 rows are 128 MiB
+# Rows become one float64 [n, ROW_WIDTH] array per rank: 2**20 rows are 144 MiB at 18 columns
 # (4,096 ranks x 256 steps, or 1,024 ranks x 1,024 steps).
 MAX_ROWS = 2**20
 # Step ids travel as float64, exact for integers up to 2**53.
@@ -309,7 +318,7 @@ def _number_list(path: str, values: object, n: int) -> np.ndarray:
     return out
 
 
-def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
+def _rank_from_dict(key: str, obj: object, version: int = VERSION) -> tuple[int, np.ndarray | None]:
     if len(key) > len(str(MAX_RANK_ID)):
         raise ValueError(
             f"ranks.{_clip(key)}: rank id of {len(key)} characters is not an int in "
@@ -345,6 +354,7 @@ def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
     n = len(ids)
     arr = np.full((n, ROW_WIDTH), np.nan)
     arr[:, 0] = ids
+    known = _CLOCK_SIGNALS_BY_VERSION[version]
     for clock in CLOCKS:
         signals = obj.get(clock)
         if signals is None:
@@ -352,10 +362,10 @@ def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
         if not isinstance(signals, Mapping):
             raise ValueError(f"{where}.{clock}: value {_short(signals)} is not an object")
         for signal, values in signals.items():
-            if signal not in _CLOCK_SIGNALS[clock]:
+            if signal not in known[clock]:
                 raise ValueError(
-                    f"{where}.{clock}.{_clip(signal)}: unknown signal (expected one of "
-                    f"{', '.join(_CLOCK_SIGNALS[clock])})"
+                    f"{where}.{clock}.{_clip(signal)}: unknown signal in a version {version} "
+                    f"artifact (expected one of {', '.join(known[clock])})"
                 )
             arr[:, column(clock, signal)] = _number_list(f"{where}.{clock}.{signal}", values, n)
     if obj.get(_ASYNC) is not None:
@@ -385,12 +395,13 @@ def window_from_dict(obj: object) -> StepTimeWindow:
     version = obj.get("version")
     if isinstance(version, bool) or not isinstance(version, int):
         raise ValueError(f"version: value {_short(version)} is not an int")
-    if version != VERSION:
-        raise ValueError(f"version: value {version} is not supported (this reader knows {VERSION})")
+    if version not in _CLOCK_SIGNALS_BY_VERSION:
+        known = ", ".join(str(v) for v in _CLOCK_SIGNALS_BY_VERSION)
+        raise ValueError(f"version: value {version} is not supported (this reader knows {known})")
     unknown = set(obj) - _TOP_KEYS
     if unknown:
         raise ValueError(
-            f"{_clip(sorted(unknown)[0])}: unknown key in a version {VERSION} artifact"
+            f"{_clip(sorted(unknown)[0])}: unknown key in a version {version} artifact"
         )
     strategy = obj.get("strategy")
     try:
@@ -411,7 +422,7 @@ def window_from_dict(obj: object) -> StepTimeWindow:
     )
     if rows > MAX_ROWS:
         raise ValueError(f"ranks: {rows} step rows in all, more than the {MAX_ROWS} allowed")
-    per_rank = dict(_rank_from_dict(str(k), v) for k, v in ranks.items())
+    per_rank = dict(_rank_from_dict(str(k), v, version) for k, v in ranks.items())
     config = _config_from_dict(obj["config"]) if obj.get("config") is not None else None
     meta = obj.get("meta") or {}
     if not isinstance(meta, Mapping):

@@ -65,10 +65,8 @@ def every_step_keys() -> BoolArray:
     """
     out = np.ones(len(MEAN_KEYS), dtype=bool)
     for k, key in enumerate(MEAN_KEYS):
-        if key in SIGNALS:
+        if key in SIGNALS or key in SYNC_SIGNALS:
             cols = [column(clock, key) for clock in CLOCKS]
-        elif key in SYNC_SIGNALS:
-            cols = [column("cpu", key)]
         else:
             continue  # derived (the residual): combines like the keys it is made of
         cube = np.full((1, 2, ROW_WIDTH), 1.0)

@@ -42,7 +42,8 @@ __all__ = [
 
 RANK_MEAN_KEYS: tuple[str, ...] = (*MEAN_KEYS, "visible")
 # Which value the straggler rule compared across ranks (``visible_definition``):
-VISIBLE_SYNC = "sync_wait"  # forward_wait + backward_wait (rankwatch's extension, CPU clock)
+# forward_wait + backward_wait (rankwatch's extension) on the report's clock, CPU or GPU
+VISIBLE_SYNC = "sync_wait"
 VISIBLE_DDP = "backward"  # the seed's DDP/default definition
 VISIBLE_FSDP = "forward+backward"  # the seed's FSDP definition
 VISIBLE_NONE = "none"  # the rule abstained: the CPU clock cannot contain the wait

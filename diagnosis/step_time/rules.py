@@ -4,14 +4,14 @@ The policy runs on one window of per-rank means on one clock (see :mod:`.table` 
 rows become means). In short:
 
 * **Straggler.** Each eligible rank has a *visible* synchronisation phase: ``backward``
-  (DDP) or ``forward + backward`` (FSDP); rankwatch's extension, when every rank timed them
-  on the CPU clock (DDP or FSDP), compares the waits at the synchronisation points instead
-  (``forward_wait + backward_wait``, see :func:`_visible`). The rank that waited least in it
-  (minimum visible, ties to the lower rank id) arrived last: the *culprit*. The *victim* is
-  the upper median of the eligible ranks sorted by ``(visible, rank)``. The score is the
-  visible gap over the victim's outer step, ``(visible_victim - visible_culprit) /
-  (input_wait_victim + step_victim)``: below 0.10 no finding, warning from 0.10, critical
-  from 0.20.
+  (DDP) or ``forward + backward`` (FSDP); rankwatch's extension, when every present rank
+  timed the waits at the synchronisation points on the window's clock (CPU or GPU; DDP or
+  FSDP), compares those waits instead (``forward_wait + backward_wait``, see
+  :func:`_visible`). The rank that waited least in it (minimum visible, ties to the lower
+  rank id) arrived last: the *culprit*. The *victim* is the upper median of the eligible
+  ranks sorted by ``(visible, rank)``. The score is the visible gap over the victim's outer
+  step, ``(visible_victim - visible_culprit) / (input_wait_victim + step_victim)``: below
+  0.10 no finding, warning from 0.10, critical from 0.20.
 * **Attribution.** Culprit-minus-victim excess of input wait, H2D (measured on both ranks)
   and forward (DDP only, measured on both; with the sync waits: forward and backward without
   their waits) as bounded coverage of the visible gap; the best
@@ -382,24 +382,22 @@ def _straggler_evidence(
 def _visible(wm: WindowMeans, fsdp: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """``(visible, visible_measured, eligible, definition)`` of the window.
 
-    Rankwatch's extension: on the CPU clock of a job whose ranks all timed the waits at the
-    synchronisation points (``forward_wait``, ``backward_wait``), the visible value is that
-    wait, wherever the job synchronises (DDP: a buffer broadcast before forward, the gradient
-    reduction after backward; FSDP: every unit's all-gather and reduce-scatter). Under FSDP
-    the seed's ``forward + backward`` holds the late rank's extra compute and its peers' wait
-    for it alike, so a rank slow in its forward or backward is only seen in the waits.
-    Otherwise the seed's definitions: ``backward`` (DDP/default) or ``forward + backward``
-    (FSDP).
+    Rankwatch's extension: when every present rank timed the waits at the synchronisation
+    points (``forward_wait``, ``backward_wait``) on the window's clock, the visible value is
+    that wait, wherever the job synchronises (DDP: a buffer broadcast before forward, the
+    gradient reduction after backward; FSDP: every unit's all-gather and reduce-scatter). On
+    the CPU clock that is host time blocked in the collective; on the GPU clock the time the
+    compute stream sat behind it (the report's ``clock`` says which). Under FSDP the seed's
+    ``forward + backward`` holds the late rank's extra compute and its peers' wait for it
+    alike, so a rank slow in its forward or backward is only seen in the waits. Otherwise
+    (a rank without the waits: older rankwatch, a step whose device wait could not be timed)
+    the seed's definitions: ``backward`` (DDP/default) or ``forward + backward`` (FSDP).
     """
     m, k = wm.means, wm.measured
     outer_positive = (m[:, IW] + m[:, STEP]) > 0
     anchored = k[:, STEP] & k[:, BWD] & (m[:, BWD] > 0) & outer_positive
     has_waits = k[:, FWW] & k[:, BWW]
-    if (
-        wm.clock == "cpu"
-        and bool(has_waits[wm.present].all())
-        and int((anchored & has_waits).sum()) >= 2
-    ):
+    if bool(has_waits[wm.present].all()) and int((anchored & has_waits).sum()) >= 2:
         # The input wait is not needed to compare waits: a prefetching loader (whose wait the
         # hooks cannot see) still gets its culprit named; attribution then lacks ``input``.
         return m[:, FWW] + m[:, BWW], has_waits, anchored & has_waits, VISIBLE_SYNC

@@ -6,19 +6,26 @@ clocks (CUDA events and the CPU). One rank's steps travel as a float64 array of
 
     [step_id, cpu input_wait, h2d, forward, backward, optimizer, step,
               gpu input_wait, h2d, forward, backward, optimizer, step,
-              cpu forward_wait, backward_wait, async_collectives]
+              cpu forward_wait, backward_wait, gpu forward_wait, backward_wait,
+              async_collectives]
 
 NaN means *absent* (the signal was not timed on that step); a measured zero is ``0.0``.
 :func:`.row_dicts.rows_to_array` builds that array from row dictionaries (which carry the
-twelve clock columns only; the trailing columns stay absent).
+twelve clock columns and, optionally, each clock's sync waits; ``async_collectives`` stays
+absent).
 
-The trailing ``EXTRA_COLUMNS`` are rankwatch's extension of the seed layout, timed by the
-hooks on the CPU clock only:
+The trailing ``EXTRA_COLUMNS`` are rankwatch's extension of the seed layout: the waits at the
+synchronisation points (``SYNC_SIGNALS``), once per clock, and a flag:
 
-* ``forward_wait``: the part of ``forward`` spent in the DDP wrapper outside its module
-  (the buffer broadcast at the start of every forward waits there for the slowest rank);
-* ``backward_wait``: the trailing part of ``backward``, from the rank's last local gradient
-  to the end of DDP's end-of-backward work (the wait for the last gradient reduction);
+* ``forward_wait``: the part of ``forward`` spent waiting at a synchronisation point (DDP's
+  wrapper outside its module: the buffer broadcast; FSDP2's all-gather waits; any collective
+  timed as a sync wait);
+* ``backward_wait``: the waits inside ``backward`` (DDP: from the rank's last local gradient
+  to the end of its end-of-backward work, the wait for the last gradient reduction; FSDP2's
+  reduce-scatter waits);
+* on the CPU clock they are host time; on the GPU clock the time the compute stream sat
+  behind the collective (a pair of CUDA events around each wait, see
+  ``exporter.step_time.gpu_events``);
 * ``async_collectives``: 1 when the rank's collectives do not block the host (model on an
   accelerator: NCCL-style), so its CPU clock cannot contain a wait for another rank.
 
@@ -34,7 +41,9 @@ hooks on the CPU clock only:
   ``optimizer`` are measured when present on any aligned step, and count as 0 on the others
   (not every step transfers or runs the optimizer). The residual of a step is
   ``max(0, step - h2d - forward - backward - optimizer)``; it is measured when ``step``,
-  ``forward`` and ``backward`` are.
+  ``forward`` and ``backward`` are. The sync waits are those of the picked clock, measured
+  only when present on every aligned step (the GPU waits do not decide the clock: a GPU
+  window without them falls back to the seed's definitions in the rules).
 
 Everything is vectorised over ranks and steps; the only Python loops run once per rank.
 """
@@ -58,19 +67,25 @@ __all__ = [
     "SIGNALS",
     "SYNC_SIGNALS",
     "WindowMeans",
+    "clock_columns",
     "column",
     "rank_items",
     "reduce_window",
     "rows_after",
     "validate_rank_id",
     "validate_window",
+    "wait_columns",
 ]
 
 SIGNALS: tuple[str, ...] = ("input_wait", "h2d", "forward", "backward", "optimizer", "step")
 CLOCKS: tuple[str, ...] = ("cpu", "gpu")
-# Waits at the synchronisation points, CPU clock only (see the module docstring).
+# Waits at the synchronisation points, timed on each clock (see the module docstring).
 SYNC_SIGNALS: tuple[str, ...] = ("forward_wait", "backward_wait")
-EXTRA_COLUMNS: tuple[str, ...] = (*SYNC_SIGNALS, "async_collectives")
+# The columns after the two clocks' signals, by field name: each clock's waits, then the flag.
+EXTRA_COLUMNS: tuple[str, ...] = (
+    *(f"{clock}.{signal}" for clock in CLOCKS for signal in SYNC_SIGNALS),
+    "async_collectives",
+)
 BASE_WIDTH = 1 + len(CLOCKS) * len(SIGNALS)  # step_id and the two clocks' signals
 ROW_WIDTH = BASE_WIDTH + len(EXTRA_COLUMNS)
 # torch.distributed ranks are C ints; a larger id cannot be a rank and would not fit int64 math.
@@ -79,7 +94,7 @@ MAX_RANK_ID = 2**31 - 1
 MEAN_KEYS: tuple[str, ...] = (*SIGNALS, "residual", *SYNC_SIGNALS)
 
 IW, H2D, FWD, BWD, OPT, STEP, RES, FWW, BWW = range(9)
-_FWW_COL, _BWW_COL, _ASYNC_COL = range(BASE_WIDTH, ROW_WIDTH)
+_ASYNC_COL = ROW_WIDTH - 1
 _EVERY_STEP = np.array([True, False, True, True, False, True])  # measured only if on every step
 _PHASES = [H2D, FWD, BWD, OPT]
 
@@ -88,18 +103,33 @@ BoolArray = NDArray[np.bool_]
 
 
 def column(clock: str, signal: str) -> int:
-    """Column of ``clock``/``signal`` in a step-time row array (sync waits: ``cpu`` only)."""
-    if signal in SYNC_SIGNALS and clock == "cpu":
-        return BASE_WIDTH + SYNC_SIGNALS.index(signal)
+    """Column of ``clock``/``signal`` (one of ``SIGNALS`` or ``SYNC_SIGNALS``) in a step-time
+    row array."""
+    if signal in SYNC_SIGNALS:
+        return BASE_WIDTH + CLOCKS.index(clock) * len(SYNC_SIGNALS) + SYNC_SIGNALS.index(signal)
     return 1 + CLOCKS.index(clock) * len(SIGNALS) + SIGNALS.index(signal)
+
+
+def clock_columns(clock: str) -> slice:
+    """The six ``SIGNALS`` columns of ``clock``, contiguous."""
+    first = column(clock, SIGNALS[0])
+    return slice(first, first + len(SIGNALS))
+
+
+def wait_columns(clock: str) -> slice:
+    """The ``SYNC_SIGNALS`` columns of ``clock``, contiguous."""
+    first = column(clock, SYNC_SIGNALS[0])
+    return slice(first, first + len(SYNC_SIGNALS))
+
+
+_CPU_COLS, _GPU_COLS = clock_columns("cpu"), clock_columns("gpu")
 
 
 def _field_name(col: int) -> str:
     if col == 0:
         return "step_id"
     if col >= BASE_WIDTH:
-        name = EXTRA_COLUMNS[col - BASE_WIDTH]
-        return f"cpu.{name}" if name in SYNC_SIGNALS else name
+        return EXTRA_COLUMNS[col - BASE_WIDTH]
     c, s = divmod(col - 1, len(SIGNALS))
     return f"{CLOCKS[c]}.{SIGNALS[s]}"
 
@@ -234,7 +264,8 @@ def _as_rank_array(rank: int, value: object) -> FloatArray | None:
     if arr.ndim != 2 or arr.shape[1] != ROW_WIDTH:
         raise ValueError(
             f"rank {rank}: field rows: value has shape {arr.shape}, expected [n, {ROW_WIDTH}] "
-            f"(step_id, 6 cpu signals, 6 gpu signals, {', '.join(EXTRA_COLUMNS)})"
+            f"(step_id, {len(SIGNALS)} cpu signals, {len(SIGNALS)} gpu signals, "
+            f"{', '.join(EXTRA_COLUMNS)})"
         )
     return arr
 
@@ -303,11 +334,11 @@ def _reduce_aligned(
 def gpu_steps(cube: FloatArray) -> BoolArray:
     """``[ranks, steps]``: the step can be read on the GPU clock (the window uses the GPU clock
     only when every aligned step of every present rank can)."""
-    return _gpu_steps(cube, ~np.isnan(cube[:, :, 7:13]))
+    return _gpu_steps(cube, ~np.isnan(cube[:, :, _GPU_COLS]))
 
 
 def _gpu_steps(cube: FloatArray, gpu_has: BoolArray) -> BoolArray:
-    cpu_has = ~np.isnan(cube[:, :, 1:7])
+    cpu_has = ~np.isnan(cube[:, :, _CPU_COLS])
     return (
         gpu_has[:, :, STEP]
         & gpu_has[:, :, IW]
@@ -333,17 +364,17 @@ def _reduce_cube(
     if clock is None:
         # A step without its GPU time (every step of a CPU job) settles it in one column;
         # a GPU block without any absent value (the usual GPU job) in one pass.
-        use_gpu = not bool(np.isnan(cube[:, :, 7 + STEP]).any())
+        use_gpu = not bool(np.isnan(cube[:, :, _GPU_COLS.start + STEP]).any())
         if use_gpu:
-            gpu_has = ~np.isnan(cube[:, :, 7:13])
+            gpu_has = ~np.isnan(cube[:, :, _GPU_COLS])
             use_gpu = bool(gpu_has.all()) or bool(_gpu_steps(cube, gpu_has).all())
     else:
         use_gpu = clock == "gpu"
     # The clock's six columns copied once, contiguous, with absent values as 0: every pass
     # below then reads 6 values per row instead of striding over all 16 (half the time of a
     # 4,096-rank live window went to those strided passes).
-    c0 = 7 if use_gpu else 1
-    filled = cube[:, :, c0 : c0 + len(SIGNALS)].copy()
+    picked = "gpu" if use_gpu else "cpu"
+    filled = cube[:, :, clock_columns(picked)].copy()
     absent = np.isnan(filled)
     filled[absent] = 0.0
     n_absent = np.count_nonzero(absent, axis=1)  # [ranks, signals]
@@ -355,14 +386,13 @@ def _reduce_cube(
     residual -= filled[:, :, OPT]
     residual = np.maximum(residual, 0.0, out=residual).mean(axis=1)
     res_measured = sig_measured[:, STEP] & sig_measured[:, FWD] & sig_measured[:, BWD]
-    # The sync waits exist on the CPU clock only, and only where timed on every aligned step:
-    # a sum over the steps is NaN exactly when one is absent (the table's times are finite).
+    # The picked clock's sync waits, measured only where timed on every aligned step: a sum
+    # over the steps is NaN exactly when one is absent (the table's times are finite).
     waits_measured = np.zeros((cube.shape[0], len(SYNC_SIGNALS)), dtype=bool)
     wait_means = np.zeros((cube.shape[0], len(SYNC_SIGNALS)))
-    if not use_gpu:
-        wait_sums = cube[:, :, _FWW_COL : _BWW_COL + 1].sum(axis=1)
-        np.logical_not(np.isnan(wait_sums), out=waits_measured)
-        np.copyto(wait_means, wait_sums / steps, where=waits_measured)
+    wait_sums = cube[:, :, wait_columns(picked)].sum(axis=1)
+    np.logical_not(np.isnan(wait_sums), out=waits_measured)
+    np.copyto(wait_means, wait_sums / steps, where=waits_measured)
     sub_means = np.concatenate([sums / steps, residual[:, None], wait_means], axis=1)
     sub_measured = np.concatenate([sig_measured, res_measured[:, None], waits_measured], axis=1)
     sub_means[~sub_measured] = 0.0
@@ -374,7 +404,7 @@ def _reduce_cube(
         measured,
         present,
         steps,
-        "gpu" if use_gpu else "cpu",
+        picked,
         (int(step_ids[0]), int(step_ids[-1])),
         bool((np.abs(cube[:, :, _ASYNC_COL]) > 0).any()),  # NaN (absent) compares False
     )

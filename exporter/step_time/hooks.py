@@ -50,7 +50,6 @@ from torch.utils.hooks import RemovableHandle
 
 from rankwatch.exporter.step_time.timer import (
     BACKWARD,
-    BACKWARD_WAIT,
     FORWARD,
     FORWARD_WAIT,
     H2D,
@@ -64,6 +63,7 @@ __all__ = [
     "WatchedLoader",
     "compiled_inner",
     "detect_strategy",
+    "fsdp_param_groups",
     "install",
     "model_device",
     "move_to_device",
@@ -344,7 +344,7 @@ class _BackwardTracker:
 
     def on_param_grad(self, param: torch.Tensor) -> None:
         # One clock read per parameter per backward: the last one wins.
-        self.last_grad_ns = self._clock()
+        self.last_grad_ns = self._timer.last_grad(param)
 
     def _requeue(self) -> None:
         # Runs among the final callbacks; queue once more to run after every callback that
@@ -355,7 +355,7 @@ class _BackwardTracker:
         self._active = False
         last = self.last_grad_ns
         if last >= 0:
-            self._timer.add(BACKWARD_WAIT, self._clock() - last)
+            self._timer.add_backward_wait(self._clock() - last)
             self.last_grad_ns = -1
         self._timer.end(BACKWARD)
 
@@ -594,6 +594,13 @@ def _fsdp_wait_hooks(timer: StepTimer, model: torch.nn.Module) -> list[Attribute
     groups (``_get_fsdp_state()._fsdp_param_group``): where they are missing nothing is timed
     and the diagnosis keeps the seed's FSDP definition.
     """
+    groups = fsdp_param_groups(model, FSDP_COLLECTIVES)
+    return [time_as_sync_wait(timer, group, name) for group in groups for name in FSDP_COLLECTIVES]
+
+
+def fsdp_param_groups(model: torch.nn.Module, methods: tuple[str, ...]) -> list[Any]:
+    """FSDP2 parameter groups (``_get_fsdp_state()._fsdp_param_group``) of ``model``'s units
+    that have every one of ``methods``; none on a model without FSDP2 units."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
@@ -603,9 +610,9 @@ def _fsdp_wait_hooks(timer: StepTimer, model: torch.nn.Module) -> list[Attribute
         if isinstance(module, FSDPModule):
             state = getattr(module, "_get_fsdp_state", lambda: None)()
             group = getattr(state, "_fsdp_param_group", None)
-            if all(callable(getattr(group, n, None)) for n in FSDP_COLLECTIVES):
+            if all(callable(getattr(group, n, None)) for n in methods):
                 groups.append(group)
-    return [time_as_sync_wait(timer, group, name) for group in groups for name in FSDP_COLLECTIVES]
+    return groups
 
 
 def time_as_sync_wait(

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rankwatch.diagnosis.step_time import SIGNALS
-from rankwatch.diagnosis.step_time.table import BASE_WIDTH
+from rankwatch.diagnosis.step_time.table import BASE_WIDTH, EXTRA_COLUMNS
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.step_time.hooks import OPTIMIZER_SILENT_BATCHES, move_to_device
 from rankwatch.exporter.step_time.rank_watch import RankWatch
@@ -259,6 +259,6 @@ def test_a_rank_on_an_accelerator_flags_its_rows() -> None:
         assert rw.timer is not None and rw.timer.async_collectives is False  # on the CPU
         rw.timer.async_collectives = flagged
         train(model, opt, loader)
-        flags = rows_of(rw)[:, BASE_WIDTH + 2]
+        flags = rows_of(rw)[:, BASE_WIDTH + EXTRA_COLUMNS.index("async_collectives")]
         rw.close(2.0)
         assert (flags == 1.0).all() if flagged else np.isnan(flags).all()

@@ -23,7 +23,7 @@ from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.step_time.gpu_events import EventPool, GpuTimeline
 from rankwatch.exporter.step_time.hooks import WatchedLoader, detect_strategy, move_to_device
 from rankwatch.exporter.step_time.rank_watch import RankWatch
-from rankwatch.exporter.step_time.timer import PHASES, StepTimer
+from rankwatch.exporter.step_time.timer import PHASES, TIMED_SIGNALS, StepTimer
 
 CPU = {s: 1 + i for i, s in enumerate(SIGNALS)}
 GPU = {s: 1 + len(SIGNALS) + i for i, s in enumerate(SIGNALS)}
@@ -228,7 +228,7 @@ def test_gpu_columns_resolve_by_polling_in_order() -> None:
     HostClockEvent.device_done = False
     try:
         pool = EventPool(64, HostClockEvent)
-        timer = StepTimer(16, gpu=GpuTimeline(pool, len(PHASES), 0, max_pending_steps=8))
+        timer = StepTimer(16, gpu=GpuTimeline(pool, len(TIMED_SIGNALS), 0, max_pending_steps=8))
         for _ in range(3):
             with timer.step():
                 with timer.phase("input_wait"):
@@ -258,7 +258,7 @@ def test_gpu_pool_exhaustion_and_lagging_device_stay_bounded() -> None:
     HostClockEvent.device_done = False
     try:
         pool = EventPool(6, HostClockEvent)
-        timer = StepTimer(64, gpu=GpuTimeline(pool, len(PHASES), 0, max_pending_steps=4))
+        timer = StepTimer(64, gpu=GpuTimeline(pool, len(TIMED_SIGNALS), 0, max_pending_steps=4))
         for _ in range(20):
             with timer.step(), timer.phase("forward"):
                 pass
