@@ -30,10 +30,13 @@ Where the host waits, and what is shadowed (torch 2.13, read in its source):
 Why it is sound: the shadows run the original with the same arguments and return its result
 (exceptions pass through, the wait still credited); they time only on the thread that
 installed them (the training thread: rankwatch's own Gloo traffic runs on its background
-thread), never while ``torch.compile`` traces (the check comes first, so the traced graph is
-what it was), and never inside a sync wait already open (a collective inside FSDP2's shadowed
-``unshard``/``post_backward``, inside a user's ``rw.sync_wait()`` block, or a wait inside
-another wait: counted once). Each timer is credited once per wait however many times it was
+thread) and, while that thread's backward pass is timed, on the autograd engine's device
+threads (threads Python did not start: on an accelerator the engine runs the backward there,
+and a tensor-parallel gradient collective waits there for the step), never while
+``torch.compile`` traces (the check comes first, so the traced graph is what it was), and
+never inside a sync wait already open (a collective inside FSDP2's shadowed ``unshard``/
+``post_backward``, inside a user's ``rw.sync_wait()`` block, or a wait inside another wait:
+counted once). Each timer is credited once per wait however many times it was
 installed (a second ``watch()``); a second ``RankWatch`` in the process has a timer of its own
 and is credited too. The shadows are installed once per process and removed with the last
 handle; a later replacement by someone else is left alone.
@@ -43,15 +46,14 @@ Not covered: DDP's reducer all-reduce and its buffer broadcast run in C++ (the D
 into a graph runs as a C++ op; a wait dynamo runs between two graphs runs the shadow as dynamo
 traced it, untimed); ``Work.get_future().wait()``, ``torch.futures.wait_all`` and polling
 ``is_completed()``; a Python ``Work`` subclass whose own ``wait`` does not call the base
-class's; collectives run on autograd's device threads (accelerators: there the host does not
-wait anyway, see ``StepTimer.async_collectives``). Issuing a collective is not a wait and is
+class's. Issuing a collective is not a wait and is
 not timed (on Gloo it only queues the work).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from threading import get_ident
+from threading import _DummyThread, current_thread, get_ident
 from typing import Any
 
 import torch
@@ -132,7 +134,7 @@ class _Registry:
             waits = registry.waits
             if len(waits) == 1:  # the usual case: one RankWatch in the process
                 wait, thread = waits[0]
-                if wait.open or get_ident() != thread:
+                if wait.open or (get_ident() != thread and not _backward_worker(wait)):
                     return original(*args, **kwargs)
                 with wait:
                     return original(*args, **kwargs)
@@ -152,7 +154,9 @@ def _timed_by_each(
     """Several timers (several ``RankWatch`` in the process), or none left: each timer of this
     thread whose sync wait is not already open is credited once."""
     me = get_ident()
-    entered = [wait for wait, thread in waits if thread == me and not wait.open]
+    entered = [
+        wait for wait, thread in waits if not wait.open and (thread == me or _backward_worker(wait))
+    ]
     for wait in entered:
         wait.__enter__()
     try:
@@ -160,6 +164,15 @@ def _timed_by_each(
     finally:
         for wait in reversed(entered):
             wait.__exit__(None, None, None)
+
+
+def _backward_worker(wait: _SyncWait) -> bool:
+    """Called off the training thread: is this the autograd engine's device thread running
+    the timed backward pass? On an accelerator the engine runs a backward on a thread of its
+    own (a thread Python did not start), and a collective in it (a tensor-parallel layer's
+    gradient all-reduce) is a wait of the training step; any thread Python started
+    (rankwatch's own, a loader's) is not."""
+    return wait.in_backward and isinstance(current_thread(), _DummyThread)
 
 
 _REGISTRY = _Registry()

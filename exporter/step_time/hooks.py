@@ -50,6 +50,7 @@ from torch.utils.hooks import RemovableHandle
 
 from rankwatch.exporter.step_time.timer import (
     BACKWARD,
+    BACKWARD_WAIT,
     FORWARD,
     FORWARD_WAIT,
     H2D,
@@ -315,9 +316,12 @@ class _BackwardTracker:
     """Opens ``backward`` at the first output gradient of a backward pass, closes it at the
     very end of the pass (after DDP/FSDP final callbacks).
 
-    Under DDP it also credits ``backward_wait``: from the last local gradient (the last
+    Where it watches the parameters (every model but FSDP's, whose collectives are timed where
+    they run) it also credits ``backward_wait``: from the last local gradient (the last
     post-accumulate-grad hook of a parameter) to that end, the wait for the last gradient
-    reduction and DDP's end-of-backward work.
+    reduction and a wrapper's end-of-backward work (DDP's, or that of a wrapper a framework
+    holds around the watched module), less the waits already credited in that stretch (a
+    collective timed inside it is counted once).
 
     The end is a callback queued from a callback: a wrapper (DDP, FSDP) queues its own final
     callbacks during the pass, and a model that looks plain may be the inner module of a
@@ -331,6 +335,7 @@ class _BackwardTracker:
         self._engine = torch.autograd.Variable._execution_engine
         self._clock = timer._clock
         self.last_grad_ns = -1
+        self.waited_at_last_grad_ms = 0.0  # backward_wait credited when the last gradient came
 
     def on_output_grad(self, *grads: Any) -> None:
         # A pre hook of the output's autograd node (or, for an output without one, a tensor
@@ -344,7 +349,9 @@ class _BackwardTracker:
 
     def on_param_grad(self, param: torch.Tensor) -> None:
         # One clock read per parameter per backward: the last one wins.
-        self.last_grad_ns = self._timer.last_grad(param)
+        timer = self._timer
+        self.last_grad_ns = timer.last_grad(param)
+        self.waited_at_last_grad_ms = timer.credited_ms(BACKWARD_WAIT)
 
     def _requeue(self) -> None:
         # Runs among the final callbacks; queue once more to run after every callback that
@@ -355,7 +362,10 @@ class _BackwardTracker:
         self._active = False
         last = self.last_grad_ns
         if last >= 0:
-            self._timer.add_backward_wait(self._clock() - last)
+            timer = self._timer
+            # Waits timed as sync waits after the last gradient are in the row already.
+            since_ms = timer.credited_ms(BACKWARD_WAIT) - self.waited_at_last_grad_ms
+            timer.add_backward_wait(max(0, self._clock() - last - int(since_ms * 1e6)))
             self.last_grad_ns = -1
         self._timer.end(BACKWARD)
 
@@ -430,6 +440,10 @@ def install(
         # module's run inside the graph (no-ops), so its waits are timed differently.
         compiled = compiled_inner(model)
         compiled_ddp = compiled if compiled is not None and _ddp_inner(compiled) else None
+        fsdp = inner is None and compiled_ddp is None and detect_strategy(model) == "fsdp"
+        # The waits are columns of every step that ran a forward (0 when none was timed),
+        # except under FSDP, whose own calls time them.
+        zero_wait = not sync and not fsdp
 
         def forward_pre(module: torch.nn.Module, args: Any) -> None:
             if _is_compiling():
@@ -443,7 +457,7 @@ def install(
             timer.begin(FORWARD)
             if sync:
                 timer.begin(FORWARD_WAIT)
-            elif compiled_ddp is not None:
+            elif zero_wait:
                 timer.add(FORWARD_WAIT, 0)  # timed, even when no wait is credited below
 
         def forward_post(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -463,8 +477,14 @@ def install(
             handles.extend(_sync_wait_hooks(timer, tracker, inner))
         elif compiled_ddp is not None:
             handles.extend(_compiled_ddp_wait_hooks(timer, tracker, compiled_ddp))
-        elif not timer.async_collectives:
-            handles.extend(_fsdp_wait_hooks(timer, model))
+        elif fsdp:
+            if not timer.async_collectives:
+                handles.extend(_fsdp_wait_hooks(timer, model))
+        else:
+            # A plain module: a pipeline stage, a tensor-parallel model, a module whose
+            # wrapper a framework holds. Its collectives are timed where they wait
+            # (:mod:`.collectives`); the trailing wait of its backward is timed here.
+            handles.extend(_last_grad_hooks(tracker, model))
 
     def check_forward_seen() -> None:
         if not forward_seen[0]:

@@ -147,6 +147,11 @@ class _SyncWait:
         """A block is open (they do not nest)."""
         return self._start >= 0
 
+    @property
+    def in_backward(self) -> bool:
+        """The timer is inside a timed backward pass."""
+        return self._timer._start[BACKWARD] >= 0
+
     def __enter__(self) -> _SyncWait:
         if self._start >= 0:
             raise RuntimeError("sync_wait: already inside a sync_wait block (they do not nest)")
@@ -393,6 +398,11 @@ class StepTimer:
             self._gpu.grad_mark(param)
         return self._clock()
 
+    def credited_ms(self, index: int) -> float:
+        """Milliseconds signal ``index`` holds so far in the open step (0.0 when untimed)."""
+        value = self._row[_COL[index]]
+        return value if value == value else 0.0
+
     def add_backward_wait(self, ns: int) -> None:
         """End of a backward pass under DDP: credit ``ns`` since the last gradient to
         ``backward_wait``, and on the GPU clock the stream time since its marker."""
@@ -410,6 +420,9 @@ class StepTimer:
         """
         if self._start[BACKWARD] >= 0:
             self.add(BACKWARD_WAIT, ns)
+            return
+        if self._start[FORWARD_WAIT] >= 0:
+            # Inside DDP's timed pre/post-forward interval, which holds this wait already.
             return
         if self._start[FORWARD] < 0:
             self.add(FORWARD, ns)

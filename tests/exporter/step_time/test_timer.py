@@ -19,6 +19,7 @@ import torch
 
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time import ROW_WIDTH, SIGNALS
+from rankwatch.diagnosis.step_time.table import column
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.step_time.gpu_events import EventPool, GpuTimeline
 from rankwatch.exporter.step_time.hooks import WatchedLoader, detect_strategy, move_to_device
@@ -399,9 +400,15 @@ def test_watch_on_a_plain_model_gives_the_explicit_rows() -> None:
     assert rw.strategy is None  # a plain module: no wrapper, the diagnosis uses DDP rules
     assert ex.shape == wa.shape == (n, ROW_WIDTH)
     assert ex[:, 0].tolist() == wa[:, 0].tolist() == list(range(n))
-    # Same signals measured (all six on the CPU clock), none on the GPU clock.
-    assert np.array_equal(np.isnan(ex), np.isnan(wa))
-    assert not np.isnan(wa[:, 1:7]).any() and np.isnan(wa[:, 7:]).all()
+    # Same signals measured (all six on the CPU clock), none on the GPU clock; the hooks also
+    # time the CPU clock's waits of a plain module (none here: 0 before forward, and the short
+    # stretch after the last gradient), which explicit phases leave absent.
+    waits = [column("cpu", "forward_wait"), column("cpu", "backward_wait")]
+    others = [c for c in range(ROW_WIDTH) if c not in waits]
+    assert np.array_equal(np.isnan(ex[:, others]), np.isnan(wa[:, others]))
+    assert np.isnan(ex[:, waits]).all() and not np.isnan(wa[:, waits]).any()
+    assert (wa[:, waits[0]] == 0.0).all()
+    assert not np.isnan(wa[:, 1:7]).any() and np.isnan(wa[:, 7:13]).all()
     floors = {
         "input_wait": IW_S,
         "h2d": H2D_S,
