@@ -11,19 +11,15 @@ without the mesh name a stage-0 rank instead: what the mesh is for.
 
 from __future__ import annotations
 
-import json
 import math
-import multiprocessing as mp
-import os
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.servers import free_port
+from tests.framework_world import run_world
 
 pytestmark = pytest.mark.multiproc
 
@@ -33,7 +29,6 @@ PHASE_STEPS = 60  # control steps, then as many with rank 3 slow
 WINDOW = 20  # sync_step and live window
 STAGE_WORK_S = (0.015, 0.005)  # per pass: stage 0 three times stage 1
 FAULT_RANK, FAULT_S = 3, 0.02
-JOIN_TIMEOUT_S = 240.0
 
 
 class Recorder:
@@ -47,7 +42,18 @@ class Recorder:
         pass
 
 
-def _train(rank: int, result: dict[str, Any]) -> None:
+def scenario(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """One rank of the job (torchrun's environment: Gloo initialised here)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        return _train(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -58,7 +64,7 @@ def _train(rank: int, result: dict[str, Any]) -> None:
     from rankwatch.exporter.step_time.device_mesh import model_mesh
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
-    stage, dp = divmod(rank, 2)  # row-major over {"pp": 2, "dp": 2}
+    stage = rank // 2  # row-major over {"pp": 2, "dp": 2}
     world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     my_dp = world_mesh["dp"].get_group()
     # A model whose parameter is a DTensor on the dp submesh: its root mesh is the world mesh.
@@ -67,7 +73,7 @@ def _train(rank: int, result: dict[str, Any]) -> None:
         distribute_tensor(part.weight.data, world_mesh["dp"], [Replicate()])
     )
     found = model_mesh(part, range(WORLD))
-    result["model_mesh"] = None if found is None else found.to_dict()
+    result: dict[str, Any] = {"model_mesh": None if found is None else found.to_dict()}
     rec = Recorder()
     cfg = RankwatchConfig.from_env(
         env={},
@@ -112,48 +118,7 @@ def _train(rank: int, result: dict[str, Any]) -> None:
     rows = timer.ring[: timer.written].tolist()
     result["rows"] = [[None if math.isnan(v) else v for v in r] for r in rows]
     result["reports"] = rec.reports
-    result["dp"] = dp
-
-
-def _entry(rank: int, port: int, out: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    result: dict[str, Any] = {"rank": rank}
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-        )
-        _train(rank, result)
-        dist.destroy_process_group()
-    except BaseException:
-        result["error"] = traceback.format_exc()
-    Path(out, f"{rank}.json").write_text(json.dumps(result))
-
-
-def _run(tmp_path: Path) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not hung, f"ranks {hung} hung"
-    out = {}
-    for r in range(WORLD):
-        res = json.loads((tmp_path / f"{r}.json").read_text())
-        assert "error" not in res, res["error"]
-        out[r] = res
-    return out
+    return result
 
 
 def test_unequal_stages_open_no_straggler_and_a_slow_rank_is_named_with_its_position(
@@ -162,7 +127,7 @@ def test_unequal_stages_open_no_straggler_and_a_slow_rank_is_named_with_its_posi
     from rankwatch.diagnosis.step_time import diagnose_arrays
     from rankwatch.diagnosis.step_time.mesh import MeshLayout
 
-    res = _run(tmp_path)
+    res = run_world(f"{__name__}:scenario", WORLD, tmp_path)
     world_mesh = {"dim_names": ["pp", "dp"], "shape": [2, 2], "ranks": [0, 1, 2, 3]}
     assert all(res[r]["model_mesh"] == world_mesh for r in range(WORLD))
     reports = res[0]["reports"]
