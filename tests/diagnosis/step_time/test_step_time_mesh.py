@@ -64,7 +64,7 @@ def test_bad_layouts_are_refused_by_name(build: Any, words: str) -> None:
     assert words in str(info.value)
 
 
-def _sync_means(work_ms: dict[int, float]) -> dict[int, dict[str, float]]:
+def sync_means(work_ms: dict[int, float]) -> dict[int, dict[str, float]]:
     """Ranks coupled through collectives every step: each step lasts as long as the slowest
     rank's work, and every other rank waits out the difference (timed as a sync wait)."""
     step = max(work_ms.values()) + 10.0
@@ -84,7 +84,7 @@ def _sync_means(work_ms: dict[int, float]) -> dict[int, dict[str, float]]:
 
 
 def test_unequal_pipeline_stages_by_design_are_no_straggler_with_the_mesh() -> None:
-    means = _sync_means({0: 60.0, 1: 60.0, 2: 30.0, 3: 30.0})  # stage 0 does twice the work
+    means = sync_means({0: 60.0, 1: 60.0, 2: 30.0, 3: 30.0})  # stage 0 does twice the work
     without = diagnose_means(means, steps=100)
     assert without.findings[0].is_straggler and without.straggler is not None
     assert without.straggler.culprit_rank == 0  # the heavier stage looks late
@@ -99,7 +99,7 @@ def test_unequal_pipeline_stages_by_design_are_no_straggler_with_the_mesh() -> N
 def test_a_slow_rank_is_named_in_its_stage_with_its_position() -> None:
     # Rank 1 (stage 0, replica dp 1) does 20 ms more: every rank waits for it, in the pipeline
     # (stage 1 waits on its activations) or at the gradient all-reduce (its dp peer).
-    means = _sync_means({0: 60.0, 1: 80.0, 2: 30.0, 3: 30.0})
+    means = sync_means({0: 60.0, 1: 80.0, 2: 30.0, 3: 30.0})
     report = diagnose_means(means, steps=100, mesh=PP_DP)
     top = report.findings[0]
     assert top.is_straggler and top.culprit_rank == 1 and top.victim_rank == 0
@@ -113,19 +113,19 @@ def test_a_slow_rank_is_named_in_its_stage_with_its_position() -> None:
 
 def test_a_whole_slow_pipeline_replica_is_named_as_a_group() -> None:
     # Replica dp 1 (ranks 1 and 3) is slow at every stage: each stage names its member.
-    means = _sync_means({0: 60.0, 1: 80.0, 2: 30.0, 3: 50.0})
+    means = sync_means({0: 60.0, 1: 80.0, 2: 30.0, 3: 50.0})
     report = diagnose_means(means, steps=100, mesh=PP_DP)
     top = report.findings[0]
     assert top.is_straggler and top.culprit_rank == 1  # equal scores: the lowest stage
     assert top.slow_group == "pipeline replica dp 1 (ranks 1, 3)"
     assert top.slow_group_ranks == (1, 3)
     # One stage only slow: no group.
-    one = diagnose_means(_sync_means({0: 60.0, 1: 80.0, 2: 30.0, 3: 30.0}), steps=100, mesh=PP_DP)
+    one = diagnose_means(sync_means({0: 60.0, 1: 80.0, 2: 30.0, 3: 30.0}), steps=100, mesh=PP_DP)
     assert one.findings[0].slow_group == ""
 
 
 def test_tp_x_dp_without_a_pipeline_is_today_s_rule() -> None:
-    means = _sync_means({0: 50.0, 1: 50.0, 2: 50.0, 3: 70.0})
+    means = sync_means({0: 50.0, 1: 50.0, 2: 50.0, 3: 70.0})
     mesh = MeshLayout.from_sizes({"dp": 2, "tp": 2}, [0, 1, 2, 3])
     plain, meshed = diagnose_means(means, steps=100), diagnose_means(means, steps=100, mesh=mesh)
     a, b = plain.findings[0], meshed.findings[0]
@@ -140,7 +140,7 @@ def test_tp_x_dp_without_a_pipeline_is_today_s_rule() -> None:
 
 
 def test_mesh_must_be_a_layout_holding_every_rank_of_the_window() -> None:
-    means = _sync_means({0: 50.0, 1: 50.0, 5: 50.0})
+    means = sync_means({0: 50.0, 1: 50.0, 5: 50.0})
     with pytest.raises(ValueError, match=r"field mesh: .*rank 5"):
         diagnose_means(means, steps=10, mesh=MeshLayout.from_sizes({"dp": 2}, [0, 1]))
     with pytest.raises(ValueError, match="field mesh: value of type dict"):
