@@ -14,7 +14,7 @@ STEPS = 100
 KEEP_ALL = StepTimeConfig(outlier_steps_max_fraction=0.0)
 
 
-def _rows(steps: int = STEPS, first: int = 0) -> np.ndarray:
+def rank_rows(steps: int = STEPS, first: int = 0) -> np.ndarray:
     """A healthy DDP rank on the CPU clock with the sync waits timed (ms)."""
     out = np.full((steps, ROW_WIDTH), np.nan)
     out[:, 0] = np.arange(first, first + steps)
@@ -44,7 +44,7 @@ def _stragglers(report: object) -> list[object]:
 
 
 def test_a_checkpoint_save_on_one_rank_no_longer_opens_a_straggler() -> None:
-    world = {r: _rows() for r in range(4)}
+    world = {r: rank_rows() for r in range(4)}
     # Rank 0 saves a checkpoint after step 50's optimizer (100x a step, in its residual); the
     # others wait for it at step 51's pre-forward broadcast.
     world[0][50, column("cpu", "step")] += 4950.0
@@ -63,7 +63,7 @@ def test_a_checkpoint_save_on_one_rank_no_longer_opens_a_straggler() -> None:
 
 def test_a_first_step_start_up_wait_on_two_ranks_no_longer_opens_a_straggler() -> None:
     # FSDP2's first all-gather: ranks 0 and 1 wait 4.5 s for ranks 2 and 3, which started later.
-    world = {r: _rows() for r in range(4)}
+    world = {r: rank_rows() for r in range(4)}
     for r in (0, 1):
         _wait(world[r], 0, "forward_wait", 4500.0)
     before = diagnose_arrays(world, config=KEEP_ALL)
@@ -74,7 +74,7 @@ def test_a_first_step_start_up_wait_on_two_ranks_no_longer_opens_a_straggler() -
 
 
 def test_a_straggler_on_every_step_is_still_found() -> None:
-    world = {r: _rows() for r in range(4)}
+    world = {r: rank_rows() for r in range(4)}
     world[3][:, column("cpu", "forward")] += 20.0
     world[3][:, column("cpu", "step")] += 20.0
     for r in (0, 1, 2):
@@ -87,7 +87,7 @@ def test_a_straggler_on_every_step_is_still_found() -> None:
 
 
 def test_outliers_on_more_than_the_fraction_of_steps_are_the_job_s_normal() -> None:
-    world = {r: _rows() for r in range(2)}
+    world = {r: rank_rows() for r in range(2)}
     for at in range(0, STEPS, 10):  # an evaluation pause every 10 steps: 10 % of the window
         world[0][at, column("cpu", "step")] += 1000.0
     report = diagnose_arrays(world)
@@ -116,7 +116,7 @@ def test_outlier_rule_bounds_and_small_windows() -> None:
 
 def test_step_blocks_judge_outliers_per_block_and_match_reduce_window_on_the_rows() -> None:
     rule = OutlierRule(5.0, 0.05)
-    rows = {r: _rows(1000) for r in range(2)}
+    rows = {r: rank_rows(1000) for r in range(2)}
     rows[0][150, column("cpu", "step")] += 5000.0  # an old step, in a closed block
     rows[0][980, column("cpu", "step")] += 5000.0  # a step in the kept rows
     blocks = StepBlocks((0, 1), window_steps=1000, tail_rows=300, outliers=rule)
