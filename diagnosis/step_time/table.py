@@ -232,13 +232,20 @@ class OutlierRule:
         allowed = int(self.max_fraction * steps + 1e-9)
         if allowed == 0 or steps == 0:
             return None
-        median = np.median(outer, axis=1)
-        out = outer > (self.factor * median)[:, None]
-        count = np.count_nonzero(out, axis=1)
-        out &= ((count > 0) & (count <= allowed))[:, None]
-        if not out.any():
+        # A rank whose longest step is within the factor of its shortest has no outlier (its
+        # median lies between them): two reductions settle the usual window without a median.
+        suspect = np.flatnonzero(outer.max(axis=1) > self.factor * outer.min(axis=1))
+        if suspect.size == 0:
             return None
-        return ~out
+        rows = outer[suspect]
+        out_rows = rows > (self.factor * np.median(rows, axis=1))[:, None]
+        count = np.count_nonzero(out_rows, axis=1)
+        out_rows &= ((count > 0) & (count <= allowed))[:, None]
+        if not out_rows.any():
+            return None
+        kept = np.ones(outer.shape, dtype=bool)
+        kept[suspect] = ~out_rows
+        return kept
 
 
 @dataclass(frozen=True)
