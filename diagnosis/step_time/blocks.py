@@ -58,6 +58,7 @@ from rankwatch.diagnosis.step_time.table import (
     column,
     gpu_steps,
     rows_after,
+    validate_outliers,
     validate_window,
 )
 
@@ -121,7 +122,7 @@ class StepBlocks:
                 f"({2 * block_steps})"
             )
         self.ranks = tuple(ranks)
-        self.outliers = outliers
+        self.outliers = validate_outliers(outliers)
         self._row = {r: i for i, r in enumerate(self.ranks)}
         self.block_steps = block_steps
         self.tail_rows = tail_rows

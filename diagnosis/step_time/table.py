@@ -69,6 +69,7 @@ __all__ = [
     "rank_items",
     "reduce_window",
     "rows_after",
+    "validate_outliers",
     "validate_rank_id",
     "validate_window",
 ]
@@ -248,6 +249,15 @@ class OutlierRule:
         return kept
 
 
+def validate_outliers(outliers: object) -> OutlierRule | None:
+    """``outliers`` when it is an :class:`OutlierRule` or None, else ``ValueError``."""
+    if outliers is None or isinstance(outliers, OutlierRule):
+        return outliers
+    raise ValueError(
+        f"field outliers: value of type {type(outliers).__name__} is not an OutlierRule or None"
+    )
+
+
 @dataclass(frozen=True)
 class WindowMeans:
     """Per-rank window means of the selected clock, ready for the policy.
@@ -312,6 +322,7 @@ def reduce_window(
     """Align, pick the clock and reduce one array per rank (None or empty = missing rank);
     ``outliers`` None keeps every step."""
     window = validate_window(window)
+    validate_outliers(outliers)
     if not isinstance(per_rank, Mapping):
         raise ValueError(
             f"field per_rank: value of type {type(per_rank).__name__} is not a mapping "

@@ -74,9 +74,10 @@ def mesh_layout(mesh: object, group_ranks: Sequence[int]) -> MeshLayout | None:
 
 
 def model_mesh(model: Any, group_ranks: Sequence[int]) -> MeshLayout | None:
-    """The root mesh of the first DTensor parameter of ``model`` when it holds every rank of
-    the group; None otherwise (a model without DTensor parameters, a mesh of another group).
-    Never raises: a mesh that cannot be read leaves the diagnosis without one."""
+    """The root mesh of the first DTensor parameter of ``model`` when it has more than one
+    dimension and holds every rank of the group; None otherwise (a model without DTensor
+    parameters, FSDP2 alone on a 1-D mesh, which says nothing the ranks do not, a mesh of
+    another group). Never raises: a mesh that cannot be read leaves the diagnosis without one."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
@@ -85,6 +86,8 @@ def model_mesh(model: Any, group_ranks: Sequence[int]) -> MeshLayout | None:
         for param in model.parameters():
             if isinstance(param, DTensor):
                 layout = _from_device_mesh(param.device_mesh)
+                if len(layout.shape) == 1:
+                    return None
                 if set(group_ranks) <= set(layout.ranks):
                     return layout
                 log.warning(

@@ -109,6 +109,10 @@ def test_outlier_rule_bounds_and_small_windows() -> None:
     ):
         with pytest.raises(ValueError, match="field"):
             bad()
+    with pytest.raises(ValueError, match="field outliers: value of type float"):
+        reduce_window({0: rank_rows()}, outliers=0.05)
+    with pytest.raises(ValueError, match="field outliers"):
+        StepBlocks((0,), window_steps=100, tail_rows=200, outliers=(5.0, 0.05))
     for name, value in (("outlier_step_factor", 1.0), ("outlier_steps_max_fraction", 0.6)):
         with pytest.raises(ValueError, match=name):
             StepTimeConfig(**{name: value})
