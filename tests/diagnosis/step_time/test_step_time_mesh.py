@@ -147,3 +147,10 @@ def test_mesh_must_be_a_layout_holding_every_rank_of_the_window() -> None:
         diagnose_means(means, steps=10, mesh={"dp": 3})
     with pytest.raises(ValueError, match="field mesh"):
         diagnose_arrays({0: None}, mesh="pp")
+
+
+def test_a_pipeline_alone_has_nothing_to_compare() -> None:
+    mesh = MeshLayout.from_sizes({"pp": 4}, [0, 1, 2, 3])
+    report = diagnose_means(sync_means({0: 80.0, 1: 30.0, 2: 30.0, 3: 30.0}), steps=100, mesh=mesh)
+    assert report.straggler is None
+    assert not any(f.is_straggler for f in report.findings)
