@@ -154,3 +154,21 @@ def test_a_pipeline_alone_has_nothing_to_compare() -> None:
     report = diagnose_means(sync_means({0: 80.0, 1: 30.0, 2: 30.0, 3: 30.0}), steps=100, mesh=mesh)
     assert report.straggler is None
     assert not any(f.is_straggler for f in report.findings)
+
+
+def test_tp_x_pp_x_dp_names_a_slow_tp_rank_against_its_stage() -> None:
+    mesh = MeshLayout.from_sizes({"pp": 2, "dp": 2, "tp": 2}, list(range(8)))
+    work = {r: (60.0 if r < 4 else 30.0) for r in range(8)}  # stage 0 heavier by design
+    quiet = diagnose_means(sync_means(work), steps=100, mesh=mesh)
+    assert not any(f.is_straggler for f in quiet.findings)
+    work[6] += 20.0  # pp 1, dp 1, tp 0: its TP peer (7) and replicas (4, 5) wait for it
+    report = diagnose_means(sync_means(work), steps=100, mesh=mesh)
+    top = report.findings[0]
+    assert top.is_straggler and top.culprit_rank == 6
+    assert top.culprit_position == "rank 6: pp 1, dp 1, tp 0"
+    assert top.compared_group == "pipeline stage 1 (ranks 4, 5, 6, 7)"
+    assert top.slow_group == ""
+    # Replica dp 1, tp 0 slow at both stages (ranks 2 and 6): named as the replica.
+    work[2] += 20.0
+    both = diagnose_means(sync_means(work), steps=100, mesh=mesh).findings[0]
+    assert both.slow_group == "pipeline replica dp 1, tp 0 (ranks 2, 6)"
