@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rankwatch.diagnosis.step_time import diagnose_arrays, diagnose_means
 from rankwatch.diagnosis.step_time.mesh import MeshLayout
@@ -172,3 +174,34 @@ def test_tp_x_pp_x_dp_names_a_slow_tp_rank_against_its_stage() -> None:
     work[2] += 20.0
     both = diagnose_means(sync_means(work), steps=100, mesh=mesh).findings[0]
     assert both.slow_group == "pipeline replica dp 1, tp 0 (ranks 2, 6)"
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    work=st.lists(st.floats(10.0, 500.0), min_size=4, max_size=4),
+    extra=st.floats(0.0, 300.0),
+    layout=st.sampled_from([{"dp": 4}, {"dp": 2, "tp": 2}, {"tp": 4}]),
+)
+def test_a_mesh_without_a_pipeline_never_moves_the_verdict(
+    work: list[float], extra: float, layout: dict[str, int]
+) -> None:
+    means = sync_means(dict(enumerate(work)))
+    means[1]["input_wait"] += extra
+    mesh = MeshLayout.from_sizes(layout, range(4))
+    a = diagnose_means(means, steps=50).findings
+    b = diagnose_means(means, steps=50, mesh=mesh).findings
+    assert [(f.kind, f.severity, f.culprit_rank, f.victim_rank, f.score) for f in a] == [
+        (f.kind, f.severity, f.culprit_rank, f.victim_rank, f.score) for f in b
+    ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(work=st.lists(st.floats(10.0, 500.0), min_size=8, max_size=8))
+def test_with_a_pipeline_the_culprit_is_always_in_the_group_compared(work: list[float]) -> None:
+    mesh = MeshLayout.from_sizes({"pp": 2, "dp": 2, "tp": 2}, range(8))
+    report = diagnose_means(sync_means(dict(enumerate(work))), steps=50, mesh=mesh)
+    ev = report.straggler
+    assert ev is not None
+    assert ev.culprit_rank in ev.compared_ranks and ev.victim_rank in ev.compared_ranks
+    assert ev.compared_ranks in {g.ranks for g in mesh.comparison_groups()}
+    assert ev.culprit_position.startswith(f"rank {ev.culprit_rank}: pp ")
