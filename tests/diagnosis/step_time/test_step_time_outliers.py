@@ -68,6 +68,7 @@ def test_a_first_step_start_up_wait_on_two_ranks_no_longer_opens_a_straggler() -
         _wait(world[r], 0, "forward_wait", 4500.0)
     before = diagnose_arrays(world, config=KEEP_ALL)
     assert _stragglers(before) and before.findings[0].culprit_rank == 2
+    assert before.findings[0].severity == "critical"
     after = diagnose_arrays(world)
     assert not _stragglers(after), after.findings
     assert after.outlier_steps_by_rank == {0: 1, 1: 1}
