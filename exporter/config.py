@@ -50,6 +50,7 @@ __all__ = [
 MAX_INTERVAL_SECONDS = 3600.0  # window intervals, export intervals and gather timeouts
 MAX_WARMUP_SECONDS = 86_400.0
 MAX_SYNC_STEP = 1_000_000
+MAX_WARMUP_STEPS = 100_000
 MAX_RETAINED_FILES = 100_000
 MAX_INCIDENT_WINDOWS = 1_000
 MAX_LABEL_CHARS = 256  # run id, group and user: label values on every series
@@ -164,6 +165,11 @@ class RankwatchConfig:
     )
     max_buffered_steps: int = field(
         default=20_000, metadata=option("RANKWATCH_MAX_BUFFERED_STEPS", 2, 1_000_000)
+    )
+    # Steps each process times but does not ship: the first steps of a job hold compilation,
+    # lazy initialisation, the first collective's start-up skew and loader workers starting.
+    warmup_steps: int = field(
+        default=5, metadata=option("RANKWATCH_WARMUP_STEPS", 0, MAX_WARMUP_STEPS)
     )
     # How rankwatch's Gloo group connects (see ``gloo.create_gloo_group``): lazily, a rank
     # connects to its root only, and the root admits as many as its open-file limit has room

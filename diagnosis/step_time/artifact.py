@@ -20,6 +20,8 @@ Layout (version 2)::
         "3": null                                   # expected rank that sent nothing
       },
       "config": {"straggler_warning_score": 0.1, ...},   # optional: StepTimeConfig fields
+      "mesh": {"dim_names": ["pp", "dp"], "shape": [2, 2],
+               "ranks": [0, 1, 2, 3]},                   # optional: the job's device mesh
       "meta": {...},                                     # optional, free-form JSON object
       "report": {...}                                    # optional: StepTimeReport.to_dict()
     }
@@ -54,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from rankwatch.diagnosis.config import StepTimeConfig
+from rankwatch.diagnosis.step_time.mesh import MeshLayout
 from rankwatch.diagnosis.step_time.rules import StepTimeReport, diagnose_arrays, normalize_strategy
 from rankwatch.diagnosis.step_time.table import (
     CLOCKS,
@@ -101,7 +104,7 @@ _CLOCK_SIGNALS_BY_VERSION: dict[int, dict[str, tuple[str, ...]]] = {
     2: {clock: (*SIGNALS, *SYNC_SIGNALS) for clock in CLOCKS},
 }
 _TOP_KEYS = frozenset(
-    ("format", "version", "strategy", "window", "ranks", "config", "meta", "report")
+    ("format", "version", "strategy", "window", "ranks", "config", "mesh", "meta", "report")
 )
 # Per rank: the step ids, each clock's signals and sync waits, and the async-collectives flag
 # (rankwatch's extension of the row layout, see table).
@@ -135,6 +138,7 @@ class StepTimeWindow:
     config: StepTimeConfig | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     report: dict[str, Any] | None = None
+    mesh: MeshLayout | None = None
 
     def diagnose(self, config: StepTimeConfig | None = None) -> StepTimeReport:
         """The report of this window: with ``config``, else the recorded thresholds."""
@@ -143,6 +147,7 @@ class StepTimeWindow:
             strategy=self.strategy,
             window=self.window,
             config=config if config is not None else self.config,
+            mesh=self.mesh,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,6 +158,7 @@ class StepTimeWindow:
             config=self.config,
             meta=self.meta,
             report=self.report,
+            mesh=self.mesh,
         )
 
 
@@ -212,6 +218,7 @@ def window_to_dict(
     config: StepTimeConfig | None = None,
     meta: Mapping[str, Any] | None = None,
     report: StepTimeReport | Mapping[str, Any] | None = None,
+    mesh: MeshLayout | None = None,
 ) -> dict[str, Any]:
     """The JSON-ready artifact of one window (validated on the way)."""
     if strategy is not None:
@@ -231,6 +238,8 @@ def window_to_dict(
     }
     if config is not None:
         out["config"] = asdict(config)
+    if mesh is not None:
+        out["mesh"] = mesh.to_dict()
     if meta:
         out["meta"] = dict(meta)
     if report is not None:
@@ -247,10 +256,17 @@ def save_window(
     config: StepTimeConfig | None = None,
     meta: Mapping[str, Any] | None = None,
     report: StepTimeReport | Mapping[str, Any] | None = None,
+    mesh: MeshLayout | None = None,
 ) -> Path:
     """Write the artifact atomically (temporary file, then rename); returns the path."""
     doc = window_to_dict(
-        per_rank, strategy=strategy, window=window, config=config, meta=meta, report=report
+        per_rank,
+        strategy=strategy,
+        window=window,
+        config=config,
+        meta=meta,
+        report=report,
+        mesh=mesh,
     )
     text = json.dumps(doc, allow_nan=False, separators=(",", ":"))
     target = Path(path)
@@ -424,6 +440,15 @@ def window_from_dict(obj: object) -> StepTimeWindow:
         raise ValueError(f"ranks: {rows} step rows in all, more than the {MAX_ROWS} allowed")
     per_rank = dict(_rank_from_dict(str(k), v, version) for k, v in ranks.items())
     config = _config_from_dict(obj["config"]) if obj.get("config") is not None else None
+    mesh = None
+    if obj.get("mesh") is not None:
+        try:
+            mesh = MeshLayout.from_dict(obj["mesh"])
+        except ValueError as exc:
+            raise ValueError(f"mesh: {_clip(str(exc), 200)}") from None
+        outside = sorted(set(per_rank) - set(mesh.ranks))
+        if outside:
+            raise ValueError(f"mesh: does not hold rank {outside[0]} of the window")
     meta = obj.get("meta") or {}
     if not isinstance(meta, Mapping):
         raise ValueError(f"meta: value {_short(meta)} is not an object")
@@ -437,6 +462,7 @@ def window_from_dict(obj: object) -> StepTimeWindow:
         config=config,
         meta=dict(meta),
         report=None if report is None else dict(report),
+        mesh=mesh,
     )
 
 

@@ -20,6 +20,14 @@ rows become means). In short:
   ``INPUT_BOUND``, ``H2D_BOUND`` (GPU clock only), ``RESIDUAL_HEAVY`` (warning from 0.10,
   critical from 0.20) and ``COMPUTE_BOUND`` (info, compute share >= 0.90 with no other share
   reaching 0.10).
+* **Mesh.** With a :class:`~.mesh.MeshLayout` (``mesh=``), the straggler rule runs in each
+  comparison group (the ranks of one pipeline stage; every rank without a pipeline dimension)
+  and keeps the highest-scoring group's evidence (ties: the lowest stage); the evidence says
+  which group and where the culprit sits. When every stage names its member of one pipeline
+  replica at the warning score or above, the replica is named (``slow_group``): the slow rank
+  within it cannot be told. Without a mesh: one group of every rank.
+* **Robust windows.** The reduction leaves a rank's rare outlier steps out of its means
+  (``outlier_step_factor``, ``outlier_steps_max_fraction``; see :mod:`.table`).
 * **Gates.** Fewer than 2 aligned steps: ``WARMUP``. Fewer than 20 steps, or FSDP: every
   finding capped at warning. Findings sort by severity then score (a straggler wins an exact
   tie). No finding: ``INCOMPLETE_DATA`` when a rule abstained for an unmeasured signal, else
@@ -36,6 +44,7 @@ window means counts as 0.10.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -43,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from rankwatch.diagnosis.config import StepTimeConfig, config_or_default
+from rankwatch.diagnosis.step_time.mesh import ComparisonGroup, MeshLayout
 from rankwatch.diagnosis.step_time.report import (
     COMPONENTS,
     GPU_TIMING,
@@ -73,6 +83,7 @@ from rankwatch.diagnosis.step_time.table import (
     ROW_WIDTH,
     SIGNALS,
     STEP,
+    OutlierRule,
     WindowMeans,
     _reduce_table,
     rank_items,
@@ -88,6 +99,7 @@ __all__ = [
     "diagnose_steps",
     "diagnose_window",
     "normalize_strategy",
+    "outlier_rule",
     "strategy_from_metadata",
 ]
 
@@ -143,6 +155,17 @@ def strategy_from_metadata(value: object) -> str:
 def _config(config: StepTimeConfig | None) -> StepTimeConfig:
     # ValueError, not TypeError: every bad input of this engine is a ValueError (documented).
     return config_or_default(config, StepTimeConfig, ValueError)
+
+
+def outlier_rule(config: StepTimeConfig) -> OutlierRule:
+    """The reduction's outlier rule from the config's two options."""
+    return OutlierRule(config.outlier_step_factor, config.outlier_steps_max_fraction)
+
+
+def _mesh(mesh: object) -> MeshLayout | None:
+    if mesh is None or isinstance(mesh, MeshLayout):
+        return mesh
+    raise ValueError(f"field mesh: value of type {type(mesh).__name__} is not a MeshLayout or None")
 
 
 def _mean_value(rank: int, key: str, value: object) -> float | None:
@@ -216,15 +239,19 @@ def diagnose_arrays(
     strategy: str | None = None,
     window: int = 100,
     config: StepTimeConfig | None = None,
+    mesh: MeshLayout | None = None,
 ) -> StepTimeReport:
     """Diagnose one window from columnar arrays: ``{rank: float64 [n, ROW_WIDTH]}``.
 
     The collectors' fast path. ``None`` or an empty array marks an expected rank that sent
-    nothing. ``window`` keeps the last N step ids common to all present ranks.
+    nothing. ``window`` keeps the last N step ids common to all present ranks. ``mesh``: the
+    job's device mesh (compare ranks within its comparison groups), None for one group.
     """
     cfg = _config(config)
     strat = normalize_strategy(strategy)
-    return diagnose_window(reduce_window(per_rank, window=window), strategy=strat, config=cfg)
+    layout = _mesh(mesh)
+    wm = reduce_window(per_rank, window=window, outliers=outlier_rule(cfg))
+    return diagnose_window(wm, strategy=strat, config=cfg, mesh=layout)
 
 
 def diagnose_steps(
@@ -233,13 +260,16 @@ def diagnose_steps(
     strategy: str | None = None,
     window: int = 100,
     config: StepTimeConfig | None = None,
+    mesh: MeshLayout | None = None,
 ) -> StepTimeReport:
     """Diagnose one window from row dictionaries: ``{rank: [{"step_id", "cpu", "gpu"}, ...]}``.
 
-    A rank mapped to ``None`` or ``[]`` is expected but missing.
+    A rank mapped to ``None`` or ``[]`` is expected but missing; ``mesh`` as
+    :func:`diagnose_arrays`.
     """
     cfg = _config(config)
     strat = normalize_strategy(strategy)
+    layout = _mesh(mesh)
     win = validate_window(window)
     if not isinstance(per_rank_rows, Mapping):
         raise ValueError(
@@ -265,8 +295,8 @@ def diagnose_steps(
     else:
         table, lengths = np.empty((0, ROW_WIDTH)), []
     present_ranks = [int(r) for r, _ in present if r is not None]
-    wm = _reduce_table([r for r, _ in items], present_ranks, table, lengths, win)
-    return diagnose_window(wm, strategy=strat, config=cfg)
+    wm = _reduce_table([r for r, _ in items], present_ranks, table, lengths, win, outlier_rule(cfg))
+    return diagnose_window(wm, strategy=strat, config=cfg, mesh=layout)
 
 
 def diagnose_means(
@@ -276,21 +306,25 @@ def diagnose_means(
     strategy: str | None = None,
     clock: str = "cpu",
     config: StepTimeConfig | None = None,
+    mesh: MeshLayout | None = None,
 ) -> StepTimeReport:
     """Diagnose per-rank window means (ms) over ``steps`` aligned steps on ``clock``.
 
     Keys are the six signals plus an optional ``residual`` that overrides the derived one; a
-    missing key or None is unmeasured, a rank mapped to None is expected but missing.
+    missing key or None is unmeasured, a rank mapped to None is expected but missing;
+    ``mesh`` as :func:`diagnose_arrays`.
     """
     cfg = _config(config)
     strat = normalize_strategy(strategy)
+    layout = _mesh(mesh)
     if isinstance(steps, (bool, np.bool_)) or not isinstance(steps, (int, np.integer)):
         raise ValueError(f"field steps: value {steps!r} is not an int number of steps")
     if steps < 0:
         raise ValueError(f"field steps: value {steps!r} is negative")
     if clock not in CLOCKS:
         raise ValueError(f"field clock: value {clock!r} is not one of {', '.join(CLOCKS)}")
-    return diagnose_window(_means_window(means, int(steps), clock), strategy=strat, config=cfg)
+    wm = _means_window(means, int(steps), clock)
+    return diagnose_window(wm, strategy=strat, config=cfg, mesh=layout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,6 +441,11 @@ def _visible(wm: WindowMeans, fsdp: bool) -> tuple[np.ndarray, np.ndarray, np.nd
     return m[:, BWD].copy(), k[:, BWD].copy(), anchored & k[:, IW], VISIBLE_DDP
 
 
+def _outliers_by_rank(ranks: Sequence[int], counts: Sequence[int]) -> list[tuple[int, int]]:
+    """``(rank, steps left out)`` of the ranks that left any out (``counts`` may be empty)."""
+    return [(r, n) for r, n in zip(ranks, counts, strict=False) if n]
+
+
 def _unmeasured(measured: np.ndarray, columns: list[int]) -> tuple[str, ...]:
     """Signals among ``columns`` unmeasured on at least one of the given ranks."""
     if measured.shape[0] == 0:
@@ -488,18 +527,84 @@ def _abstentions(wm: WindowMeans) -> np.ndarray:
 
 
 def diagnose_window(
-    wm: WindowMeans, *, strategy: str | None = None, config: StepTimeConfig | None = None
+    wm: WindowMeans,
+    *,
+    strategy: str | None = None,
+    config: StepTimeConfig | None = None,
+    mesh: MeshLayout | None = None,
 ) -> StepTimeReport:
-    """The policy on already reduced window means (all entry points end here)."""
+    """The policy on already reduced window means (all entry points end here). ``mesh``
+    must hold every rank of the window."""
     cfg = _config(config)
     strat = normalize_strategy(strategy)
+    layout = _mesh(mesh)
+    if layout is not None:
+        outside = sorted(set(wm.ranks) - set(layout.ranks))
+        if outside:
+            raise ValueError(
+                f"field mesh: value {layout.dim_names!r} {layout.shape!r} does not hold "
+                f"rank {outside[0]} of the window"
+            )
     # Means near the float maximum may overflow to infinity in sums; the report then carries
     # None for them (``to_dict``) instead of warnings on every window.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _diagnose(wm, strat, cfg)
+        return _diagnose(wm, strat, cfg, layout)
 
 
-def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeReport:
+def _group_evidence(
+    wm: WindowMeans,
+    fsdp: bool,
+    visible: np.ndarray,
+    eligible: np.ndarray,
+    cfg: StepTimeConfig,
+    definition: str,
+    mesh: MeshLayout | None,
+) -> StragglerEvidence | None:
+    """The straggler rule in each comparison group of ``mesh`` (one group without it): the
+    highest-scoring group's evidence (ties: the lowest stage), saying which group it is."""
+    if mesh is None:
+        return _straggler_evidence(wm, fsdp, visible, eligible, cfg, definition)
+    row = {r: i for i, r in enumerate(wm.ranks)}
+    found: list[tuple[StragglerEvidence, ComparisonGroup]] = []
+    groups = mesh.comparison_groups()
+    for group in groups:
+        members = np.zeros(len(wm.ranks), dtype=bool)
+        members[[row[r] for r in group.ranks if r in row]] = True
+        ev = _straggler_evidence(wm, fsdp, visible, eligible & members, cfg, definition)
+        if ev is not None:
+            found.append((ev, group))
+    if not found:
+        return None
+    # A NaN score (a sum that overflowed) ranks last.
+    best, group = min(
+        found,
+        key=lambda eg: (-eg[0].score if math.isfinite(eg[0].score) else math.inf, eg[1].stage or 0),
+    )
+    slow_group, slow_ranks = "", ()
+    replicas = {mesh.pipeline_replica(ev.culprit_rank) for ev, _ in found}
+    if (
+        len(groups) > 1
+        and len(found) == len(groups)
+        and len(replicas) == 1
+        and all(_at_least(ev.score, cfg.straggler_warning_score) for ev, _ in found)
+    ):
+        # Every stage's culprit is the same pipeline's member: that pipeline is late as a
+        # whole (its slow rank cannot be told from its stages' waits).
+        slow_group = mesh.replica_text(best.culprit_rank)
+        slow_ranks = mesh.pipeline_replica(best.culprit_rank)
+    return dataclasses.replace(
+        best,
+        compared_ranks=group.ranks,
+        compared_group=group.text,
+        culprit_position=mesh.position_text(best.culprit_rank),
+        slow_group=slow_group,
+        slow_group_ranks=slow_ranks,
+    )
+
+
+def _diagnose(
+    wm: WindowMeans, strat: str, cfg: StepTimeConfig, mesh: MeshLayout | None = None
+) -> StepTimeReport:
     fsdp = strat == "fsdp"
     m, k = wm.means, wm.measured
     ranks = tuple(wm.ranks)
@@ -535,6 +640,9 @@ def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeRepor
             missing_ranks=missing_ranks,
             step_range=wm.step_range,
             visible_definition=VISIBLE_NONE if blind else definition,
+            mesh=mesh,
+            outlier_steps=wm.most_outlier_steps,
+            outlier_steps_by_rank=dict(_outliers_by_rank(ranks, wm.outlier_steps)),
         )
 
     abstained = _abstentions(wm)
@@ -552,7 +660,7 @@ def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeRepor
     if not wm.present.any():
         return report([incomplete()], None)
     evidence = (
-        _straggler_evidence(wm, fsdp, visible, eligible, cfg, definition)
+        _group_evidence(wm, fsdp, visible, eligible, cfg, definition, mesh)
         if wm.steps > 0 and not blind
         else None
     )
@@ -579,6 +687,11 @@ def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeRepor
                 component_excesses_ms=dict(evidence.component_excesses_ms),
                 component_coverage=dict(evidence.component_coverage),
                 missing_signals=evidence.missing_signals,
+                compared_ranks=evidence.compared_ranks,
+                compared_group=evidence.compared_group,
+                culprit_position=evidence.culprit_position,
+                slow_group=evidence.slow_group,
+                slow_group_ranks=evidence.slow_group_ranks,
             )
             ranked.append((finding, evidence.score))
     ranked.extend(_bottlenecks(wm, cfg, capped))

@@ -35,6 +35,7 @@ from rankwatch.exporter.publish.protocol import Publisher, check_publishers
 from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text
 from rankwatch.exporter.step_time.collectives import install_collective_waits
 from rankwatch.exporter.step_time.collector import WindowCollector
+from rankwatch.exporter.step_time.device_mesh import mesh_layout, model_mesh
 from rankwatch.exporter.step_time.device_waits import fsdp_device_waits
 from rankwatch.exporter.step_time.gpu_events import (
     EventPool,
@@ -327,6 +328,8 @@ class RankWatch:
         model: Any = None,
         optimizer: Any = None,
         dataloader: Iterable[Any] | None = None,
+        *,
+        mesh: Any = None,
     ) -> Any:
         """Install hooks: forward/backward on ``model``, step hooks on ``optimizer`` (one or a
         sequence; a framework's wrapper holding the optimizer in ``.optimizer`` is accepted),
@@ -340,6 +343,13 @@ class RankWatch:
         DDP/FSDP wrapper around ``model`` (inside a ``torch.compile`` wrapper too). Every
         wait of the training thread for a collective is timed as a sync wait from here on
         (:mod:`.collectives`), until :meth:`close`.
+
+        ``mesh``: the job's device mesh, so the diagnosis compares only ranks that should do
+        equal work (the ranks of one pipeline stage): a ``DeviceMesh`` (a submesh stands for
+        its root mesh), or dimension sizes over the group's ranks in row-major order
+        (``{"pp": 2, "dp": 2}``). Without it, the root mesh of the model's first DTensor
+        parameter, if any. Every rank passes the same mesh; it must hold every rank of the
+        group.
         """
         import torch
 
@@ -376,8 +386,13 @@ class RankWatch:
                         detected,
                         self._explicit_strategy,
                     )
+        layout = mesh_layout(mesh, self.ranks) if self.ranks else None
         if self.timer is None:
             return dataloader
+        if layout is None and model is not None:
+            layout = model_mesh(model, self.ranks)
+        if layout is not None and self._collector is not None:
+            self._collector.mesh = layout
         if model is not None:
             self._gpu_for_model(device)
         if device is not None:

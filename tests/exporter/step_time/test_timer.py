@@ -342,7 +342,12 @@ class SlowLoader:
 
 
 def single_config(**overrides: Any) -> RankwatchConfig:
-    base: dict[str, Any] = {"interval_seconds": 0.2, "gather_timeout_seconds": 2.0}
+    # Every step shipped: these tests count steps from the first one.
+    base: dict[str, Any] = {
+        "interval_seconds": 0.2,
+        "gather_timeout_seconds": 2.0,
+        "warmup_steps": 0,
+    }
     base.update(overrides)
     return RankwatchConfig.from_env(env={}, **base)
 
