@@ -11,7 +11,7 @@ STAMP    := $(VENV)/.installed
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
 .PHONY: venv backends demo test test-fast test-floors lint typecheck unit generate bench bench-scale accuracy \
-	accuracy-deepep clean
+	accuracy-deepep gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,11 @@ accuracy-deepep: venv
 # to 32 Gloo processes for a few seconds).
 bench-scale: venv
 	$(PY) -m bench.run_all --only bench_scale
+
+# The GPU clock's device check, run once by hand on a machine with a CUDA GPU (one is enough;
+# under four minutes): one table, exit 0 when every cell is right. Without CUDA: one line, 0.
+gpu-check: venv
+	$(PY) -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -25,8 +25,10 @@ import numpy as np
 from rankwatch.diagnosis.step_time import SIGNALS, diagnose_arrays, diagnose_means, diagnose_steps
 from rankwatch.diagnosis.step_time.artifact import example_window
 from rankwatch.diagnosis.step_time.row_dicts import _rows_table
+from rankwatch.diagnosis.step_time.table import clock_columns
 
 TARGET_MS = 50.0
+_CPU, _GPU = clock_columns("cpu"), clock_columns("gpu")
 
 
 def _measure(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
@@ -45,8 +47,8 @@ def _rows(arrays: dict[int, Any]) -> dict[int, list[dict[str, Any]]]:
         out[rank] = [
             {
                 "step_id": int(row[0]),
-                "cpu": dict(zip(SIGNALS, row[1:7], strict=True)),
-                "gpu": dict(zip(SIGNALS, row[7:13], strict=True)),
+                "cpu": dict(zip(SIGNALS, row[_CPU], strict=True)),
+                "gpu": dict(zip(SIGNALS, row[_GPU], strict=True)),
             }
             for row in arr.tolist()
         ]
@@ -88,7 +90,7 @@ def run(
         arrays: dict[int, Any] = dict(example_window(ranks, steps, slow_rank=ranks // 2).per_rank)
         rows = _rows(arrays)
         means = {
-            r: dict(zip(SIGNALS, np.nanmean(a[:, 7:13], axis=0).tolist(), strict=True))
+            r: dict(zip(SIGNALS, np.nanmean(a[:, _GPU], axis=0).tolist(), strict=True))
             for r, a in arrays.items()
         }
         cube = np.stack(list(arrays.values()))

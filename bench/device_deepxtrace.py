@@ -330,7 +330,7 @@ def has_pr720(deep_ep: Any) -> bool:
     return hasattr(_buffer_module(deep_ep), "_REQUIRED_NORMAL_STATS_SCHEMA")
 
 
-def _sleep_cycles_per_ms() -> float:
+def sleep_cycles_per_ms() -> float:
     """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured once."""
     import torch
 
@@ -385,7 +385,7 @@ def run_normal(args: argparse.Namespace, group: Any, rank: int, ep: int) -> list
     )
     cycles = 0.0
     if rank == args.delay_rank:
-        _phase(state, "calibrate", _sleep_cycles_per_ms)
+        _phase(state, "calibrate", sleep_cycles_per_ms)
         # Without a measured clock, assume 1.5 GHz rather than inject no delay at all.
         cycles = state.get("calibrate", 1.5e6) * args.delay_ms
 

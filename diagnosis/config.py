@@ -382,6 +382,17 @@ class StepTimeConfig(EnvOptions):
     summary_window_steps: int = field(
         default=10_000, metadata=option("RANKWATCH_SUMMARY_WINDOW_STEPS", 2, MAX_WINDOW_STEPS)
     )
+    # Robust windows: a rank's step whose outer step exceeds this factor x the rank's median
+    # over the window is left out of its means (a checkpoint save, an evaluation pause, a
+    # recompile), when at most ``outlier_steps_max_fraction`` of the window's steps are such;
+    # more are the job's normal and stay in. A fraction of 0 keeps every step.
+    outlier_step_factor: float = field(
+        default=5.0,
+        metadata=option("RANKWATCH_OUTLIER_STEP_FACTOR", 1.0, MAX_FACTOR, lo_open=True),
+    )
+    outlier_steps_max_fraction: float = field(
+        default=0.05, metadata=option("RANKWATCH_OUTLIER_STEPS_MAX_FRACTION", 0.0, 0.5)
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -50,6 +50,7 @@ __all__ = [
 MAX_INTERVAL_SECONDS = 3600.0  # window intervals, export intervals and gather timeouts
 MAX_WARMUP_SECONDS = 86_400.0
 MAX_SYNC_STEP = 1_000_000
+MAX_WARMUP_STEPS = 100_000
 MAX_RETAINED_FILES = 100_000
 MAX_INCIDENT_WINDOWS = 1_000
 MAX_LABEL_CHARS = 256  # run id, group and user: label values on every series
@@ -165,6 +166,11 @@ class RankwatchConfig:
     max_buffered_steps: int = field(
         default=20_000, metadata=option("RANKWATCH_MAX_BUFFERED_STEPS", 2, 1_000_000)
     )
+    # Steps each process times but does not ship: the first steps of a job hold compilation,
+    # lazy initialisation, the first collective's start-up skew and loader workers starting.
+    warmup_steps: int = field(
+        default=5, metadata=option("RANKWATCH_WARMUP_STEPS", 0, MAX_WARMUP_STEPS)
+    )
     # How rankwatch's Gloo group connects (see ``gloo.create_gloo_group``): lazily, a rank
     # connects to its root only, and the root admits as many as its open-file limit has room
     # for; off, every member to every member (a full mesh takes 4,096 sockets per rank at
@@ -176,6 +182,11 @@ class RankwatchConfig:
     # watch(): fetched batches without an optimizer step before one warning says so
     optimizer_silent_batches: int = field(
         default=50, metadata=option("RANKWATCH_OPTIMIZER_SILENT_BATCHES", 1, 1_000_000)
+    )
+    # GPU clock: device errors (an event's record/query/elapsed_time raising) before GPU timing
+    # switches itself off with one warning
+    gpu_device_errors_before_off: int = field(
+        default=3, metadata=option("RANKWATCH_GPU_DEVICE_ERRORS_BEFORE_OFF", 1, 1_000_000)
     )
     # Prometheus pull path
     metrics_enabled: bool = field(default=True, metadata=option("RANKWATCH_METRICS_ENABLE"))

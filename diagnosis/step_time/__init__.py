@@ -2,10 +2,12 @@
 
 Modules, in reading order: :mod:`.table` (the columnar rows and their reduction to per-rank
 means), :mod:`.row_dicts` (row dictionaries into that table), :mod:`.blocks` (bounded state
-for long windows), :mod:`.rules` (the policy: straggler score, attribution, bottlenecks,
-gates), :mod:`.report` (what it returns) and :mod:`.artifact` (windows saved as JSON).
+for long windows), :mod:`.mesh` (a job's device mesh and its comparison groups), :mod:`.rules`
+(the policy: straggler score, attribution, bottlenecks, gates), :mod:`.report` (what it
+returns) and :mod:`.artifact` (windows saved as JSON).
 """
 
+from rankwatch.diagnosis.step_time.mesh import MeshLayout
 from rankwatch.diagnosis.step_time.report import (
     COMPONENTS,
     KINDS,
@@ -41,6 +43,7 @@ __all__ = [
     "STRAGGLER_KINDS",
     "STRATEGIES",
     "Finding",
+    "MeshLayout",
     "StepTimeReport",
     "StragglerEvidence",
     "diagnose_arrays",

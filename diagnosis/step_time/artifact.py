@@ -4,26 +4,32 @@ An artifact holds exactly what :func:`~.rules.diagnose_arrays` needs (the per-ra
 the strategy, the window size and the thresholds in force) plus free-form metadata and,
 optionally, the report given live. Replaying it gives the same report: the diagnosis is pure.
 
-Layout (version 1)::
+Layout (version 2)::
 
     {
       "format": "rankwatch.step_time_window",
-      "version": 1,
+      "version": 2,
       "strategy": "ddp" | "fsdp" | null,
       "window": 100,
       "ranks": {
         "0": {"step_id": [5, 6, ...],
-              "cpu": {"input_wait": [1.5, null, ...], "forward": [...], ...},
-              "gpu": {...}},
+              "cpu": {"input_wait": [1.5, null, ...], "forward": [...], ...,
+                      "forward_wait": [...], "backward_wait": [...]},
+              "gpu": {...},                         # the same keys, on the GPU clock
+              "async_collectives": [1, 1, ...]},
         "3": null                                   # expected rank that sent nothing
       },
       "config": {"straggler_warning_score": 0.1, ...},   # optional: StepTimeConfig fields
+      "mesh": {"dim_names": ["pp", "dp"], "shape": [2, 2],
+               "ranks": [0, 1, 2, 3]},                   # optional: the job's device mesh
       "meta": {...},                                     # optional, free-form JSON object
       "report": {...}                                    # optional: StepTimeReport.to_dict()
     }
 
 Times are milliseconds; ``null`` is an absent value, and a signal or clock absent on every
-step may be left out. Loading validates everything and raises :class:`ArtifactError` (a
+step may be left out. Version 1 files (written before the GPU clock timed the sync waits) are
+still read: they are version 2 without ``gpu.forward_wait``/``gpu.backward_wait``, which a
+version 1 file may not name. Loading validates everything and raises :class:`ArtifactError` (a
 ``ValueError``) naming the file, the path of the bad field (``ranks.3.cpu.forward[17]``) and
 its value. A file is read only when it is a regular file of at most :data:`MAX_FILE_BYTES`;
 its JSON may nest :data:`~rankwatch.diagnosis.untrusted_files.MAX_JSON_DEPTH` levels, hold
@@ -50,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from rankwatch.diagnosis.config import StepTimeConfig
+from rankwatch.diagnosis.step_time.mesh import MeshLayout
 from rankwatch.diagnosis.step_time.rules import StepTimeReport, diagnose_arrays, normalize_strategy
 from rankwatch.diagnosis.step_time.table import (
     CLOCKS,
@@ -90,15 +97,20 @@ __all__ = [
 ]
 
 FORMAT = "rankwatch.step_time_window"
-VERSION = 1
+VERSION = 2
+# Versions this reader accepts; each maps to the signals a clock may carry in it.
+_CLOCK_SIGNALS_BY_VERSION: dict[int, dict[str, tuple[str, ...]]] = {
+    1: {"cpu": (*SIGNALS, *SYNC_SIGNALS), "gpu": SIGNALS},
+    2: {clock: (*SIGNALS, *SYNC_SIGNALS) for clock in CLOCKS},
+}
 _TOP_KEYS = frozenset(
-    ("format", "version", "strategy", "window", "ranks", "config", "meta", "report")
+    ("format", "version", "strategy", "window", "ranks", "config", "mesh", "meta", "report")
 )
-# Per rank: the step ids, each clock's signals (the CPU clock also carries the sync waits),
-# and the async-collectives flag (rankwatch's extension of the row layout, see table).
+# Per rank: the step ids, each clock's signals and sync waits, and the async-collectives flag
+# (rankwatch's extension of the row layout, see table).
 _ASYNC = EXTRA_COLUMNS[-1]
 _ASYNC_COL = ROW_WIDTH - 1
-_CLOCK_SIGNALS = {"cpu": (*SIGNALS, *SYNC_SIGNALS), "gpu": SIGNALS}
+_CLOCK_SIGNALS = _CLOCK_SIGNALS_BY_VERSION[VERSION]
 _RANK_KEYS = frozenset(("step_id", *CLOCKS, _ASYNC))
 
 # Bounds on what a file may declare, checked before anything is allocated for it. A window of
@@ -108,7 +120,7 @@ MAX_FILE_BYTES = 64 * 2**20
 # Per rank about 35 objects, arrays and strings (the rank, its clocks, a list per signal, keys).
 MAX_JSON_ITEMS = 1_000_000
 MAX_RANKS = 65_536
-# Rows become one float64 [n, ROW_WIDTH] array per rank: 2**20 rows are 128 MiB
+# Rows become one float64 [n, ROW_WIDTH] array per rank: 2**20 rows are 144 MiB at 18 columns
 # (4,096 ranks x 256 steps, or 1,024 ranks x 1,024 steps).
 MAX_ROWS = 2**20
 # Step ids travel as float64, exact for integers up to 2**53.
@@ -126,6 +138,7 @@ class StepTimeWindow:
     config: StepTimeConfig | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     report: dict[str, Any] | None = None
+    mesh: MeshLayout | None = None
 
     def diagnose(self, config: StepTimeConfig | None = None) -> StepTimeReport:
         """The report of this window: with ``config``, else the recorded thresholds."""
@@ -134,6 +147,7 @@ class StepTimeWindow:
             strategy=self.strategy,
             window=self.window,
             config=config if config is not None else self.config,
+            mesh=self.mesh,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +158,7 @@ class StepTimeWindow:
             config=self.config,
             meta=self.meta,
             report=self.report,
+            mesh=self.mesh,
         )
 
 
@@ -203,6 +218,7 @@ def window_to_dict(
     config: StepTimeConfig | None = None,
     meta: Mapping[str, Any] | None = None,
     report: StepTimeReport | Mapping[str, Any] | None = None,
+    mesh: MeshLayout | None = None,
 ) -> dict[str, Any]:
     """The JSON-ready artifact of one window (validated on the way)."""
     if strategy is not None:
@@ -222,6 +238,8 @@ def window_to_dict(
     }
     if config is not None:
         out["config"] = asdict(config)
+    if mesh is not None:
+        out["mesh"] = mesh.to_dict()
     if meta:
         out["meta"] = dict(meta)
     if report is not None:
@@ -238,10 +256,17 @@ def save_window(
     config: StepTimeConfig | None = None,
     meta: Mapping[str, Any] | None = None,
     report: StepTimeReport | Mapping[str, Any] | None = None,
+    mesh: MeshLayout | None = None,
 ) -> Path:
     """Write the artifact atomically (temporary file, then rename); returns the path."""
     doc = window_to_dict(
-        per_rank, strategy=strategy, window=window, config=config, meta=meta, report=report
+        per_rank,
+        strategy=strategy,
+        window=window,
+        config=config,
+        meta=meta,
+        report=report,
+        mesh=mesh,
     )
     text = json.dumps(doc, allow_nan=False, separators=(",", ":"))
     target = Path(path)
@@ -309,7 +334,7 @@ def _number_list(path: str, values: object, n: int) -> np.ndarray:
     return out
 
 
-def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
+def _rank_from_dict(key: str, obj: object, version: int = VERSION) -> tuple[int, np.ndarray | None]:
     if len(key) > len(str(MAX_RANK_ID)):
         raise ValueError(
             f"ranks.{_clip(key)}: rank id of {len(key)} characters is not an int in "
@@ -345,6 +370,7 @@ def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
     n = len(ids)
     arr = np.full((n, ROW_WIDTH), np.nan)
     arr[:, 0] = ids
+    known = _CLOCK_SIGNALS_BY_VERSION[version]
     for clock in CLOCKS:
         signals = obj.get(clock)
         if signals is None:
@@ -352,10 +378,10 @@ def _rank_from_dict(key: str, obj: object) -> tuple[int, np.ndarray | None]:
         if not isinstance(signals, Mapping):
             raise ValueError(f"{where}.{clock}: value {_short(signals)} is not an object")
         for signal, values in signals.items():
-            if signal not in _CLOCK_SIGNALS[clock]:
+            if signal not in known[clock]:
                 raise ValueError(
-                    f"{where}.{clock}.{_clip(signal)}: unknown signal (expected one of "
-                    f"{', '.join(_CLOCK_SIGNALS[clock])})"
+                    f"{where}.{clock}.{_clip(signal)}: unknown signal in a version {version} "
+                    f"artifact (expected one of {', '.join(known[clock])})"
                 )
             arr[:, column(clock, signal)] = _number_list(f"{where}.{clock}.{signal}", values, n)
     if obj.get(_ASYNC) is not None:
@@ -385,12 +411,13 @@ def window_from_dict(obj: object) -> StepTimeWindow:
     version = obj.get("version")
     if isinstance(version, bool) or not isinstance(version, int):
         raise ValueError(f"version: value {_short(version)} is not an int")
-    if version != VERSION:
-        raise ValueError(f"version: value {version} is not supported (this reader knows {VERSION})")
+    if version not in _CLOCK_SIGNALS_BY_VERSION:
+        known = ", ".join(str(v) for v in _CLOCK_SIGNALS_BY_VERSION)
+        raise ValueError(f"version: value {version} is not supported (this reader knows {known})")
     unknown = set(obj) - _TOP_KEYS
     if unknown:
         raise ValueError(
-            f"{_clip(sorted(unknown)[0])}: unknown key in a version {VERSION} artifact"
+            f"{_clip(sorted(unknown)[0])}: unknown key in a version {version} artifact"
         )
     strategy = obj.get("strategy")
     try:
@@ -411,8 +438,17 @@ def window_from_dict(obj: object) -> StepTimeWindow:
     )
     if rows > MAX_ROWS:
         raise ValueError(f"ranks: {rows} step rows in all, more than the {MAX_ROWS} allowed")
-    per_rank = dict(_rank_from_dict(str(k), v) for k, v in ranks.items())
+    per_rank = dict(_rank_from_dict(str(k), v, version) for k, v in ranks.items())
     config = _config_from_dict(obj["config"]) if obj.get("config") is not None else None
+    mesh = None
+    if obj.get("mesh") is not None:
+        try:
+            mesh = MeshLayout.from_dict(obj["mesh"])
+        except ValueError as exc:
+            raise ValueError(f"mesh: {_clip(str(exc), 200)}") from None
+        outside = sorted(set(per_rank) - set(mesh.ranks))
+        if outside:
+            raise ValueError(f"mesh: does not hold rank {outside[0]} of the window")
     meta = obj.get("meta") or {}
     if not isinstance(meta, Mapping):
         raise ValueError(f"meta: value {_short(meta)} is not an object")
@@ -426,6 +462,7 @@ def window_from_dict(obj: object) -> StepTimeWindow:
         config=config,
         meta=dict(meta),
         report=None if report is None else dict(report),
+        mesh=mesh,
     )
 
 

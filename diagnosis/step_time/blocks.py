@@ -23,6 +23,15 @@ blocks in which every present rank sent the same step ids. Two cases are approxi
 (the window holds between ``window - block_steps + 1`` and ``window`` aligned steps, never more),
 and an old block in which ranks sent different step ids (rows lost on one rank), where a rank's
 block means stand for the common steps.
+
+Outlier steps. With an :class:`~.table.OutlierRule`, a window that lies in the kept rows is
+judged as :func:`~.table.reduce_window` judges it (same rule, same steps: exact). A window
+that reaches into the blocks is judged per block: each closed block leaves out its rank's rare
+outlier steps against the block's own median and fraction (``block_steps`` steps), and the
+kept rows of the window against theirs. A step that is an outlier of the whole window is an
+outlier of its block unless its block holds more than the allowed fraction of them; so the
+summary may keep a step the whole window would leave out (or the reverse), and says how many
+it left out all the same.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from rankwatch.diagnosis.step_time.table import (
     SYNC_SIGNALS,
     BoolArray,
     FloatArray,
+    OutlierRule,
     WindowMeans,
     _align,
     _check_table,
@@ -48,6 +58,7 @@ from rankwatch.diagnosis.step_time.table import (
     column,
     gpu_steps,
     rows_after,
+    validate_outliers,
     validate_window,
 )
 
@@ -65,10 +76,8 @@ def every_step_keys() -> BoolArray:
     """
     out = np.ones(len(MEAN_KEYS), dtype=bool)
     for k, key in enumerate(MEAN_KEYS):
-        if key in SIGNALS:
+        if key in SIGNALS or key in SYNC_SIGNALS:
             cols = [column(clock, key) for clock in CLOCKS]
-        elif key in SYNC_SIGNALS:
-            cols = [column("cpu", key)]
         else:
             continue  # derived (the residual): combines like the keys it is made of
         cube = np.full((1, 2, ROW_WIDTH), 1.0)
@@ -99,6 +108,7 @@ class StepBlocks:
         window_steps: int,
         tail_rows: int,
         block_steps: int = BLOCK_STEPS,
+        outliers: OutlierRule | None = None,
     ) -> None:
         window_steps = validate_window(window_steps)
         if block_steps < 1:
@@ -110,6 +120,7 @@ class StepBlocks:
                 f"({2 * block_steps})"
             )
         self.ranks = tuple(ranks)
+        self.outliers = validate_outliers(outliers)
         self._row = {r: i for i, r in enumerate(self.ranks)}
         self.block_steps = block_steps
         self.tail_rows = tail_rows
@@ -124,6 +135,8 @@ class StepBlocks:
         self._steps = np.zeros((n, slots), dtype=np.int64)
         self._sums = np.zeros((n, slots, len(CLOCKS), _KEYS))
         self._measured = np.zeros((n, slots, len(CLOCKS), _KEYS), dtype=bool)
+        # Steps each block's means stand for, per clock (its steps less the outliers left out).
+        self._kept = np.zeros((n, slots, len(CLOCKS)), dtype=np.int64)
         self._gpu_ok = np.zeros((n, slots), dtype=bool)
         # A block in which the rank flagged collectives that do not block its host.
         self._async = np.zeros((n, slots), dtype=bool)
@@ -140,6 +153,7 @@ class StepBlocks:
             self._steps,
             self._sums,
             self._measured,
+            self._kept,
             self._gpu_ok,
             self._async,
             self._mask,
@@ -196,9 +210,11 @@ class StepBlocks:
         names = list(range(n))
         with np.errstate(over="ignore", invalid="ignore"):
             for c, clock in enumerate(CLOCKS):
-                wm = _reduce_cube(names, present, cube, ids[0], clock=clock)
-                self._sums[idx, slot, c] = wm.means * steps
+                wm = _reduce_cube(names, present, cube, ids[0], clock=clock, outliers=self.outliers)
+                kept = steps - np.asarray(wm.outlier_steps or (0,) * n, dtype=np.int64)
+                self._sums[idx, slot, c] = wm.means * kept[:, None]
                 self._measured[idx, slot, c] = wm.measured
+                self._kept[idx, slot, c] = kept
         self._gpu_ok[idx, slot] = gpu_steps(cube).all(axis=1)
         self._async[idx, slot] = np.nan_to_num(cube[:, :, _ASYNC_COL]).any(axis=1)
         self._index[idx, slot] = block
@@ -260,7 +276,7 @@ class StepBlocks:
         with np.errstate(over="ignore", invalid="ignore"):
             cube, ids = _align(table, lengths, present_ranks, window)
             if cube.shape[1] >= window or split == 0:
-                return _reduce_cube(ranks, pmask, cube, ids)
+                return _reduce_cube(ranks, pmask, cube, ids, outliers=self.outliers)
             return self._combine(ranks, pmask, rows_of, cube, ids, split, window)
 
     def _combine(
@@ -293,6 +309,7 @@ class StepBlocks:
         own = np.maximum(self._steps[rows_of][:, slots[used]], 1)
         scale = counts[used][None, :] / own  # [present, used]
         sums = (self._sums[rows_of][:, slots[used]] * scale[:, :, None, None]).sum(axis=1)
+        kept = (self._kept[rows_of][:, slots[used]] * scale[:, :, None]).sum(axis=1)
         meas = self._measured[rows_of][:, slots[used]]  # [present, used, clocks, keys]
         every = np.where(_EVERY, meas.all(axis=1), meas.any(axis=1))
         gpu_blocks = bool(self._gpu_ok[rows_of][:, slots[used]].all())
@@ -300,7 +317,7 @@ class StepBlocks:
         steps = n_tail + int(counts[used].sum())
         use_gpu = gpu_blocks and (n_tail == 0 or bool(gpu_steps(cube).all()))
         c = CLOCKS.index("gpu" if use_gpu else "cpu")
-        block_sums, block_meas = sums[:, c], every[:, c]
+        block_sums, block_meas, block_kept = sums[:, c], every[:, c], kept[:, c]
         if n_tail:
             tail = _reduce_cube(
                 list(range(len(rows_of))),
@@ -308,13 +325,19 @@ class StepBlocks:
                 cube,
                 ids,
                 clock=CLOCKS[c],
+                outliers=self.outliers,
             )
-            block_sums = block_sums + tail.means * n_tail
+            tail_kept = n_tail - np.asarray(tail.outlier_steps or (0,) * len(rows_of))
+            block_sums = block_sums + tail.means * tail_kept[:, None]
+            block_kept = block_kept + tail_kept
             block_meas = np.where(_EVERY, block_meas & tail.measured, block_meas | tail.measured)
             async_collectives = async_collectives or tail.async_collectives
         means = np.zeros((len(ranks), _KEYS))
         measured = np.zeros((len(ranks), _KEYS), dtype=bool)
-        sub = block_sums / steps
+        left_out = np.rint(steps - block_kept).astype(np.int64)
+        # Every step kept (the usual window): divide by the step count itself, as before.
+        divisor = np.maximum(block_kept, 1.0)[:, None] if left_out.any() else steps
+        sub = block_sums / divisor
         sub[~block_meas] = 0.0
         means[rows_of] = sub
         measured[rows_of] = block_meas
@@ -325,6 +348,16 @@ class StepBlocks:
         else:
             first = int(ids[0])
         last = int(ids[-1]) if n_tail else first
+        outlier_steps = np.zeros(len(ranks), dtype=np.int64)
+        outlier_steps[rows_of] = left_out
         return WindowMeans(
-            tuple(ranks), means, measured, pmask, steps, CLOCKS[c], (first, last), async_collectives
+            tuple(ranks),
+            means,
+            measured,
+            pmask,
+            steps,
+            CLOCKS[c],
+            (first, last),
+            async_collectives,
+            tuple(int(n) for n in outlier_steps) if left_out.any() else (),
         )

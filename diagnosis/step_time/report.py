@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankwatch.diagnosis.step_time.mesh import MeshLayout
 from rankwatch.diagnosis.step_time.table import MEAN_KEYS
 from rankwatch.diagnosis.vocabulary import (
     COMPONENTS,
@@ -42,7 +43,8 @@ __all__ = [
 
 RANK_MEAN_KEYS: tuple[str, ...] = (*MEAN_KEYS, "visible")
 # Which value the straggler rule compared across ranks (``visible_definition``):
-VISIBLE_SYNC = "sync_wait"  # forward_wait + backward_wait (rankwatch's extension, CPU clock)
+# forward_wait + backward_wait (rankwatch's extension) on the report's clock, CPU or GPU
+VISIBLE_SYNC = "sync_wait"
 VISIBLE_DDP = "backward"  # the seed's DDP/default definition
 VISIBLE_FSDP = "forward+backward"  # the seed's FSDP definition
 VISIBLE_NONE = "none"  # the rule abstained: the CPU clock cannot contain the wait
@@ -71,6 +73,13 @@ class StragglerEvidence:
     culprit or the victim (or ``compute`` under FSDP) is absent from both.
     ``missing_signals`` names the signals that kept a component out of attribution.
     ``visible_definition`` names the visible value compared (``VISIBLE_DEFINITIONS``).
+
+    With a mesh (:class:`~.mesh.MeshLayout`): ``compared_ranks`` and ``compared_group`` are
+    the comparison group the evidence comes from (``"pipeline stage 1 (ranks 2, 3)"``),
+    ``culprit_position`` the culprit's place in the mesh (``"rank 3: pp 1, dp 1"``), and
+    ``slow_group``/``slow_group_ranks`` name a group when only the group can be told (every
+    pipeline stage names its member of one pipeline replica: ``"pipeline replica dp 1 (ranks
+    1, 3)"``). Without a mesh they are empty.
     """
 
     culprit_rank: int
@@ -84,6 +93,11 @@ class StragglerEvidence:
     eligible_ranks: tuple[int, ...] = ()
     missing_signals: tuple[str, ...] = ()
     visible_definition: str = VISIBLE_DDP
+    compared_ranks: tuple[int, ...] = ()
+    compared_group: str = ""
+    culprit_position: str = ""
+    slow_group: str = ""
+    slow_group_ranks: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,7 +112,21 @@ class StragglerEvidence:
             "eligible_ranks": list(self.eligible_ranks),
             "missing_signals": list(self.missing_signals),
             "visible_definition": self.visible_definition,
+            **_mesh_fields(self),
         }
+
+
+def _mesh_fields(item: StragglerEvidence | Finding) -> dict[str, Any]:
+    # Without a mesh the keys are left out: a report of a job without one reads as before.
+    if not item.compared_group:
+        return {}
+    return {
+        "compared_ranks": list(item.compared_ranks),
+        "compared_group": item.compared_group,
+        "culprit_position": item.culprit_position,
+        "slow_group": item.slow_group,
+        "slow_group_ranks": list(item.slow_group_ranks),
+    }
 
 
 @dataclass(frozen=True)
@@ -112,6 +140,7 @@ class Finding:
     ``COMPUTE_BOUND``), the ranks a rule abstained on for ``INCOMPLETE_DATA``.
     ``missing_signals`` names signals whose absence made a rule abstain (``INCOMPLETE_DATA``,
     bottlenecks) or kept a component out of attribution (stragglers).
+    A straggler finding repeats its evidence's mesh fields (see :class:`StragglerEvidence`).
     """
 
     kind: str
@@ -126,6 +155,11 @@ class Finding:
     component_excesses_ms: dict[str, float] = field(default_factory=dict)
     component_coverage: dict[str, float] = field(default_factory=dict)
     missing_signals: tuple[str, ...] = ()
+    compared_ranks: tuple[int, ...] = ()
+    compared_group: str = ""
+    culprit_position: str = ""
+    slow_group: str = ""
+    slow_group_ranks: tuple[int, ...] = ()
 
     @property
     def is_straggler(self) -> bool:
@@ -146,6 +180,7 @@ class Finding:
             "component_coverage": _clean_map(self.component_coverage),
         }
         out["missing_signals"] = list(self.missing_signals)
+        out.update(_mesh_fields(self))
         return out
 
 
@@ -161,7 +196,9 @@ class StepTimeReport:
     rule's evidence whenever two ranks were eligible, even below the warning score.
     ``visible_definition`` says which visible value the straggler rule compared
     (``VISIBLE_DEFINITIONS``; ``"none"`` when it abstained because the CPU clock cannot
-    contain the wait).
+    contain the wait). ``mesh`` is the layout the straggler rule compared by (None: every
+    rank with every other). ``outlier_steps`` is the most steps left out of one rank's means
+    as outliers, ``outlier_steps_by_rank`` the count per rank that left any out.
     """
 
     kind: str
@@ -177,6 +214,9 @@ class StepTimeReport:
     missing_ranks: tuple[int, ...] = ()
     step_range: tuple[int, int] | None = None
     visible_definition: str = VISIBLE_DDP
+    mesh: MeshLayout | None = None
+    outlier_steps: int = 0
+    outlier_steps_by_rank: dict[int, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: rank-keyed maps use string keys, unmeasured values are None, no NaN."""
@@ -197,4 +237,7 @@ class StepTimeReport:
                 for r, m in self.rank_means.items()
             },
             "missing_signals": {str(r): list(s) for r, s in self.missing_signals.items()},
+            "mesh": None if self.mesh is None else self.mesh.to_dict(),
+            "outlier_steps": self.outlier_steps,
+            "outlier_steps_by_rank": {str(r): n for r, n in self.outlier_steps_by_rank.items()},
         }

@@ -1,7 +1,9 @@
 """Row dictionaries -> the columnar step-time array (see :mod:`.table`).
 
 A row is ``{"step_id": int, "cpu": {signal: ms, ...}, "gpu": {signal: ms, ...}}``; a missing
-clock, a missing signal or ``None`` means absent. Reading a hundred thousand such dictionaries
+clock, a missing signal or ``None`` means absent. A clock may also carry the sync waits
+(``forward_wait``, ``backward_wait``, rankwatch's extension; rows with them take the careful
+reader). Reading a hundred thousand such dictionaries
 is the one part of the step-time diagnosis that is bound by the Python interpreter, so the
 common shapes go through lean loops (one C-level ``itemgetter`` per clock, then a single
 ``np.fromiter``) and only unusual rows through a careful reader that checks every value and
@@ -26,9 +28,11 @@ from rankwatch.diagnosis.step_time.table import (
     CLOCKS,
     ROW_WIDTH,
     SIGNALS,
+    SYNC_SIGNALS,
     FloatArray,
     _check_table,
     _field_name,
+    column,
 )
 
 __all__ = ["rows_to_array"]
@@ -36,7 +40,11 @@ __all__ = ["rows_to_array"]
 _SIG = itemgetter(*SIGNALS)
 _ROW_KEYS = frozenset(("step_id", *CLOCKS))
 _SIGNAL_SET = frozenset(SIGNALS)
+_CLOCK_KEYS = (*SIGNALS, *SYNC_SIGNALS)  # what a clock dict may hold
+_CLOCK_KEY_SET = frozenset(_CLOCK_KEYS)
 _ABSENT = (None,) * len(SIGNALS)
+# The sync-wait columns, in the order the careful reader collects them (per clock).
+_WAIT_COLS = [column(clock, s) for clock in CLOCKS for s in SYNC_SIGNALS]
 
 
 def _where(rank: int | None, index: int, step_id: object = None) -> str:
@@ -75,8 +83,11 @@ def _is_step_id(value: object) -> bool:
         return False
 
 
-def _strict_rows(rows: Sequence[Mapping[str, Any]], rank: int | None) -> list[float | None]:
-    """The careful reading of one rank's rows: every value checked, precise errors."""
+def _strict_rows(
+    rows: Sequence[Mapping[str, Any]], rank: int | None, waits: list[float | None] | None = None
+) -> list[float | None]:
+    """The careful reading of one rank's rows: every value checked, precise errors. The sync
+    waits go to ``waits`` (``len(_WAIT_COLS)`` per row) when given."""
     flat: list[float | None] = []
     for i, row in enumerate(rows):
         if not isinstance(row, Mapping):
@@ -104,19 +115,25 @@ def _strict_rows(rows: Sequence[Mapping[str, Any]], rank: int | None) -> list[fl
             values = row.get(clock)
             if values is None:
                 flat.extend(_ABSENT)
+                if waits is not None:
+                    waits.extend((None,) * len(SYNC_SIGNALS))
                 continue
             if not isinstance(values, Mapping):
                 raise ValueError(
                     f"{where}: field {clock}: value {values!r} is not a mapping of signals"
                 )
-            bad = set(values) - _SIGNAL_SET
+            bad = set(values) - _CLOCK_KEY_SET
             if bad:
                 key = sorted(bad, key=str)[0]
                 raise ValueError(
                     f"{where}: field {clock}.{key}: unknown signal (expected one of "
-                    f"{', '.join(SIGNALS)}), value {values[key]!r}"
+                    f"{', '.join(_CLOCK_KEYS)}), value {values[key]!r}"
                 )
             flat.extend(_strict_time(values.get(s), where, f"{clock}.{s}") for s in SIGNALS)
+            if waits is not None:
+                waits.extend(
+                    _strict_time(values.get(s), where, f"{clock}.{s}") for s in SYNC_SIGNALS
+                )
     return flat
 
 
@@ -124,8 +141,8 @@ class _Unusual(Exception):
     """A row the fast reader does not handle; the rank is read another way."""
 
 
-# Which table columns a rank's rows fill, by the clocks they carry (has_cpu, has_gpu). Row
-# dictionaries carry the two clocks only: the trailing extra columns stay absent (NaN).
+# Which table columns a rank's rows fill, by the clocks they carry (has_cpu, has_gpu). The
+# sync waits (careful reader only) are written apart; ``async_collectives`` stays absent.
 _LAYOUTS: dict[tuple[bool, bool], list[int]] = {
     (True, True): list(range(BASE_WIDTH)),
     (True, False): list(range(1 + len(SIGNALS))),
@@ -220,9 +237,13 @@ def _fast_rows(
 
 
 def _read_rank(
-    rank: int | None, rows: Sequence[Mapping[str, Any]], flats: dict[tuple[bool, bool], list[Any]]
+    rank: int | None,
+    rows: Sequence[Mapping[str, Any]],
+    flats: dict[tuple[bool, bool], list[Any]],
+    waits: list[float | None],
 ) -> tuple[tuple[bool, bool], int]:
-    """Append ``rows`` to the flat list of their layout; (layout, start offset)."""
+    """Append ``rows`` to the flat list of their layout; (layout, start offset). Rows the
+    careful reader takes also leave their sync waits in ``waits`` (empty when none has one)."""
     try:
         first = rows[0]
         layout = (first.get("cpu") is not None, first.get("gpu") is not None)
@@ -239,7 +260,9 @@ def _read_rank(
             del flat[start:]
     flat = flats[(True, True)]
     start = len(flat)
-    flat.extend(_strict_rows(rows, rank))
+    flat.extend(_strict_rows(rows, rank, waits))
+    if all(w is None for w in waits):
+        waits.clear()  # no sync wait: nothing to write
     return (True, True), start
 
 
@@ -254,13 +277,17 @@ def _rows_table(
     flats: dict[tuple[bool, bool], list[Any]] = {layout: [] for layout in _LAYOUTS}
     segments: list[tuple[int | None, tuple[bool, bool], int, int]] = []  # rank, layout, start, n
     lengths: list[int] = []
+    rank_waits: list[tuple[int, list[float | None]]] = []  # (first table row, waits) per rank
     was_enabled = gc.isenabled()
     # A hundred thousand small tuples would otherwise trigger full collections over every live
     # object (a third of the read time). Paused for this read only, restored even on error.
     gc.disable()
     try:
         for rank, rows in per_rank:
-            layout, start = _read_rank(rank, rows, flats)
+            waits: list[float | None] = []
+            layout, start = _read_rank(rank, rows, flats, waits)
+            if waits:
+                rank_waits.append((sum(lengths), waits))
             segments.append((rank, layout, start, len(rows)))
             lengths.append(len(rows))
         blocks: dict[tuple[bool, bool], FloatArray] = {}
@@ -288,6 +315,10 @@ def _rows_table(
             _explicit_nan(explicit[0], flat, layout, segments)
     total = sum(lengths)
     table = np.full((total, ROW_WIDTH), np.nan)
+    for first, waits in rank_waits:  # checked by the careful reader: None is the only NaN
+        values = np.array([np.nan if w is None else w for w in waits], dtype=np.float64)
+        n = len(values) // len(_WAIT_COLS)
+        table[first : first + n, _WAIT_COLS] = values.reshape(n, len(_WAIT_COLS))
     if len(blocks) == 1 and (True, True) in blocks:
         table[:, :BASE_WIDTH] = blocks[(True, True)].reshape(total, BASE_WIDTH)
         return table, lengths
@@ -330,7 +361,8 @@ def rows_to_array(rows: Sequence[Mapping[str, Any]], *, rank: int | None = None)
     """One rank's step rows -> float64 ``[n, ROW_WIDTH]`` (NaN = absent).
 
     A row is ``{"step_id": int, "cpu": {signal: ms, ...}, "gpu": {signal: ms, ...}}``; a
-    missing clock, a missing signal or ``None`` means absent. Raises ``ValueError`` naming the
+    missing clock, a missing signal or ``None`` means absent; a clock may also carry
+    ``forward_wait`` and ``backward_wait``. Raises ``ValueError`` naming the
     row (and ``rank`` when given), the field and the value for a negative or non-finite time, a
     bad step id, an unknown key, or a value ``float()`` rejects. Step ids are checked for
     duplicates when the window is reduced.

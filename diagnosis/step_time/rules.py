@@ -4,14 +4,14 @@ The policy runs on one window of per-rank means on one clock (see :mod:`.table` 
 rows become means). In short:
 
 * **Straggler.** Each eligible rank has a *visible* synchronisation phase: ``backward``
-  (DDP) or ``forward + backward`` (FSDP); rankwatch's extension, when every rank timed them
-  on the CPU clock (DDP or FSDP), compares the waits at the synchronisation points instead
-  (``forward_wait + backward_wait``, see :func:`_visible`). The rank that waited least in it
-  (minimum visible, ties to the lower rank id) arrived last: the *culprit*. The *victim* is
-  the upper median of the eligible ranks sorted by ``(visible, rank)``. The score is the
-  visible gap over the victim's outer step, ``(visible_victim - visible_culprit) /
-  (input_wait_victim + step_victim)``: below 0.10 no finding, warning from 0.10, critical
-  from 0.20.
+  (DDP) or ``forward + backward`` (FSDP); rankwatch's extension, when every present rank
+  timed the waits at the synchronisation points on the window's clock (CPU or GPU; DDP or
+  FSDP), compares those waits instead (``forward_wait + backward_wait``, see
+  :func:`_visible`). The rank that waited least in it (minimum visible, ties to the lower
+  rank id) arrived last: the *culprit*. The *victim* is the upper median of the eligible
+  ranks sorted by ``(visible, rank)``. The score is the visible gap over the victim's outer
+  step, ``(visible_victim - visible_culprit) / (input_wait_victim + step_victim)``: below
+  0.10 no finding, warning from 0.10, critical from 0.20.
 * **Attribution.** Culprit-minus-victim excess of input wait, H2D (measured on both ranks)
   and forward (DDP only, measured on both; with the sync waits: forward and backward without
   their waits) as bounded coverage of the visible gap; the best
@@ -20,6 +20,14 @@ rows become means). In short:
   ``INPUT_BOUND``, ``H2D_BOUND`` (GPU clock only), ``RESIDUAL_HEAVY`` (warning from 0.10,
   critical from 0.20) and ``COMPUTE_BOUND`` (info, compute share >= 0.90 with no other share
   reaching 0.10).
+* **Mesh.** With a :class:`~.mesh.MeshLayout` (``mesh=``), the straggler rule runs in each
+  comparison group (the ranks of one pipeline stage; every rank without a pipeline dimension)
+  and keeps the highest-scoring group's evidence (ties: the lowest stage); the evidence says
+  which group and where the culprit sits. When every stage names its member of one pipeline
+  replica at the warning score or above, the replica is named (``slow_group``): the slow rank
+  within it cannot be told. Without a mesh: one group of every rank.
+* **Robust windows.** The reduction leaves a rank's rare outlier steps out of its means
+  (``outlier_step_factor``, ``outlier_steps_max_fraction``; see :mod:`.table`).
 * **Gates.** Fewer than 2 aligned steps: ``WARMUP``. Fewer than 20 steps, or FSDP: every
   finding capped at warning. Findings sort by severity then score (a straggler wins an exact
   tie). No finding: ``INCOMPLETE_DATA`` when a rule abstained for an unmeasured signal, else
@@ -36,6 +44,7 @@ window means counts as 0.10.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -43,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from rankwatch.diagnosis.config import StepTimeConfig, config_or_default
+from rankwatch.diagnosis.step_time.mesh import ComparisonGroup, MeshLayout
 from rankwatch.diagnosis.step_time.report import (
     COMPONENTS,
     GPU_TIMING,
@@ -73,6 +83,7 @@ from rankwatch.diagnosis.step_time.table import (
     ROW_WIDTH,
     SIGNALS,
     STEP,
+    OutlierRule,
     WindowMeans,
     _reduce_table,
     rank_items,
@@ -88,6 +99,7 @@ __all__ = [
     "diagnose_steps",
     "diagnose_window",
     "normalize_strategy",
+    "outlier_rule",
     "strategy_from_metadata",
 ]
 
@@ -143,6 +155,17 @@ def strategy_from_metadata(value: object) -> str:
 def _config(config: StepTimeConfig | None) -> StepTimeConfig:
     # ValueError, not TypeError: every bad input of this engine is a ValueError (documented).
     return config_or_default(config, StepTimeConfig, ValueError)
+
+
+def outlier_rule(config: StepTimeConfig) -> OutlierRule:
+    """The reduction's outlier rule from the config's two options."""
+    return OutlierRule(config.outlier_step_factor, config.outlier_steps_max_fraction)
+
+
+def _mesh(mesh: object) -> MeshLayout | None:
+    if mesh is None or isinstance(mesh, MeshLayout):
+        return mesh
+    raise ValueError(f"field mesh: value of type {type(mesh).__name__} is not a MeshLayout or None")
 
 
 def _mean_value(rank: int, key: str, value: object) -> float | None:
@@ -216,15 +239,19 @@ def diagnose_arrays(
     strategy: str | None = None,
     window: int = 100,
     config: StepTimeConfig | None = None,
+    mesh: MeshLayout | None = None,
 ) -> StepTimeReport:
     """Diagnose one window from columnar arrays: ``{rank: float64 [n, ROW_WIDTH]}``.
 
     The collectors' fast path. ``None`` or an empty array marks an expected rank that sent
-    nothing. ``window`` keeps the last N step ids common to all present ranks.
+    nothing. ``window`` keeps the last N step ids common to all present ranks. ``mesh``: the
+    job's device mesh (compare ranks within its comparison groups), None for one group.
     """
     cfg = _config(config)
     strat = normalize_strategy(strategy)
-    return diagnose_window(reduce_window(per_rank, window=window), strategy=strat, config=cfg)
+    layout = _mesh(mesh)
+    wm = reduce_window(per_rank, window=window, outliers=outlier_rule(cfg))
+    return diagnose_window(wm, strategy=strat, config=cfg, mesh=layout)
 
 
 def diagnose_steps(
@@ -233,13 +260,16 @@ def diagnose_steps(
     strategy: str | None = None,
     window: int = 100,
     config: StepTimeConfig | None = None,
+    mesh: MeshLayout | None = None,
 ) -> StepTimeReport:
     """Diagnose one window from row dictionaries: ``{rank: [{"step_id", "cpu", "gpu"}, ...]}``.
 
-    A rank mapped to ``None`` or ``[]`` is expected but missing.
+    A rank mapped to ``None`` or ``[]`` is expected but missing; ``mesh`` as
+    :func:`diagnose_arrays`.
     """
     cfg = _config(config)
     strat = normalize_strategy(strategy)
+    layout = _mesh(mesh)
     win = validate_window(window)
     if not isinstance(per_rank_rows, Mapping):
         raise ValueError(
@@ -265,8 +295,8 @@ def diagnose_steps(
     else:
         table, lengths = np.empty((0, ROW_WIDTH)), []
     present_ranks = [int(r) for r, _ in present if r is not None]
-    wm = _reduce_table([r for r, _ in items], present_ranks, table, lengths, win)
-    return diagnose_window(wm, strategy=strat, config=cfg)
+    wm = _reduce_table([r for r, _ in items], present_ranks, table, lengths, win, outlier_rule(cfg))
+    return diagnose_window(wm, strategy=strat, config=cfg, mesh=layout)
 
 
 def diagnose_means(
@@ -276,21 +306,25 @@ def diagnose_means(
     strategy: str | None = None,
     clock: str = "cpu",
     config: StepTimeConfig | None = None,
+    mesh: MeshLayout | None = None,
 ) -> StepTimeReport:
     """Diagnose per-rank window means (ms) over ``steps`` aligned steps on ``clock``.
 
     Keys are the six signals plus an optional ``residual`` that overrides the derived one; a
-    missing key or None is unmeasured, a rank mapped to None is expected but missing.
+    missing key or None is unmeasured, a rank mapped to None is expected but missing;
+    ``mesh`` as :func:`diagnose_arrays`.
     """
     cfg = _config(config)
     strat = normalize_strategy(strategy)
+    layout = _mesh(mesh)
     if isinstance(steps, (bool, np.bool_)) or not isinstance(steps, (int, np.integer)):
         raise ValueError(f"field steps: value {steps!r} is not an int number of steps")
     if steps < 0:
         raise ValueError(f"field steps: value {steps!r} is negative")
     if clock not in CLOCKS:
         raise ValueError(f"field clock: value {clock!r} is not one of {', '.join(CLOCKS)}")
-    return diagnose_window(_means_window(means, int(steps), clock), strategy=strat, config=cfg)
+    wm = _means_window(means, int(steps), clock)
+    return diagnose_window(wm, strategy=strat, config=cfg, mesh=layout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,24 +416,22 @@ def _straggler_evidence(
 def _visible(wm: WindowMeans, fsdp: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """``(visible, visible_measured, eligible, definition)`` of the window.
 
-    Rankwatch's extension: on the CPU clock of a job whose ranks all timed the waits at the
-    synchronisation points (``forward_wait``, ``backward_wait``), the visible value is that
-    wait, wherever the job synchronises (DDP: a buffer broadcast before forward, the gradient
-    reduction after backward; FSDP: every unit's all-gather and reduce-scatter). Under FSDP
-    the seed's ``forward + backward`` holds the late rank's extra compute and its peers' wait
-    for it alike, so a rank slow in its forward or backward is only seen in the waits.
-    Otherwise the seed's definitions: ``backward`` (DDP/default) or ``forward + backward``
-    (FSDP).
+    Rankwatch's extension: when every present rank timed the waits at the synchronisation
+    points (``forward_wait``, ``backward_wait``) on the window's clock, the visible value is
+    that wait, wherever the job synchronises (DDP: a buffer broadcast before forward, the
+    gradient reduction after backward; FSDP: every unit's all-gather and reduce-scatter). On
+    the CPU clock that is host time blocked in the collective; on the GPU clock the time the
+    compute stream sat behind it (the report's ``clock`` says which). Under FSDP the seed's
+    ``forward + backward`` holds the late rank's extra compute and its peers' wait for it
+    alike, so a rank slow in its forward or backward is only seen in the waits. Otherwise
+    (a rank without the waits: older rankwatch, a step whose device wait could not be timed)
+    the seed's definitions: ``backward`` (DDP/default) or ``forward + backward`` (FSDP).
     """
     m, k = wm.means, wm.measured
     outer_positive = (m[:, IW] + m[:, STEP]) > 0
     anchored = k[:, STEP] & k[:, BWD] & (m[:, BWD] > 0) & outer_positive
     has_waits = k[:, FWW] & k[:, BWW]
-    if (
-        wm.clock == "cpu"
-        and bool(has_waits[wm.present].all())
-        and int((anchored & has_waits).sum()) >= 2
-    ):
+    if bool(has_waits[wm.present].all()) and int((anchored & has_waits).sum()) >= 2:
         # The input wait is not needed to compare waits: a prefetching loader (whose wait the
         # hooks cannot see) still gets its culprit named; attribution then lacks ``input``.
         return m[:, FWW] + m[:, BWW], has_waits, anchored & has_waits, VISIBLE_SYNC
@@ -407,6 +439,11 @@ def _visible(wm: WindowMeans, fsdp: bool) -> tuple[np.ndarray, np.ndarray, np.nd
         eligible = anchored & k[:, IW] & k[:, FWD] & (m[:, FWD] > 0)
         return m[:, FWD] + m[:, BWD], k[:, FWD] & k[:, BWD], eligible, VISIBLE_FSDP
     return m[:, BWD].copy(), k[:, BWD].copy(), anchored & k[:, IW], VISIBLE_DDP
+
+
+def _outliers_by_rank(ranks: Sequence[int], counts: Sequence[int]) -> list[tuple[int, int]]:
+    """``(rank, steps left out)`` of the ranks that left any out (``counts`` may be empty)."""
+    return [(r, n) for r, n in zip(ranks, counts, strict=False) if n]
 
 
 def _unmeasured(measured: np.ndarray, columns: list[int]) -> tuple[str, ...]:
@@ -490,18 +527,84 @@ def _abstentions(wm: WindowMeans) -> np.ndarray:
 
 
 def diagnose_window(
-    wm: WindowMeans, *, strategy: str | None = None, config: StepTimeConfig | None = None
+    wm: WindowMeans,
+    *,
+    strategy: str | None = None,
+    config: StepTimeConfig | None = None,
+    mesh: MeshLayout | None = None,
 ) -> StepTimeReport:
-    """The policy on already reduced window means (all entry points end here)."""
+    """The policy on already reduced window means (all entry points end here). ``mesh``
+    must hold every rank of the window."""
     cfg = _config(config)
     strat = normalize_strategy(strategy)
+    layout = _mesh(mesh)
+    if layout is not None:
+        outside = sorted(set(wm.ranks) - set(layout.ranks))
+        if outside:
+            raise ValueError(
+                f"field mesh: value {layout.dim_names!r} {layout.shape!r} does not hold "
+                f"rank {outside[0]} of the window"
+            )
     # Means near the float maximum may overflow to infinity in sums; the report then carries
     # None for them (``to_dict``) instead of warnings on every window.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _diagnose(wm, strat, cfg)
+        return _diagnose(wm, strat, cfg, layout)
 
 
-def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeReport:
+def _group_evidence(
+    wm: WindowMeans,
+    fsdp: bool,
+    visible: np.ndarray,
+    eligible: np.ndarray,
+    cfg: StepTimeConfig,
+    definition: str,
+    mesh: MeshLayout | None,
+) -> StragglerEvidence | None:
+    """The straggler rule in each comparison group of ``mesh`` (one group without it): the
+    highest-scoring group's evidence (ties: the lowest stage), saying which group it is."""
+    if mesh is None:
+        return _straggler_evidence(wm, fsdp, visible, eligible, cfg, definition)
+    row = {r: i for i, r in enumerate(wm.ranks)}
+    found: list[tuple[StragglerEvidence, ComparisonGroup]] = []
+    groups = mesh.comparison_groups()
+    for group in groups:
+        members = np.zeros(len(wm.ranks), dtype=bool)
+        members[[row[r] for r in group.ranks if r in row]] = True
+        ev = _straggler_evidence(wm, fsdp, visible, eligible & members, cfg, definition)
+        if ev is not None:
+            found.append((ev, group))
+    if not found:
+        return None
+    # A NaN score (a sum that overflowed) ranks last.
+    best, group = min(
+        found,
+        key=lambda eg: (-eg[0].score if math.isfinite(eg[0].score) else math.inf, eg[1].stage or 0),
+    )
+    slow_group, slow_ranks = "", ()
+    replicas = {mesh.pipeline_replica(ev.culprit_rank) for ev, _ in found}
+    if (
+        len(groups) > 1
+        and len(found) == len(groups)
+        and len(replicas) == 1
+        and all(_at_least(ev.score, cfg.straggler_warning_score) for ev, _ in found)
+    ):
+        # Every stage's culprit is the same pipeline's member: that pipeline is late as a
+        # whole (its slow rank cannot be told from its stages' waits).
+        slow_group = mesh.replica_text(best.culprit_rank)
+        slow_ranks = mesh.pipeline_replica(best.culprit_rank)
+    return dataclasses.replace(
+        best,
+        compared_ranks=group.ranks,
+        compared_group=group.text,
+        culprit_position=mesh.position_text(best.culprit_rank),
+        slow_group=slow_group,
+        slow_group_ranks=slow_ranks,
+    )
+
+
+def _diagnose(
+    wm: WindowMeans, strat: str, cfg: StepTimeConfig, mesh: MeshLayout | None = None
+) -> StepTimeReport:
     fsdp = strat == "fsdp"
     m, k = wm.means, wm.measured
     ranks = tuple(wm.ranks)
@@ -537,6 +640,9 @@ def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeRepor
             missing_ranks=missing_ranks,
             step_range=wm.step_range,
             visible_definition=VISIBLE_NONE if blind else definition,
+            mesh=mesh,
+            outlier_steps=wm.most_outlier_steps,
+            outlier_steps_by_rank=dict(_outliers_by_rank(ranks, wm.outlier_steps)),
         )
 
     abstained = _abstentions(wm)
@@ -554,7 +660,7 @@ def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeRepor
     if not wm.present.any():
         return report([incomplete()], None)
     evidence = (
-        _straggler_evidence(wm, fsdp, visible, eligible, cfg, definition)
+        _group_evidence(wm, fsdp, visible, eligible, cfg, definition, mesh)
         if wm.steps > 0 and not blind
         else None
     )
@@ -581,6 +687,11 @@ def _diagnose(wm: WindowMeans, strat: str, cfg: StepTimeConfig) -> StepTimeRepor
                 component_excesses_ms=dict(evidence.component_excesses_ms),
                 component_coverage=dict(evidence.component_coverage),
                 missing_signals=evidence.missing_signals,
+                compared_ranks=evidence.compared_ranks,
+                compared_group=evidence.compared_group,
+                culprit_position=evidence.culprit_position,
+                slow_group=evidence.slow_group,
+                slow_group_ranks=evidence.slow_group_ranks,
             )
             ranked.append((finding, evidence.score))
     ranked.extend(_bottlenecks(wm, cfg, capped))

@@ -6,19 +6,26 @@ clocks (CUDA events and the CPU). One rank's steps travel as a float64 array of
 
     [step_id, cpu input_wait, h2d, forward, backward, optimizer, step,
               gpu input_wait, h2d, forward, backward, optimizer, step,
-              cpu forward_wait, backward_wait, async_collectives]
+              cpu forward_wait, backward_wait, gpu forward_wait, backward_wait,
+              async_collectives]
 
 NaN means *absent* (the signal was not timed on that step); a measured zero is ``0.0``.
 :func:`.row_dicts.rows_to_array` builds that array from row dictionaries (which carry the
-twelve clock columns only; the trailing columns stay absent).
+twelve clock columns and, optionally, each clock's sync waits; ``async_collectives`` stays
+absent).
 
-The trailing ``EXTRA_COLUMNS`` are rankwatch's extension of the seed layout, timed by the
-hooks on the CPU clock only:
+The trailing ``EXTRA_COLUMNS`` are rankwatch's extension of the seed layout: the waits at the
+synchronisation points (``SYNC_SIGNALS``), once per clock, and a flag:
 
-* ``forward_wait``: the part of ``forward`` spent in the DDP wrapper outside its module
-  (the buffer broadcast at the start of every forward waits there for the slowest rank);
-* ``backward_wait``: the trailing part of ``backward``, from the rank's last local gradient
-  to the end of DDP's end-of-backward work (the wait for the last gradient reduction);
+* ``forward_wait``: the part of ``forward`` spent waiting at a synchronisation point (DDP's
+  wrapper outside its module: the buffer broadcast; FSDP2's all-gather waits; any collective
+  timed as a sync wait);
+* ``backward_wait``: the waits inside ``backward`` (DDP: from the rank's last local gradient
+  to the end of its end-of-backward work, the wait for the last gradient reduction; FSDP2's
+  reduce-scatter waits);
+* on the CPU clock they are host time; on the GPU clock the time the compute stream sat
+  behind the collective (a pair of CUDA events around each wait, see
+  ``exporter.step_time.gpu_events``);
 * ``async_collectives``: 1 when the rank's collectives do not block the host (model on an
   accelerator: NCCL-style), so its CPU clock cannot contain a wait for another rank.
 
@@ -34,7 +41,15 @@ hooks on the CPU clock only:
   ``optimizer`` are measured when present on any aligned step, and count as 0 on the others
   (not every step transfers or runs the optimizer). The residual of a step is
   ``max(0, step - h2d - forward - backward - optimizer)``; it is measured when ``step``,
-  ``forward`` and ``backward`` are.
+  ``forward`` and ``backward`` are. The sync waits are those of the picked clock, measured
+  only when present on every aligned step (the GPU waits do not decide the clock: a GPU
+  window without them falls back to the seed's definitions in the rules);
+* with an :class:`OutlierRule` (the diagnosis passes ``StepTimeConfig``'s), it leaves out of a
+  rank's means the rank's rare outlier steps: a step whose outer step (``input_wait + step`` on
+  the window's clock) exceeds ``factor`` x the rank's median outer step over the window, when
+  the rank has at most ``max_fraction`` x the window's steps of them (a checkpoint save, an
+  evaluation pause, a recompile). More of them are the job's normal and stay in. The window
+  counts them (:attr:`WindowMeans.outlier_steps`).
 
 Everything is vectorised over ranks and steps; the only Python loops run once per rank.
 """
@@ -57,20 +72,28 @@ __all__ = [
     "ROW_WIDTH",
     "SIGNALS",
     "SYNC_SIGNALS",
+    "OutlierRule",
     "WindowMeans",
+    "clock_columns",
     "column",
     "rank_items",
     "reduce_window",
     "rows_after",
+    "validate_outliers",
     "validate_rank_id",
     "validate_window",
+    "wait_columns",
 ]
 
 SIGNALS: tuple[str, ...] = ("input_wait", "h2d", "forward", "backward", "optimizer", "step")
 CLOCKS: tuple[str, ...] = ("cpu", "gpu")
-# Waits at the synchronisation points, CPU clock only (see the module docstring).
+# Waits at the synchronisation points, timed on each clock (see the module docstring).
 SYNC_SIGNALS: tuple[str, ...] = ("forward_wait", "backward_wait")
-EXTRA_COLUMNS: tuple[str, ...] = (*SYNC_SIGNALS, "async_collectives")
+# The columns after the two clocks' signals, by field name: each clock's waits, then the flag.
+EXTRA_COLUMNS: tuple[str, ...] = (
+    *(f"{clock}.{signal}" for clock in CLOCKS for signal in SYNC_SIGNALS),
+    "async_collectives",
+)
 BASE_WIDTH = 1 + len(CLOCKS) * len(SIGNALS)  # step_id and the two clocks' signals
 ROW_WIDTH = BASE_WIDTH + len(EXTRA_COLUMNS)
 # torch.distributed ranks are C ints; a larger id cannot be a rank and would not fit int64 math.
@@ -79,7 +102,7 @@ MAX_RANK_ID = 2**31 - 1
 MEAN_KEYS: tuple[str, ...] = (*SIGNALS, "residual", *SYNC_SIGNALS)
 
 IW, H2D, FWD, BWD, OPT, STEP, RES, FWW, BWW = range(9)
-_FWW_COL, _BWW_COL, _ASYNC_COL = range(BASE_WIDTH, ROW_WIDTH)
+_ASYNC_COL = ROW_WIDTH - 1
 _EVERY_STEP = np.array([True, False, True, True, False, True])  # measured only if on every step
 _PHASES = [H2D, FWD, BWD, OPT]
 
@@ -88,18 +111,33 @@ BoolArray = NDArray[np.bool_]
 
 
 def column(clock: str, signal: str) -> int:
-    """Column of ``clock``/``signal`` in a step-time row array (sync waits: ``cpu`` only)."""
-    if signal in SYNC_SIGNALS and clock == "cpu":
-        return BASE_WIDTH + SYNC_SIGNALS.index(signal)
+    """Column of ``clock``/``signal`` (one of ``SIGNALS`` or ``SYNC_SIGNALS``) in a step-time
+    row array."""
+    if signal in SYNC_SIGNALS:
+        return BASE_WIDTH + CLOCKS.index(clock) * len(SYNC_SIGNALS) + SYNC_SIGNALS.index(signal)
     return 1 + CLOCKS.index(clock) * len(SIGNALS) + SIGNALS.index(signal)
+
+
+def clock_columns(clock: str) -> slice:
+    """The six ``SIGNALS`` columns of ``clock``, contiguous."""
+    first = column(clock, SIGNALS[0])
+    return slice(first, first + len(SIGNALS))
+
+
+def wait_columns(clock: str) -> slice:
+    """The ``SYNC_SIGNALS`` columns of ``clock``, contiguous."""
+    first = column(clock, SYNC_SIGNALS[0])
+    return slice(first, first + len(SYNC_SIGNALS))
+
+
+_CPU_COLS, _GPU_COLS = clock_columns("cpu"), clock_columns("gpu")
 
 
 def _field_name(col: int) -> str:
     if col == 0:
         return "step_id"
     if col >= BASE_WIDTH:
-        name = EXTRA_COLUMNS[col - BASE_WIDTH]
-        return f"cpu.{name}" if name in SYNC_SIGNALS else name
+        return EXTRA_COLUMNS[col - BASE_WIDTH]
     c, s = divmod(col - 1, len(SIGNALS))
     return f"{CLOCKS[c]}.{SIGNALS[s]}"
 
@@ -199,6 +237,58 @@ def _check_table(table: FloatArray, lengths: Sequence[int], ranks: Sequence[int 
 
 
 @dataclass(frozen=True)
+class OutlierRule:
+    """Which steps a rank's means leave out (see the module docstring): outer steps above
+    ``factor`` x the rank's median, when at most ``max_fraction`` of the window's steps are."""
+
+    factor: float
+    max_fraction: float
+
+    def __post_init__(self) -> None:
+        for name, value, lo in (
+            ("factor", self.factor, 1.0),
+            ("max_fraction", self.max_fraction, 0.0),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (lo <= value < float("inf"))
+            ):
+                raise ValueError(f"field {name}: value {value!r} is not a finite number >= {lo:g}")
+
+    def kept(self, outer: FloatArray) -> BoolArray | None:
+        """``[ranks, steps]``: the steps kept of ``outer`` (``[ranks, steps]`` ms), or None
+        when every step is kept (the usual window)."""
+        steps = outer.shape[1]
+        allowed = int(self.max_fraction * steps + 1e-9)
+        if allowed == 0 or steps == 0:
+            return None
+        # A rank whose longest step is within the factor of its shortest has no outlier (its
+        # median lies between them): two reductions settle the usual window without a median.
+        suspect = np.flatnonzero(outer.max(axis=1) > self.factor * outer.min(axis=1))
+        if suspect.size == 0:
+            return None
+        rows = outer[suspect]
+        out_rows = rows > (self.factor * np.median(rows, axis=1))[:, None]
+        count = np.count_nonzero(out_rows, axis=1)
+        out_rows &= ((count > 0) & (count <= allowed))[:, None]
+        if not out_rows.any():
+            return None
+        kept = np.ones(outer.shape, dtype=bool)
+        kept[suspect] = ~out_rows
+        return kept
+
+
+def validate_outliers(outliers: object) -> OutlierRule | None:
+    """``outliers`` when it is an :class:`OutlierRule` or None, else ``ValueError``."""
+    if outliers is None or isinstance(outliers, OutlierRule):
+        return outliers
+    raise ValueError(
+        f"field outliers: value of type {type(outliers).__name__} is not an OutlierRule or None"
+    )
+
+
+@dataclass(frozen=True)
 class WindowMeans:
     """Per-rank window means of the selected clock, ready for the policy.
 
@@ -207,6 +297,8 @@ class WindowMeans:
     measured. ``present[r]`` is False for a rank that sent no rows. ``step_range`` is the first
     and last aligned step id. ``async_collectives`` is True when a present rank flagged, on
     an aligned step, collectives that do not block its host (its CPU clock misses the wait).
+    ``outlier_steps[r]`` is how many of the window's steps rank ``r``'s means left out (an
+    :class:`OutlierRule`; empty when none were).
     """
 
     ranks: tuple[int, ...]
@@ -217,6 +309,12 @@ class WindowMeans:
     clock: str
     step_range: tuple[int, int] | None = None
     async_collectives: bool = False
+    outlier_steps: tuple[int, ...] = ()
+
+    @property
+    def most_outlier_steps(self) -> int:
+        """The most steps left out of one rank's means (0 when none were)."""
+        return max(self.outlier_steps, default=0)
 
 
 def _as_rank_array(rank: int, value: object) -> FloatArray | None:
@@ -234,7 +332,8 @@ def _as_rank_array(rank: int, value: object) -> FloatArray | None:
     if arr.ndim != 2 or arr.shape[1] != ROW_WIDTH:
         raise ValueError(
             f"rank {rank}: field rows: value has shape {arr.shape}, expected [n, {ROW_WIDTH}] "
-            f"(step_id, 6 cpu signals, 6 gpu signals, {', '.join(EXTRA_COLUMNS)})"
+            f"(step_id, {len(SIGNALS)} cpu signals, {len(SIGNALS)} gpu signals, "
+            f"{', '.join(EXTRA_COLUMNS)})"
         )
     return arr
 
@@ -248,9 +347,13 @@ def validate_window(window: object) -> int:
     return int(window)
 
 
-def reduce_window(per_rank: Mapping[Any, Any], *, window: int = 100) -> WindowMeans:
-    """Align, pick the clock and reduce one array per rank (None or empty = missing rank)."""
+def reduce_window(
+    per_rank: Mapping[Any, Any], *, window: int = 100, outliers: OutlierRule | None = None
+) -> WindowMeans:
+    """Align, pick the clock and reduce one array per rank (None or empty = missing rank);
+    ``outliers`` None keeps every step."""
     window = validate_window(window)
+    validate_outliers(outliers)
     if not isinstance(per_rank, Mapping):
         raise ValueError(
             f"field per_rank: value of type {type(per_rank).__name__} is not a mapping "
@@ -267,7 +370,7 @@ def reduce_window(per_rank: Mapping[Any, Any], *, window: int = 100) -> WindowMe
         lengths = [len(b) for b in blocks]
     else:
         table, lengths = np.empty((0, ROW_WIDTH)), []
-    return _reduce_table([r for r, _ in arrays], present_ranks, table, lengths, window)
+    return _reduce_table([r for r, _ in arrays], present_ranks, table, lengths, window, outliers)
 
 
 def _reduce_table(
@@ -276,6 +379,7 @@ def _reduce_table(
     table: FloatArray,
     lengths: list[int],
     window: int,
+    outliers: OutlierRule | None = None,
 ) -> WindowMeans:
     n_all = len(ranks)
     present = np.isin(np.asarray(ranks), np.asarray(present_ranks, dtype=np.int64))
@@ -285,7 +389,7 @@ def _reduce_table(
         return WindowMeans(tuple(ranks), means, measured, present, 0, "cpu")
     _check_table(table, lengths, present_ranks)
     with np.errstate(over="ignore", invalid="ignore"):  # times near the float maximum
-        return _reduce_aligned(ranks, present, present_ranks, table, lengths, window)
+        return _reduce_aligned(ranks, present, present_ranks, table, lengths, window, outliers)
 
 
 def _reduce_aligned(
@@ -295,19 +399,20 @@ def _reduce_aligned(
     table: FloatArray,
     lengths: list[int],
     window: int,
+    outliers: OutlierRule | None,
 ) -> WindowMeans:
     cube, step_ids = _align(table, lengths, present_ranks, window)
-    return _reduce_cube(ranks, present, cube, step_ids)
+    return _reduce_cube(ranks, present, cube, step_ids, outliers=outliers)
 
 
 def gpu_steps(cube: FloatArray) -> BoolArray:
     """``[ranks, steps]``: the step can be read on the GPU clock (the window uses the GPU clock
     only when every aligned step of every present rank can)."""
-    return _gpu_steps(cube, ~np.isnan(cube[:, :, 7:13]))
+    return _gpu_steps(cube, ~np.isnan(cube[:, :, _GPU_COLS]))
 
 
 def _gpu_steps(cube: FloatArray, gpu_has: BoolArray) -> BoolArray:
-    cpu_has = ~np.isnan(cube[:, :, 1:7])
+    cpu_has = ~np.isnan(cube[:, :, _CPU_COLS])
     return (
         gpu_has[:, :, STEP]
         & gpu_has[:, :, IW]
@@ -321,9 +426,12 @@ def _reduce_cube(
     cube: FloatArray,
     step_ids: FloatArray,
     clock: str | None = None,
+    *,
+    outliers: OutlierRule | None = None,
 ) -> WindowMeans:
     """Means of an aligned ``[present ranks, steps, ROW_WIDTH]`` cube; ``clock`` None picks
-    it from the rows, else forces it (the block accumulator reduces each clock separately)."""
+    it from the rows, else forces it (the block accumulator reduces each clock separately);
+    ``outliers`` leaves each rank's rare outlier steps out of its means."""
     n_all = len(ranks)
     means = np.zeros((n_all, len(MEAN_KEYS)))
     measured = np.zeros((n_all, len(MEAN_KEYS)), dtype=bool)
@@ -333,37 +441,49 @@ def _reduce_cube(
     if clock is None:
         # A step without its GPU time (every step of a CPU job) settles it in one column;
         # a GPU block without any absent value (the usual GPU job) in one pass.
-        use_gpu = not bool(np.isnan(cube[:, :, 7 + STEP]).any())
+        use_gpu = not bool(np.isnan(cube[:, :, _GPU_COLS.start + STEP]).any())
         if use_gpu:
-            gpu_has = ~np.isnan(cube[:, :, 7:13])
+            gpu_has = ~np.isnan(cube[:, :, _GPU_COLS])
             use_gpu = bool(gpu_has.all()) or bool(_gpu_steps(cube, gpu_has).all())
     else:
         use_gpu = clock == "gpu"
     # The clock's six columns copied once, contiguous, with absent values as 0: every pass
     # below then reads 6 values per row instead of striding over all 16 (half the time of a
     # 4,096-rank live window went to those strided passes).
-    c0 = 7 if use_gpu else 1
-    filled = cube[:, :, c0 : c0 + len(SIGNALS)].copy()
+    picked = "gpu" if use_gpu else "cpu"
+    filled = cube[:, :, clock_columns(picked)].copy()
     absent = np.isnan(filled)
     filled[absent] = 0.0
+    kept = None if outliers is None else outliers.kept(filled[:, :, IW] + filled[:, :, STEP])
+    # Steps per rank the means divide by: the window's, or the steps each rank kept.
+    counts: FloatArray | int = steps
+    if kept is not None:
+        # A step left out counts as neither measured nor absent, and adds nothing to the sums.
+        dropped = ~kept
+        filled[dropped] = 0.0
+        absent[dropped] = False
+        counts = np.count_nonzero(kept, axis=1).astype(np.float64)[:, None]
     n_absent = np.count_nonzero(absent, axis=1)  # [ranks, signals]
     sums = filled.sum(axis=1)
-    sig_measured = np.where(_EVERY_STEP, n_absent == 0, n_absent < steps)
+    sig_measured = np.where(_EVERY_STEP, n_absent == 0, n_absent < counts)
     residual = filled[:, :, STEP] - filled[:, :, H2D]
     residual -= filled[:, :, FWD]
     residual -= filled[:, :, BWD]
     residual -= filled[:, :, OPT]
-    residual = np.maximum(residual, 0.0, out=residual).mean(axis=1)
+    residual = np.maximum(residual, 0.0, out=residual)
+    residual = residual.mean(axis=1) if kept is None else residual.sum(axis=1) / kept.sum(axis=1)
     res_measured = sig_measured[:, STEP] & sig_measured[:, FWD] & sig_measured[:, BWD]
-    # The sync waits exist on the CPU clock only, and only where timed on every aligned step:
-    # a sum over the steps is NaN exactly when one is absent (the table's times are finite).
+    # The picked clock's sync waits, measured only where timed on every aligned step: a sum
+    # over the steps is NaN exactly when one is absent (the table's times are finite).
     waits_measured = np.zeros((cube.shape[0], len(SYNC_SIGNALS)), dtype=bool)
     wait_means = np.zeros((cube.shape[0], len(SYNC_SIGNALS)))
-    if not use_gpu:
-        wait_sums = cube[:, :, _FWW_COL : _BWW_COL + 1].sum(axis=1)
-        np.logical_not(np.isnan(wait_sums), out=waits_measured)
-        np.copyto(wait_means, wait_sums / steps, where=waits_measured)
-    sub_means = np.concatenate([sums / steps, residual[:, None], wait_means], axis=1)
+    waits = cube[:, :, wait_columns(picked)]
+    if kept is not None:
+        waits = np.where(kept[:, :, None], waits, 0.0)
+    wait_sums = waits.sum(axis=1)
+    np.logical_not(np.isnan(wait_sums), out=waits_measured)
+    np.copyto(wait_means, wait_sums / counts, where=waits_measured)
+    sub_means = np.concatenate([sums / counts, residual[:, None], wait_means], axis=1)
     sub_measured = np.concatenate([sig_measured, res_measured[:, None], waits_measured], axis=1)
     sub_means[~sub_measured] = 0.0
     means[present] = sub_means
@@ -374,10 +494,20 @@ def _reduce_cube(
         measured,
         present,
         steps,
-        "gpu" if use_gpu else "cpu",
+        picked,
         (int(step_ids[0]), int(step_ids[-1])),
         bool((np.abs(cube[:, :, _ASYNC_COL]) > 0).any()),  # NaN (absent) compares False
+        _rank_outliers(present, kept),
     )
+
+
+def _rank_outliers(present: BoolArray, kept: BoolArray | None) -> tuple[int, ...]:
+    """Steps left out per expected rank (``()`` when none were)."""
+    if kept is None:
+        return ()
+    out = np.zeros(len(present), dtype=np.int64)
+    out[present] = np.count_nonzero(~kept, axis=1)
+    return tuple(int(n) for n in out)
 
 
 def _align(

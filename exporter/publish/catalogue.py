@@ -141,6 +141,15 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Severity of the current step-time diagnosis: 0 none, 1 info, 2 warning, 3 critical.",
     ),
     _m("window_steps", "gauge", "", (), "Steps aligned across all ranks in the current window."),
+    _m(
+        "step_outlier_steps",
+        "gauge",
+        "",
+        (),
+        "Most steps left out of one rank's window means as outlier steps (an outer step above "
+        f"{_STEP_TIME.outlier_step_factor:g}x the rank's median, when at most "
+        f"{_STEP_TIME.outlier_steps_max_fraction:.0%} of the window's steps are).",
+    ),
     # --- DeepEP normal mode ---
     _m(
         "deepep_notify_ratio",

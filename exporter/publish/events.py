@@ -72,9 +72,14 @@ def event_message(event: IncidentEvent) -> str:
     verb = "opened" if event.action == "open" else "closed"
     reason = f" ({event.reason})" if event.action == "close" and event.reason else ""
     score = "" if inc.score is None else f", score {inc.score:.3g}"
+    evidence = inc.evidence if isinstance(inc.evidence, Mapping) else {}
+    position = str(evidence.get("culprit_position") or "").partition(": ")[2]
+    mesh = f" ({position}, within {evidence.get('compared_group')})" if position else ""
+    if evidence.get("slow_group"):
+        mesh += f", {evidence['slow_group']} slow as a whole"
     return (
         f"rankwatch incident {inc.incident_id} {verb}{reason}: {inc.severity} {inc.cls}{probe}, "
-        f"rank {where}{hosts}, cause {inc.cause or 'unknown'}{score} "
+        f"rank {where}{hosts}{mesh}, cause {inc.cause or 'unknown'}{score} "
         f"(window {event.window_index}, run {event.run or '-'}, group {event.group or '-'})"
     )
 

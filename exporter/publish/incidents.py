@@ -201,6 +201,11 @@ def _step_time_signals(report: WindowReport) -> list[Signal]:
             "strategy": getattr(st, "strategy", None),
             "steps": getattr(st, "steps", None),
         }
+        # With a mesh: where the culprit sits and which ranks it was compared with.
+        for name in ("culprit_position", "compared_group", "slow_group"):
+            text = getattr(finding, name, "")
+            if text:
+                evidence[name] = text
         ranks: tuple[int, ...]
         if kind in _STRAGGLER_KINDS and culprit is not None:
             key: tuple[Any, ...] = (STRAGGLER_CLASS, int(culprit))

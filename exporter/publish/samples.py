@@ -215,6 +215,7 @@ def _step_time(out: _Out, report: WindowReport) -> None:
     )
     out.add(_S["diagnosis_severity"], (), SEVERITY_LEVELS.get(severity, 0))
     out.add(_S["window_steps"], (), getattr(st, "steps", None))
+    out.add(_S["step_outlier_steps"], (), getattr(st, "outlier_steps", None))
 
 
 # --- DeepEP normal mode -------------------------------------------------------------------------

@@ -135,14 +135,29 @@ def _straggler_verdict(
         why += f". No measured component explains enough of the gap alone ({parts})"
     else:
         why += ". No component was measured on both ranks, so none can be blamed"
+    what = f"rank {culprit} is {_STRAGGLER_LABELS[finding.kind]}"
+    ranks: tuple[int, ...] = (culprit,)
+    if finding.culprit_position:
+        # "rank 3: pp 1, dp 1" -> "rank 3 (pp 1, dp 1)"
+        where_in_mesh = finding.culprit_position.partition(": ")[2]
+        what = f"rank {culprit} ({where_in_mesh}) is {_STRAGGLER_LABELS[finding.kind]}"
+        why += f". Ranks were compared within {finding.compared_group}"
+    if finding.slow_group:
+        what = f"{finding.slow_group} is slow as a whole"
+        why += (
+            f". Every pipeline stage names its member of {finding.slow_group}: the replica is "
+            "late at every stage, and which of its ranks makes it late cannot be told from "
+            "the waits"
+        )
+        ranks = finding.slow_group_ranks
     return Verdict(
         kind=finding.kind,
         severity=finding.severity,
-        what=f"rank {culprit} is {_STRAGGLER_LABELS[finding.kind]}",
+        what=what,
         why=why + f" (over {report.steps} aligned steps, {report.clock} clock).",
         action=action,
         rank=culprit,
-        ranks=(culprit,),
+        ranks=ranks,
     )
 
 
@@ -230,6 +245,8 @@ def describe_step(report: StepTimeReport) -> str:
         parts.append(report.severity)
     if finding is not None and finding.is_straggler:
         parts.append(f"culprit={finding.culprit_rank} victim={finding.victim_rank}")
+        if finding.culprit_position:
+            parts.append(f"({finding.culprit_position.partition(': ')[2]})")
         parts.append(f"score={finding.score:.2f}")
         if finding.component in finding.component_coverage:
             cov = finding.component_coverage[finding.component or ""]

@@ -81,6 +81,7 @@ class StepArtifactWriter:
                     "window_index": report.window_index,
                 },
                 report=step,
+                mesh=step.mesh,
             )
         except (OSError, ValueError, TypeError) as exc:
             log.warning("rankwatch: step window %d not written: %s", report.window_index, exc)

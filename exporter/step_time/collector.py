@@ -36,6 +36,8 @@ from numpy.typing import NDArray
 from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.diagnosis.step_time import StepTimeReport, diagnose_arrays, diagnose_window
 from rankwatch.diagnosis.step_time.blocks import BLOCK_STEPS, StepBlocks
+from rankwatch.diagnosis.step_time.mesh import MeshLayout
+from rankwatch.diagnosis.step_time.rules import outlier_rule
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.identity import (
     local_identity,
@@ -166,6 +168,7 @@ class WindowCollector:
                 layout.ranks,
                 window_steps=config.diagnosis.step_time.summary_window_steps,
                 tail_rows=cap,
+                outliers=outlier_rule(config.diagnosis.step_time),
             )
             if layout.is_root
             else None
@@ -176,6 +179,9 @@ class WindowCollector:
         self._info: dict[int, RankInfo] = {layout.rank: RankInfo(layout.rank, *ident)}
         self._window_index = 0
         self._last_key: tuple[Any, ...] | None = None
+        # The job's device mesh (root: the diagnosis compares ranks within its comparison
+        # groups); set by ``RankWatch.watch`` on every rank, read by this thread per window.
+        self.mesh: MeshLayout | None = None
 
     # ---- control (training thread) -------------------------------------------------------
 
@@ -273,8 +279,7 @@ class WindowCollector:
         try:
             if not self._wait_admitted(final=bool(flags & FLAG_FINAL)):
                 return  # the root has no room for this rank (yet): the rows stay in the ring
-            rows, self._cursor, lost = self.timer.read(self._cursor)
-            self.lost += lost
+            rows = self._read()
             buf = transport.send_buffer
             chunks = max(1, math.ceil(len(rows) / CHUNK_ROWS))
             for k in range(chunks):
@@ -299,6 +304,16 @@ class WindowCollector:
                 exc,
             )
             transport.failed = True
+
+    def _read(self) -> NDArray[np.float64]:
+        """This rank's new rows from the timer, without its first ``warmup_steps`` steps
+        (never shipped: compilation, lazy initialisation, the first collective's start-up
+        skew and loader workers starting would swing the first windows' means)."""
+        rows, self._cursor, lost = self.timer.read(self._cursor)
+        self.lost += lost
+        first = self._cursor - len(rows)  # the rows' index among every step this rank timed
+        skip = self.config.warmup_steps - first
+        return rows[skip:] if skip > 0 else rows
 
     def _wait_admitted(self, *, final: bool) -> bool:
         """Whether the root has admitted this rank. The final shipment waits for it until the
@@ -355,9 +370,7 @@ class WindowCollector:
         if self._blocks is not None:
             self._blocks.flush()  # the blocks the last drain closed, batched over ranks
         now = time.monotonic()
-        rows, self._cursor, lost = self.timer.read(self._cursor)
-        self.lost += lost
-        self._keep(self.layout.rank, rows, now)
+        self._keep(self.layout.rank, self._read(), now)
         if self.transport is None or self.transport.failed:
             return
         messages: list[NDArray[np.float64]] = []
@@ -538,15 +551,19 @@ class WindowCollector:
     ) -> tuple[dict[int, NDArray[np.float64] | None], StepTimeReport]:
         """The window's rows as kept and its report. Live windows come from the rows; the
         summary from the rows and the block sums of older steps (bounded memory)."""
-        cfg, strategy = self.config.diagnosis.step_time, self.strategy()
+        cfg, strategy, mesh = self.config.diagnosis.step_time, self.strategy(), self.mesh
         if kind != "summary" or self._blocks is None:
             # Ranks in step (the usual case) share their last ``window`` rows: aligning just
             # those gives the same window at half the cost; otherwise align the longer tails.
             per_rank = window_arrays(self._buffers, present, window, rows=window)
-            report = diagnose_arrays(per_rank, strategy=strategy, window=window, config=cfg)
+            report = diagnose_arrays(
+                per_rank, strategy=strategy, window=window, config=cfg, mesh=mesh
+            )
             if report.steps < window:
                 per_rank = window_arrays(self._buffers, present, window)
-                report = diagnose_arrays(per_rank, strategy=strategy, window=window, config=cfg)
+                report = diagnose_arrays(
+                    per_rank, strategy=strategy, window=window, config=cfg, mesh=mesh
+                )
             return per_rank, report
         keep = set(present)
         tails: dict[int, NDArray[np.float64] | None] = {
@@ -554,4 +571,4 @@ class WindowCollector:
         }
         complete = [r for r, b in self._buffers.items() if b.count <= b.capacity]
         means = self._blocks.reduce(tails, window, complete=complete)
-        return tails, diagnose_window(means, strategy=strategy, config=cfg)
+        return tails, diagnose_window(means, strategy=strategy, config=cfg, mesh=mesh)

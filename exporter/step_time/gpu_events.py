@@ -21,6 +21,28 @@ per-device thread whose current device is the tensors' device, which need not be
 thread's current device (a script that never calls ``torch.cuda.set_device``). So a timeline
 records every marker on an explicit stream, the model's device's current stream, and each
 device has its own pool: an event never meets a stream of another device.
+
+Sync waits on the device. A wait for a collective is, on the compute stream, a
+``wait_event`` on the communication stream's event (``Work.wait()`` of an NCCL collective,
+FSDP2's ``wait_for_unshard``/``post_backward``/``finalize_backward``): the host returns at once
+and the stream stalls later. A marker recorded just before that point and one just after sit
+around it in stream order, ``[A][stream waits for the collective][B]``, so ``B - A`` is the
+time the compute stream sat blocked behind the collective, 0 when the collective was done
+already. :meth:`GpuTimeline.wait_begin`/:meth:`GpuTimeline.wait_end` place those markers (the
+outermost of nested waits only). The wait after the last gradient of a DDP backward starts at
+an event recorded in the post-accumulate-grad hook of the parameter whose gradient came last
+in the previous pass (:meth:`GpuTimeline.grad_mark`): one record per backward pass instead of
+one per parameter. Every hook still compares, so the pair is credited only when no gradient
+came after the marked one; an unchanged graph runs in the same order every pass, so that is
+the usual case. When another parameter's gradient arrives after the marked one, that pass's
+wait is left absent (never a value that holds compute) while the timeline learns the new last
+parameter.
+
+Failures never reach training. A marker requested while a CUDA graph is being captured
+(recording a timing event there is illegal) is not recorded: the phase or wait is absent for
+that step. An exception from ``record``, ``query`` or ``elapsed_time`` is caught: the step's GPU
+columns are absent, and after ``max_errors`` of them the timeline switches itself off
+(:attr:`GpuTimeline.broken`; the timer then drops it). Each cause is named in one warning.
 """
 
 from __future__ import annotations
@@ -31,10 +53,22 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["EventLike", "EventPool", "GpuTimeline", "cuda_event_factory", "cuda_stream_of"]
+__all__ = [
+    "DEVICE_ERRORS_BEFORE_OFF",
+    "EventLike",
+    "EventPool",
+    "GpuTimeline",
+    "cuda_capturing",
+    "cuda_event_factory",
+    "cuda_stream_of",
+]
 
 NAN = math.nan
 log = logging.getLogger(__name__)
+# Device errors (record/query/elapsed_time raising) after which GPU timing switches off; the
+# default of ``RankwatchConfig.gpu_device_errors_before_off``.
+DEVICE_ERRORS_BEFORE_OFF = 3
+_NESTED = object()  # a wait opened inside another: the outer one's markers hold it
 
 
 class EventLike(Protocol):
@@ -69,6 +103,14 @@ def cuda_stream_of(device: Any) -> Callable[[], Any]:
         return torch.cuda.current_stream(device)
 
     return stream
+
+
+def cuda_capturing() -> Callable[[], bool]:
+    """True while the current stream is being captured into a CUDA graph (``torch.cuda.graph``,
+    ``torch.compile(mode="reduce-overhead")``): no timing event may be recorded then."""
+    import torch
+
+    return torch.cuda.is_current_stream_capturing
 
 
 class EventPool:
@@ -110,14 +152,15 @@ class EventPool:
         self._free.append(event)
 
 
-# (signal, start marker, end marker, inside the step's bracket)
-_Pair = tuple[int, EventLike, EventLike, bool]
+# (signals credited, start marker, end marker, inside the step's bracket). A phase credits
+# one signal; a sync wait outside forward credits forward and forward_wait, as on the CPU.
+_Pair = tuple[tuple[int, ...], EventLike, EventLike, bool]
 
 
 class _PendingStep:
     """One finished step whose GPU markers the device may not have passed yet."""
 
-    __slots__ = ("pairs", "slot", "step_pair", "untimed")
+    __slots__ = ("failed", "pairs", "slot", "step_pair", "untimed")
 
     def __init__(
         self,
@@ -125,11 +168,13 @@ class _PendingStep:
         pairs: list[_Pair],
         step_pair: tuple[EventLike, EventLike] | None,
         untimed: frozenset[int] = frozenset(),
+        failed: bool = False,
     ) -> None:
         self.slot = slot
         self.pairs = pairs
         self.step_pair = step_pair
         self.untimed = untimed
+        self.failed = failed  # a device error in the step: every GPU column absent
 
 
 class GpuTimeline:
@@ -143,7 +188,10 @@ class GpuTimeline:
 
     ``stream`` returns the stream to record on (the model device's; see the module docstring);
     None records on the caller's current stream (single-device use). ``device`` names the
-    device the pool's events belong to.
+    device the pool's events belong to. ``capturing`` says whether a CUDA graph is being
+    captured (no marker is recorded then). ``wait_signals`` are the signals whose
+    ``begin``/``end`` pairs are themselves waits (DDP's forward wait): a sync wait inside one
+    is nested in it.
     """
 
     def __init__(
@@ -155,10 +203,19 @@ class GpuTimeline:
         *,
         stream: Callable[[], Any] | None = None,
         device: Any = None,
+        capturing: Callable[[], bool] | None = None,
+        wait_signals: tuple[int, ...] = (),
+        max_errors: int = DEVICE_ERRORS_BEFORE_OFF,
     ) -> None:
         if max_pending_steps < 1:
             raise ValueError(
                 f"GpuTimeline.max_pending_steps: must be >= 1, got {max_pending_steps!r}"
+            )
+        if isinstance(max_errors, bool) or not isinstance(max_errors, int) or max_errors < 1:
+            raise ValueError(f"GpuTimeline.max_errors: must be an int >= 1, got {max_errors!r}")
+        if any(not 0 <= s < n_signals for s in wait_signals):
+            raise ValueError(
+                f"GpuTimeline.wait_signals: {wait_signals!r} must lie in 0..{n_signals - 1}"
             )
         self.pool = pool
         self.n_signals = n_signals
@@ -170,31 +227,87 @@ class GpuTimeline:
         self._step_start: EventLike | None = None
         self._pending: deque[_PendingStep] = deque()
         self._stream = stream
+        self._capturing = capturing
+        self._wait_signals = tuple(wait_signals)
+        self.max_errors = max_errors
         self.device = device
         # Signals one of whose occurrences in the open step got no marker: absent this step.
         self._untimed: set[int] = set()
         # Steps finished without GPU times because the pool ran dry or the device lagged.
         self.dropped_steps = 0
-        self.untimed_phases = 0  # phase occurrences that got no marker (pool empty)
-        self._warned = False
+        self.untimed_phases = 0  # phase or wait occurrences that got no marker
+        self._warned: set[str] = set()
+        self._miss = ""  # why the last marker could not be recorded
+        # Open sync waits, outermost first: the start marker, None (none could be recorded)
+        # or _NESTED.
+        self._waits: list[Any] = []
+        # The last gradient of a backward pass (see the module docstring).
+        self._grad_key: object = None  # the parameter whose gradient came last, last pass
+        self._grad_pass_last: object = None  # the last one seen in this pass
+        self._grad_event: EventLike | None = None  # recorded at the learned last parameter
+        self._grad_late = False  # a gradient came after the learned last one in this pass
+        self._grad_missed = False  # the learned last parameter's marker could not be recorded
+        self.relearned_passes = 0  # passes whose trailing wait was absent (order learned)
+        self._step_failed = False
+        self.errors = 0  # device errors caught
+        self.captured_marks = 0  # markers not recorded because a graph was being captured
+        self.broken = False  # switched off after max_errors device errors
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
     def _record(self) -> EventLike | None:
-        event = self.pool.acquire()
-        if event is not None:
-            if self._stream is None:
+        """A recorded marker, or None (``_miss`` says why); never raises."""
+        # Called for every marker on the training thread: the usual path is one capture query,
+        # a pop from the free list and the record, with no further call.
+        if self.broken:
+            self._miss = "off"
+            return None
+        capturing, stream = self._capturing, self._stream
+        try:
+            if capturing is not None and capturing():
+                self.captured_marks += 1
+                self._miss = "capture"
+                return None
+        except Exception as exc:  # the capture query itself failed: a device error
+            self._device_error("is_current_stream_capturing", exc)
+            self._miss = "error"
+            return None
+        free = self.pool._free
+        event = free.pop() if free else self.pool.acquire()
+        if event is None:
+            self._miss = "pool"
+            return None
+        try:
+            if stream is None:
                 event.record()
             else:
-                event.record(self._stream())
+                event.record(stream())
+        except Exception as exc:
+            self.pool.release(event)  # the next record of it overwrites whatever it holds
+            self._device_error("record", exc)
+            self._miss = "error"
+            return None
         return event
 
-    def _warn_once(self, why: str) -> None:
-        # One warning per timeline, naming why GPU times are missing; the rest are counted.
-        if not self._warned:
-            self._warned = True
+    def _device_error(self, call: str, exc: Exception) -> None:
+        self.errors += 1
+        self._step_failed = True
+        self._warn_once("error", f"the device raised in {call} ({type(exc).__name__}: {exc})")
+        if self.errors >= self.max_errors and not self.broken:
+            self.broken = True
+            log.warning(
+                "rankwatch: GPU timing is off after %d device errors; steps are timed on "
+                "the CPU clock",
+                self.errors,
+            )
+
+    def _warn_once(self, reason: str, why: str) -> None:
+        # One warning per cause and timeline, naming why GPU times are missing; the rest are
+        # counted.
+        if reason not in self._warned:
+            self._warned.add(reason)
             log.warning(
                 "rankwatch: GPU timing is incomplete: %s; those steps lack GPU times and "
                 "windows holding them use the CPU clock",
@@ -204,7 +317,14 @@ class GpuTimeline:
     def _lost(self, signal: int) -> None:
         self._untimed.add(signal)
         self.untimed_phases += 1
-        self._warn_once(f"the pool ran out of events ({self.pool.capacity})")
+        if self._miss == "pool":
+            self._warn_once("pool", f"the pool ran out of events ({self.pool.capacity})")
+        elif self._miss == "capture":
+            self._warn_once(
+                "capture",
+                "a CUDA graph was being captured (torch.cuda.graph, torch.compile "
+                'mode="reduce-overhead"), and no timing event may be recorded during capture',
+            )
 
     def begin(self, signal: int) -> None:
         """Marker at the start of a phase."""
@@ -228,7 +348,81 @@ class GpuTimeline:
             self.pool.release(start)
             self._lost(signal)
             return
-        self._pairs.append((signal, start, stop, self._open_inside[signal]))
+        self._pairs.append(((signal,), start, stop, self._open_inside[signal]))
+
+    # ---- sync waits ------------------------------------------------------------------------
+
+    def wait_begin(self) -> None:
+        """Marker before a sync wait on the compute stream (see the module docstring). A wait
+        inside another (a collective called by a timed one, a sync wait inside DDP's forward
+        wait or after the last gradient) records nothing: the outer markers hold it."""
+        open_ = self._open
+        nested = (
+            bool(self._waits)
+            or self._grad_event is not None
+            or any(open_[s] is not None for s in self._wait_signals)
+        )
+        self._waits.append(_NESTED if nested else self._record())
+
+    def wait_end(self, signals: tuple[int, ...]) -> None:
+        """Marker after the sync wait; its time is credited to each of ``signals``."""
+        if not self._waits:
+            return
+        start = self._waits.pop()
+        if start is _NESTED:
+            return
+        stop = self._record() if start is not None else None
+        if stop is None:
+            if start is not None:
+                self.pool.release(start)
+            for signal in signals:
+                self._lost(signal)
+            return
+        self._pairs.append((signals, start, stop, self._step_start is not None))
+
+    def grad_mark(self, key: object) -> None:
+        """A parameter's gradient was accumulated (its post-accumulate-grad hook, ``key``
+        naming the parameter): the parameter whose gradient came last in the previous pass
+        records the marker the trailing wait starts from."""
+        self._grad_pass_last = key
+        if key is self._grad_key:
+            if self._grad_event is not None:  # the same parameter twice in a pass
+                self.pool.release(self._grad_event)
+            self._grad_event = self._record()
+            self._grad_missed = self._grad_event is None
+            self._grad_late = False
+        elif self._grad_event is not None:
+            self._grad_late = True  # the marked gradient was not the last one
+
+    def grad_reset(self) -> None:
+        """A backward pass starts: forget a marker a pass that never finished left behind."""
+        if self._grad_event is not None:
+            self.pool.release(self._grad_event)
+            self._grad_event = None
+        self._grad_late = self._grad_missed = False
+        self._grad_pass_last = None
+
+    def grad_wait_end(self, signal: int) -> None:
+        """The backward pass ended: credit ``signal`` with the time from the last gradient's
+        marker to now, or leave it absent this step (the first pass, or the last parameter
+        changed: the timeline learns this pass's last one)."""
+        start, self._grad_event = self._grad_event, None
+        late, missed = self._grad_late, self._grad_missed
+        self._grad_late = self._grad_missed = False
+        self._grad_key, self._grad_pass_last = self._grad_pass_last, None
+        if start is not None and not late:
+            stop = self._record()
+            if stop is not None:
+                self._pairs.append(((signal,), start, stop, self._step_start is not None))
+                return
+            missed = True
+        if start is not None:
+            self.pool.release(start)
+        if missed:
+            self._lost(signal)  # no marker could be recorded: named in a warning
+        else:
+            self.relearned_passes += 1  # learning the last parameter: absent, quietly
+            self._untimed.add(signal)
 
     def start_step(self) -> None:
         """Marker at the start of a step (phases recorded before it still count toward it)."""
@@ -238,6 +432,8 @@ class GpuTimeline:
 
     def abort_step(self) -> None:
         """Forget the open step and its phases (the step produced no row)."""
+        self._step_failed = False
+        self.grad_reset()  # a backward that failed must not hold the next waits as nested
         for _, a, b, _ in self._pairs:
             self.pool.release(a)
             self.pool.release(b)
@@ -266,9 +462,10 @@ class GpuTimeline:
         elif start is not None:
             self.pool.release(start)
         untimed = frozenset(self._untimed) if self._untimed else frozenset()
-        self._pending.append(_PendingStep(slot, self._pairs, step_pair, untimed))
+        self._pending.append(_PendingStep(slot, self._pairs, step_pair, untimed, self._step_failed))
         self._pairs = []
         self._untimed = set()
+        self._step_failed = False
 
     def poll(self, write: Callable[[int, list[float]], None], max_steps: int) -> int:
         """Resolve up to ``max_steps`` finished steps, oldest first; never blocks.
@@ -281,13 +478,16 @@ class GpuTimeline:
         while self._pending and done < max_steps:
             head = self._pending[0]
             overdue = len(self._pending) > self.max_pending_steps
-            if not overdue and not self._ready(head):
+            ready = self._ready(head)
+            if not overdue and not ready:
                 break
             self._pending.popleft()
-            if overdue and not self._ready(head):
+            if overdue and not ready:
                 # The device is far behind: give up on this step's GPU times, keep bounded.
                 self.dropped_steps += 1
-                self._warn_once(f"the device is more than {self.max_pending_steps} steps behind")
+                self._warn_once(
+                    "lag", f"the device is more than {self.max_pending_steps} steps behind"
+                )
                 write(head.slot, [NAN] * (self.n_signals + 1))
             else:
                 write(head.slot, self._times(head))
@@ -300,7 +500,7 @@ class GpuTimeline:
         n = 0
         while self._pending:
             head = self._pending.popleft()
-            if self._ready(head):
+            if not self.broken and self._ready(head):
                 write(head.slot, self._times(head))
             else:
                 self.dropped_steps += 1
@@ -309,24 +509,41 @@ class GpuTimeline:
             n += 1
         return n
 
-    @staticmethod
-    def _ready(step: _PendingStep) -> bool:
-        # Markers may sit on different streams (autograd's device thread), so ask every one.
-        if step.step_pair is not None and not (
-            step.step_pair[0].query() and step.step_pair[1].query()
-        ):
-            return False
-        return all(a.query() and b.query() for _, a, b, _ in step.pairs)
+    def _ready(self, step: _PendingStep) -> bool:
+        """The device passed every marker of the step (a failed step is ready at once)."""
+        if step.failed or self.broken:
+            return True
+        try:
+            # Markers may sit on different streams (autograd's device thread): ask every one.
+            if step.step_pair is not None and not (
+                step.step_pair[0].query() and step.step_pair[1].query()
+            ):
+                return False
+            return all(a.query() and b.query() for _, a, b, _ in step.pairs)
+        except Exception as exc:
+            self._device_error("query", exc)
+            step.failed = True
+            return True
 
     def _times(self, step: _PendingStep) -> list[float]:
+        if step.failed or self.broken:
+            return [NAN] * (self.n_signals + 1)
+        try:
+            return self._elapsed(step)
+        except Exception as exc:
+            self._device_error("elapsed_time", exc)
+            return [NAN] * (self.n_signals + 1)
+
+    def _elapsed(self, step: _PendingStep) -> list[float]:
         out = [NAN] * (self.n_signals + 1)
         inside_wait = 0.0
-        for signal, a, b, inside in step.pairs:
+        for signals, a, b, inside in step.pairs:
             ms = max(0.0, float(a.elapsed_time(b)))
-            prev = out[signal]
-            out[signal] = ms if prev != prev else prev + ms  # NaN check without a call
-            if inside and signal == self.input_wait_signal:
-                inside_wait += ms
+            for signal in signals:
+                prev = out[signal]
+                out[signal] = ms if prev != prev else prev + ms  # NaN check without a call
+                if inside and signal == self.input_wait_signal:
+                    inside_wait += ms
         if step.step_pair is not None:
             total = float(step.step_pair[0].elapsed_time(step.step_pair[1]))
             out[self.n_signals] = max(0.0, total - inside_wait)

@@ -27,10 +27,15 @@ is replaced):
   by its ``with`` block).
 
 Every hook returns at once while ``torch.compile`` traces (``torch.compiler.is_compiling()``),
-so nothing of rankwatch enters a compiled graph and ``fullgraph=True`` keeps working.
+so nothing of rankwatch enters a compiled graph and ``fullgraph=True`` keeps working. A
+compiled DDP model (``torch.compile(ddp_model)``) has its waits timed on DDP's own pre- and
+post-forward methods instead of its module's hooks, which run inside the graph
+(:func:`_compiled_ddp_wait_hooks`). Every other collective wait of the training thread is
+timed by :mod:`.collectives`.
 
-The training strategy is read from the wrapper type: ``DistributedDataParallel`` is ``ddp``,
-FSDP (``FullyShardedDataParallel`` or a module managed by ``fully_shard``) is ``fsdp``.
+The training strategy is read from the wrapper type, inside a ``torch.compile`` wrapper too:
+``DistributedDataParallel`` is ``ddp``, FSDP (``FullyShardedDataParallel`` or a module managed
+by ``fully_shard``) is ``fsdp``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from threading import get_ident
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -57,7 +62,9 @@ from rankwatch.exporter.step_time.timer import (
 __all__ = [
     "AttributeShadow",
     "WatchedLoader",
+    "compiled_inner",
     "detect_strategy",
+    "fsdp_param_groups",
     "install",
     "model_device",
     "move_to_device",
@@ -69,10 +76,19 @@ log = logging.getLogger(__name__)
 _is_compiling = torch.compiler.is_compiling
 
 
+def compiled_inner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), or None when
+    ``model`` is not such a wrapper."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
 def detect_strategy(model: torch.nn.Module) -> str | None:
-    """``"ddp"``/``"fsdp"`` from the wrapper around ``model``, or None for a plain module."""
+    """``"ddp"``/``"fsdp"`` from the wrapper around ``model`` (looked for inside a
+    ``torch.compile`` wrapper too), or None for a plain module."""
     from torch.nn.parallel import DistributedDataParallel
 
+    model = compiled_inner(model) or model
     if isinstance(model, DistributedDataParallel):
         return "ddp"
     fsdp_types: list[type] = []
@@ -300,9 +316,12 @@ class _BackwardTracker:
     """Opens ``backward`` at the first output gradient of a backward pass, closes it at the
     very end of the pass (after DDP/FSDP final callbacks).
 
-    Under DDP it also credits ``backward_wait``: from the last local gradient (the last
+    Where it watches the parameters (every model but FSDP's, whose collectives are timed where
+    they run) it also credits ``backward_wait``: from the last local gradient (the last
     post-accumulate-grad hook of a parameter) to that end, the wait for the last gradient
-    reduction and DDP's end-of-backward work.
+    reduction and a wrapper's end-of-backward work (DDP's, or that of a wrapper a framework
+    holds around the watched module), less the waits already credited in that stretch (a
+    collective timed inside it is counted once).
 
     The end is a callback queued from a callback: a wrapper (DDP, FSDP) queues its own final
     callbacks during the pass, and a model that looks plain may be the inner module of a
@@ -316,6 +335,7 @@ class _BackwardTracker:
         self._engine = torch.autograd.Variable._execution_engine
         self._clock = timer._clock
         self.last_grad_ns = -1
+        self.waited_at_last_grad_ms = 0.0  # backward_wait credited when the last gradient came
 
     def on_output_grad(self, *grads: Any) -> None:
         # A pre hook of the output's autograd node (or, for an output without one, a tensor
@@ -329,7 +349,9 @@ class _BackwardTracker:
 
     def on_param_grad(self, param: torch.Tensor) -> None:
         # One clock read per parameter per backward: the last one wins.
-        self.last_grad_ns = self._clock()
+        timer = self._timer
+        self.last_grad_ns = timer.last_grad(param)
+        self.waited_at_last_grad_ms = timer.credited_ms(BACKWARD_WAIT)
 
     def _requeue(self) -> None:
         # Runs among the final callbacks; queue once more to run after every callback that
@@ -340,7 +362,10 @@ class _BackwardTracker:
         self._active = False
         last = self.last_grad_ns
         if last >= 0:
-            self._timer.add(BACKWARD_WAIT, self._clock() - last)
+            timer = self._timer
+            # Waits timed as sync waits after the last gradient are in the row already.
+            since_ms = timer.credited_ms(BACKWARD_WAIT) - self.waited_at_last_grad_ms
+            timer.add_backward_wait(max(0, self._clock() - last - int(since_ms * 1e6)))
             self.last_grad_ns = -1
         self._timer.end(BACKWARD)
 
@@ -406,14 +431,24 @@ def install(
     while ``torch.compile`` traces it: nothing of rankwatch enters a compiled graph.
     """
     handles: list[RemovableHandle | AttributeShadow] = []
+    forward_seen = [model is None]  # (a model's forward hook ran outside a compiled graph)
     if model is not None:
         tracker = _BackwardTracker(timer)
         inner = _ddp_inner(model)
         sync = inner is not None
+        # ``torch.compile(ddp_model)``: the hooks on the compiled wrapper run eagerly, DDP's
+        # module's run inside the graph (no-ops), so its waits are timed differently.
+        compiled = compiled_inner(model)
+        compiled_ddp = compiled if compiled is not None and _ddp_inner(compiled) else None
+        fsdp = inner is None and compiled_ddp is None and detect_strategy(model) == "fsdp"
+        # The waits are columns of every step that ran a forward (0 when none was timed),
+        # except under FSDP, whose own calls time them.
+        zero_wait = not sync and not fsdp
 
         def forward_pre(module: torch.nn.Module, args: Any) -> None:
             if _is_compiling():
                 return
+            forward_seen[0] = True
             if not timer.in_step:
                 # A forward outside any step is evaluation or inference: not a training step.
                 if not (module.training and torch.is_grad_enabled()):
@@ -422,6 +457,8 @@ def install(
             timer.begin(FORWARD)
             if sync:
                 timer.begin(FORWARD_WAIT)
+            elif zero_wait:
+                timer.add(FORWARD_WAIT, 0)  # timed, even when no wait is credited below
 
         def forward_post(module: torch.nn.Module, args: Any, output: Any) -> None:
             if _is_compiling():
@@ -438,10 +475,30 @@ def install(
         handles.append(model.register_forward_hook(forward_post, always_call=True))
         if inner is not None:
             handles.extend(_sync_wait_hooks(timer, tracker, inner))
-        elif not timer.async_collectives:
-            handles.extend(_fsdp_wait_hooks(timer, model))
+        elif compiled_ddp is not None:
+            handles.extend(_compiled_ddp_wait_hooks(timer, tracker, compiled_ddp))
+        elif fsdp:
+            if not timer.async_collectives:
+                handles.extend(_fsdp_wait_hooks(timer, model))
+        else:
+            # A plain module: a pipeline stage, a tensor-parallel model, a module whose
+            # wrapper a framework holds. Its collectives are timed where they wait
+            # (:mod:`.collectives`); the trailing wait of its backward is timed here.
+            handles.extend(_last_grad_hooks(tracker, model))
+
+    def check_forward_seen() -> None:
+        if not forward_seen[0]:
+            log.warning(
+                "rankwatch: %d optimizer steps and the watched model's forward never ran "
+                "outside a compiled graph: was it compiled after watch()? Its hooks then run "
+                "inside the graph and time nothing (forward, backward and the waits stay "
+                "absent). Watch the module the loop calls: watch(torch.compile(model)).",
+                OPTIMIZER_SILENT_BATCHES,
+            )
+
     for k, opt in enumerate(optimizers):
-        pre, post = _optimizer_hooks(timer, closes_step=k == len(optimizers) - 1)
+        last = k == len(optimizers) - 1
+        pre, post = _optimizer_hooks(timer, last, check_forward_seen if last else None)
         handles.append(opt.register_step_pre_hook(pre))
         handles.append(opt.register_step_post_hook(post))
     return handles
@@ -475,17 +532,50 @@ def _sync_wait_hooks(
         if not _is_compiling() and timer.phase_open(FORWARD):
             timer.begin(FORWARD_WAIT)
 
-    def param_grad(param: torch.Tensor) -> None:
-        if not _is_compiling():
-            tracker.on_param_grad(param)
-
     handles = [
         inner.register_forward_pre_hook(inner_pre, prepend=True),
         inner.register_forward_hook(inner_post, prepend=True),
     ]
-    for param in inner.parameters():
-        if param.requires_grad:
-            handles.append(param.register_post_accumulate_grad_hook(param_grad))
+    return handles + _last_grad_hooks(tracker, inner)
+
+
+def _last_grad_hooks(tracker: _BackwardTracker, module: torch.nn.Module) -> list[RemovableHandle]:
+    """A post-accumulate-grad hook on every trainable parameter of ``module``: the last one of
+    a backward pass starts ``backward_wait`` (one clock read per parameter per backward).
+    Accumulation runs outside a compiled graph, so these run eagerly under compile too."""
+
+    def param_grad(param: torch.Tensor) -> None:
+        if not _is_compiling():
+            tracker.on_param_grad(param)
+
+    return [
+        p.register_post_accumulate_grad_hook(param_grad)
+        for p in module.parameters()
+        if p.requires_grad
+    ]
+
+
+# DDP's own methods around its module's forward: the buffer broadcast and the reducer's
+# preparation before it, the post-forward work after it.
+DDP_FORWARD_SYNC = ("_pre_forward", "_post_forward")
+
+
+def _compiled_ddp_wait_hooks(
+    timer: StepTimer, tracker: _BackwardTracker, ddp: torch.nn.Module
+) -> list[RemovableHandle | AttributeShadow]:
+    """``torch.compile(ddp_model)``: the waits of :func:`_sync_wait_hooks` without hooks on
+    DDP's module (dynamo traces those into the graph, where they do nothing).
+
+    ``forward_wait``: DDP's ``_pre_forward`` and ``_post_forward`` (methods of this DDP
+    object, shadowed on it, the shadows never compiled: a graph break around each, as DDP has
+    around its module's forward already). ``backward_wait``: as under eager DDP.
+    """
+    handles: list[RemovableHandle | AttributeShadow] = [
+        time_as_sync_wait(timer, ddp, name, never_compiled=True)
+        for name in DDP_FORWARD_SYNC
+        if callable(getattr(ddp, name, None))
+    ]
+    handles.extend(_last_grad_hooks(tracker, cast(torch.nn.Module, ddp.module)))
     return handles
 
 
@@ -524,6 +614,13 @@ def _fsdp_wait_hooks(timer: StepTimer, model: torch.nn.Module) -> list[Attribute
     groups (``_get_fsdp_state()._fsdp_param_group``): where they are missing nothing is timed
     and the diagnosis keeps the seed's FSDP definition.
     """
+    groups = fsdp_param_groups(model, FSDP_COLLECTIVES)
+    return [time_as_sync_wait(timer, group, name) for group in groups for name in FSDP_COLLECTIVES]
+
+
+def fsdp_param_groups(model: torch.nn.Module, methods: tuple[str, ...]) -> list[Any]:
+    """FSDP2 parameter groups (``_get_fsdp_state()._fsdp_param_group``) of ``model``'s units
+    that have every one of ``methods``; none on a model without FSDP2 units."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
@@ -533,37 +630,46 @@ def _fsdp_wait_hooks(timer: StepTimer, model: torch.nn.Module) -> list[Attribute
         if isinstance(module, FSDPModule):
             state = getattr(module, "_get_fsdp_state", lambda: None)()
             group = getattr(state, "_fsdp_param_group", None)
-            if all(callable(getattr(group, n, None)) for n in FSDP_COLLECTIVES):
+            if all(callable(getattr(group, n, None)) for n in methods):
                 groups.append(group)
-    return [time_as_sync_wait(timer, group, name) for group in groups for name in FSDP_COLLECTIVES]
+    return groups
 
 
-def time_as_sync_wait(timer: StepTimer, owner: Any, name: str) -> AttributeShadow:
+def time_as_sync_wait(
+    timer: StepTimer, owner: Any, name: str, *, never_compiled: bool = False
+) -> AttributeShadow:
     """Shadow ``owner.<name>`` (an object's method, a module's function) so that each call runs
     inside the timer's sync wait (:meth:`StepTimer.sync_wait`: the wait joins ``forward_wait``,
     or ``backward_wait`` inside backward); ``remove()`` on the result gives it back.
 
     Calls from another thread than the one shadowing it, calls inside an open sync wait (one
     collective calling another, or a user's ``sync_wait`` block around it) and calls while
-    ``torch.compile`` traces run as they are.
+    ``torch.compile`` traces run as they are. ``never_compiled``: dynamo skips the shadow's own
+    frame (the call is a graph break, the original is compiled as before), for a method that
+    runs eagerly after a graph break anyway: compiled, the shadow would keep only the branch
+    taken while tracing, which times nothing.
     """
     original = getattr(owner, name)
     wait = timer.sync_wait()
     thread = get_ident()
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        if wait.open or get_ident() != thread or _is_compiling():
+        # The compile check first: while dynamo traces, nothing else here is looked at.
+        if _is_compiling() or wait.open or get_ident() != thread:
             return original(*args, **kwargs)
         with wait:
             return original(*args, **kwargs)
 
+    if never_compiled:
+        timed = torch.compiler.disable(timed, recursive=False)
     return AttributeShadow(owner, name, timed)
 
 
 def _optimizer_hooks(
-    timer: StepTimer, closes_step: bool
+    timer: StepTimer, closes_step: bool, at_silent_steps: Callable[[], None] | None = None
 ) -> tuple[Callable[..., None], Callable[..., None]]:
-    """Pre/post step hooks that time the outermost ``step()`` only.
+    """Pre/post step hooks that time the outermost ``step()`` only; ``at_silent_steps`` runs
+    once, after ``OPTIMIZER_SILENT_BATCHES`` outermost steps.
 
     A subclass whose ``step`` calls ``super().step()`` runs the instance's hooks twice, nested
     (torch wraps both methods once the base class has been instantiated); timing the inner
@@ -587,6 +693,8 @@ def _optimizer_hooks(
         timer.end(OPTIMIZER)
         timer.optimizer_steps += 1
         timer.optimizer_end_ns = timer._clock()
+        if timer.optimizer_steps == OPTIMIZER_SILENT_BATCHES and at_silent_steps is not None:
+            at_silent_steps()
         # With a watched loader the next fetch closes the step (post-step work included).
         if closes_step and not timer.loader_steps and timer.auto_step:
             timer.end_step()

@@ -34,7 +34,9 @@ CHUNK_ROWS = 512  # rows per message
 MESSAGE_SHAPE = (1 + CHUNK_ROWS, ROW_WIDTH)  # a header row and the rows, float64
 TAG = 5277  # Gloo tag of rankwatch messages (the group is ours alone; any fixed tag works)
 MAGIC = 52770.0
-VERSION = 1.0
+# 2: rows carry the GPU clock's sync waits (``ROW_WIDTH`` grew); a version 1 sender's rows have
+# another width, so its messages are refused by version, not misread.
+VERSION = 2.0
 FLAG_END_OF_ROUND = 1
 FLAG_FINAL = 2
 STRATEGY_CODES: dict[str | None, int] = {None: 0, "ddp": 1, "fsdp": 2}
@@ -107,7 +109,7 @@ def decode_message(buf: NDArray[np.float64]) -> Message:
     if magic != MAGIC or version != VERSION:
         raise ValueError(
             f"decode_message: field header: magic/version {magic!r}/{version!r} is not a "
-            "rankwatch v1 message"
+            f"rankwatch v{VERSION:g} message (every rank must run the same rankwatch version)"
         )
     n = int(n_rows)
     if not 0 <= n <= CHUNK_ROWS:

@@ -33,10 +33,14 @@ from rankwatch.exporter.gloo import create_gloo_group, dedicated_store, group_ti
 from rankwatch.exporter.identity import local_identity
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
 from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text
+from rankwatch.exporter.step_time.collectives import install_collective_waits
 from rankwatch.exporter.step_time.collector import WindowCollector
+from rankwatch.exporter.step_time.device_mesh import mesh_layout, model_mesh
+from rankwatch.exporter.step_time.device_waits import fsdp_device_waits
 from rankwatch.exporter.step_time.gpu_events import (
     EventPool,
     GpuTimeline,
+    cuda_capturing,
     cuda_event_factory,
     cuda_stream_of,
 )
@@ -47,17 +51,26 @@ from rankwatch.exporter.step_time.hooks import (
     model_device,
     unwrap_optimizer,
 )
-from rankwatch.exporter.step_time.timer import PHASES, StepTimer
+from rankwatch.exporter.step_time.timer import (
+    BACKWARD_WAIT,
+    FORWARD_WAIT,
+    PHASES,
+    TIMED_SIGNALS,
+    StepTimer,
+)
 from rankwatch.exporter.step_time.transport import GroupLayout, Transport
 
 __all__ = ["RankWatch"]
 
 log = logging.getLogger(__name__)
 
-# Events per step on the GPU clock: two per phase occurrence plus the step's own pair; the
-# pool holds enough for this many steps in flight before a step goes untimed.
+# Events per step on the GPU clock: two per phase occurrence plus the step's own pair, and two
+# per sync wait; the pool holds enough for this many steps in flight before a step goes
+# untimed. Sync waits per step are counted generously (a few collectives a step); FSDP2 adds
+# three waits per unit when it is watched (see ``watch``).
 _GPU_STEPS_IN_FLIGHT = 64
-_EVENTS_PER_STEP = 2 * (len(PHASES) + 1) * 2
+_SYNC_WAITS_PER_STEP = 8
+_EVENTS_PER_STEP = 2 * (len(PHASES) + 1) * 2 + 2 * _SYNC_WAITS_PER_STEP
 
 
 class _Inert:
@@ -288,7 +301,9 @@ class RankWatch:
         in ``with rw.sync_wait():`` that wait joins ``forward_wait`` (and ``forward``; inside
         a timed backward: ``backward_wait``), so the rank that waited least is still named.
         Run it on every rank at the same point of every step: the waits are compared only
-        when every rank timed them. Blocks do not nest (``RuntimeError``).
+        when every rank timed them. With GPU timing on, the block is also timed on the compute
+        stream (CUDA events before and after it): put the collective's ``wait()`` inside it.
+        Blocks do not nest (``RuntimeError``).
         """
         if self.timer is None:
             return _INERT
@@ -313,6 +328,8 @@ class RankWatch:
         model: Any = None,
         optimizer: Any = None,
         dataloader: Iterable[Any] | None = None,
+        *,
+        mesh: Any = None,
     ) -> Any:
         """Install hooks: forward/backward on ``model``, step hooks on ``optimizer`` (one or a
         sequence; a framework's wrapper holding the optimizer in ``.optimizer`` is accepted),
@@ -323,7 +340,16 @@ class RankWatch:
         optimizer lands in the step's residual); without one the last optimizer's step closes
         it. The loader must be iterated by the training thread (the thread calling ``watch``):
         a prefetching thread's fetches are not timed. The strategy is detected from a
-        DDP/FSDP wrapper around ``model``.
+        DDP/FSDP wrapper around ``model`` (inside a ``torch.compile`` wrapper too). Every
+        wait of the training thread for a collective is timed as a sync wait from here on
+        (:mod:`.collectives`), until :meth:`close`.
+
+        ``mesh``: the job's device mesh, so the diagnosis compares only ranks that should do
+        equal work (the ranks of one pipeline stage): a ``DeviceMesh`` (a submesh stands for
+        its root mesh), or dimension sizes over the group's ranks in row-major order
+        (``{"pp": 2, "dp": 2}``). Without it, the root mesh of the model's first DTensor
+        parameter, if any. Every rank passes the same mesh; it must hold every rank of the
+        group.
         """
         import torch
 
@@ -360,8 +386,13 @@ class RankWatch:
                         detected,
                         self._explicit_strategy,
                     )
+        layout = mesh_layout(mesh, self.ranks) if self.ranks else None
         if self.timer is None:
             return dataloader
+        if layout is None and model is not None:
+            layout = model_mesh(model, self.ranks)
+        if layout is not None and self._collector is not None:
+            self._collector.mesh = layout
         if model is not None:
             self._gpu_for_model(device)
         if device is not None:
@@ -369,6 +400,9 @@ class RankWatch:
             # CPU clock cannot contain a wait, and the diagnosis must know it.
             self.timer.async_collectives = device.type != "cpu"
         self._handles.extend(install(self.timer, model, optimizers))
+        self._handles.extend(install_collective_waits(self.timer))
+        if model is not None and self.timer.gpu is not None:
+            self._watch_device_waits(model)
         self._watched.update(id(o) for o in (model, *optimizers) if o is not None)
         self._optimizers_watched |= bool(optimizers)
         if dataloader is None:
@@ -467,6 +501,15 @@ class RankWatch:
                 "model's own device"
             )
 
+    def _watch_device_waits(self, model: Any) -> None:
+        """FSDP2's waits on the compute stream, on the GPU clock (:mod:`.device_waits`); the
+        event pool grows by their pairs."""
+        timer = self.timer
+        assert timer is not None and timer.gpu is not None
+        shadows = fsdp_device_waits(timer, model)
+        self._handles.extend(shadows)
+        timer.gpu.pool.capacity += 2 * len(shadows) * timer.gpu.max_pending_steps
+
     def _warn_gpu_off(self, why: str) -> None:
         if not self._gpu_off_warned:
             self._gpu_off_warned = True
@@ -495,5 +538,15 @@ class RankWatch:
                 in_flight * _EVENTS_PER_STEP, cuda_event_factory()
             )
         timer.set_gpu(
-            GpuTimeline(pool, len(PHASES), 0, in_flight, stream=cuda_stream_of(dev), device=dev)
+            GpuTimeline(
+                pool,
+                len(TIMED_SIGNALS),
+                0,
+                in_flight,
+                stream=cuda_stream_of(dev),
+                device=dev,
+                capturing=cuda_capturing(),
+                wait_signals=(FORWARD_WAIT, BACKWARD_WAIT),
+                max_errors=self.config.gpu_device_errors_before_off,
+            )
         )

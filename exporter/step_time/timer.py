@@ -2,11 +2,13 @@
 
 One row per training step, in the step-time diagnosis' layout (``ROW_WIDTH`` float64 columns):
 ``[step_id, 6 cpu signals (ms), 6 gpu signals (ms), cpu forward_wait, cpu backward_wait,
-async_collectives]`` with the signals in ``SIGNALS`` order (``input_wait, h2d, forward,
-backward, optimizer, step``). NaN means the signal was not timed in that step; a timed phase
-that took no time is ``0.0``. The two waits (CPU clock only) are timed by the hooks inside
-``forward`` and ``backward`` (see :mod:`.hooks`); ``async_collectives`` is 1 on a rank whose
-collectives do not block the host (see :attr:`StepTimer.async_collectives`).
+gpu forward_wait, gpu backward_wait, async_collectives]`` with the signals in ``SIGNALS``
+order (``input_wait, h2d, forward, backward, optimizer, step``). NaN means the signal was not
+timed in that step; a timed phase that took no time is ``0.0``. The waits are timed by the
+hooks inside ``forward`` and ``backward`` (see :mod:`.hooks`) and by every sync wait
+(:meth:`StepTimer.sync_wait`), on the CPU clock and, when GPU timing is on, on the compute
+stream (see :mod:`.gpu_events`); ``async_collectives`` is 1 on a rank whose collectives do
+not block the host (see :attr:`StepTimer.async_collectives`).
 
 How the columns are defined:
 
@@ -45,28 +47,41 @@ import numpy as np
 from numpy.typing import NDArray
 
 from rankwatch.diagnosis.step_time import ROW_WIDTH, SIGNALS
-from rankwatch.diagnosis.step_time.table import SYNC_SIGNALS
+from rankwatch.diagnosis.step_time.table import SYNC_SIGNALS, column
 
 if TYPE_CHECKING:
     from rankwatch.exporter.step_time.gpu_events import GpuTimeline
 
-__all__ = ["BACKWARD_WAIT", "FORWARD_WAIT", "INPUT_WAIT", "PHASES", "StepTimer"]
+__all__ = [
+    "BACKWARD_WAIT",
+    "FORWARD_WAIT",
+    "INPUT_WAIT",
+    "PHASES",
+    "TIMED_SIGNALS",
+    "StepTimer",
+]
 
 # The phases a user (or a hook) brackets; ``step`` is derived from the step's own bracket.
 PHASES: tuple[str, ...] = SIGNALS[:-1]
 INPUT_WAIT, H2D, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
-_NG = len(PHASES)  # phases timed on the GPU clock too
-# The sync waits inside forward and backward (hooks only, CPU clock only), in SYNC_SIGNALS order.
+_NG = len(PHASES)
+# The sync waits inside forward and backward, in SYNC_SIGNALS order.
 FORWARD_WAIT, BACKWARD_WAIT = range(_NG, _NG + len(SYNC_SIGNALS))
-_N = _NG + len(SYNC_SIGNALS)
-_GPU0 = 1 + len(SIGNALS)  # first GPU column
+# Everything the timer times on both clocks: the phases, then the waits (a GpuTimeline's
+# signals; its step time comes last).
+TIMED_SIGNALS: tuple[str, ...] = (*PHASES, *SYNC_SIGNALS)
+_N = len(TIMED_SIGNALS)
 _NAN = math.nan
 _MS = 1e-6  # ns -> ms
-_STEP_COL = len(SIGNALS)  # the ``step`` column (CPU clock)
-_WAIT0 = _GPU0 + len(SIGNALS)  # first sync-wait column
-_ASYNC_COL = _WAIT0 + len(SYNC_SIGNALS)
-# Row column of each timed phase (``PHASES`` then the sync waits).
-_COL: tuple[int, ...] = (*range(1, 1 + _NG), *range(_WAIT0, _WAIT0 + len(SYNC_SIGNALS)))
+_STEP_COL = column("cpu", "step")
+_ASYNC_COL = ROW_WIDTH - 1
+# Row column of each timed signal (``TIMED_SIGNALS`` order), per clock; the GPU list ends with
+# the GPU step column (a GpuTimeline's output order).
+_COL: tuple[int, ...] = tuple(column("cpu", name) for name in TIMED_SIGNALS)
+_GPU_COL: tuple[int, ...] = (
+    *(column("gpu", name) for name in TIMED_SIGNALS),
+    column("gpu", "step"),
+)
 _FWD_COL, _BWD_COL, _OPT_COL = _COL[FORWARD], _COL[BACKWARD], _COL[OPTIMIZER]
 
 
@@ -117,23 +132,34 @@ class _InputWaitPhase(_Phase):
 
 class _SyncWait:
     """Context manager crediting a wait at a synchronisation point outside the hooks' reach
-    (one instance per timer, reused; see :meth:`StepTimer.sync_wait`)."""
+    (one instance per timer, reused; see :meth:`StepTimer.sync_wait`). With GPU timing on,
+    the wait is also timed on the compute stream (:meth:`.GpuTimeline.wait_begin`)."""
 
-    __slots__ = ("_start", "_timer")
+    __slots__ = ("_gpu", "_start", "_timer")
 
     def __init__(self, timer: StepTimer) -> None:
         self._timer = timer
         self._start = -1
+        self._gpu: GpuTimeline | None = None  # the timeline the open block began on
 
     @property
     def open(self) -> bool:
         """A block is open (they do not nest)."""
         return self._start >= 0
 
+    @property
+    def in_backward(self) -> bool:
+        """The timer is inside a timed backward pass."""
+        return self._timer._start[BACKWARD] >= 0
+
     def __enter__(self) -> _SyncWait:
         if self._start >= 0:
             raise RuntimeError("sync_wait: already inside a sync_wait block (they do not nest)")
-        self._start = self._timer._clock()
+        timer = self._timer
+        self._start = timer._clock()
+        gpu = self._gpu = timer._gpu
+        if gpu is not None:
+            gpu.wait_begin()
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
@@ -141,6 +167,33 @@ class _SyncWait:
         ns = timer._clock() - self._start
         self._start = -1
         timer.credit_wait(ns)
+        gpu, self._gpu = self._gpu, None
+        if gpu is not None:
+            gpu.wait_end(timer.wait_signals())
+
+
+class _DeviceWait:
+    """Context manager timing a wait on the compute stream only (GPU clock; the host does not
+    block there: FSDP2's ``wait_for_unshard``); see :meth:`StepTimer.device_wait`. Inside a
+    sync wait or another device wait it records nothing (the outer markers hold it)."""
+
+    __slots__ = ("_open", "_timer")
+
+    def __init__(self, timer: StepTimer) -> None:
+        self._timer = timer
+        self._open: list[GpuTimeline | None] = []  # per open block, the timeline it began on
+
+    def __enter__(self) -> _DeviceWait:
+        gpu = self._timer._gpu
+        self._open.append(gpu)
+        if gpu is not None:
+            gpu.wait_begin()
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        gpu = self._open.pop() if self._open else None
+        if gpu is not None:
+            gpu.wait_end(self._timer.wait_signals())
 
 
 class _Step:
@@ -168,6 +221,14 @@ class _Step:
             self._timer.abort_step()
 
 
+def _check_timeline(gpu: GpuTimeline | None) -> None:
+    if gpu is not None and gpu.n_signals != _N:
+        raise ValueError(
+            f"StepTimer.gpu: the timeline times {gpu.n_signals} signals, expected {_N} "
+            f"({', '.join(TIMED_SIGNALS)})"
+        )
+
+
 class StepTimer:
     """Times phases and steps on the training thread; keeps the last ``capacity`` rows.
 
@@ -180,6 +241,7 @@ class StepTimer:
             raise TypeError(f"StepTimer.capacity: expected an int, got {capacity!r}")
         if capacity < 2:
             raise ValueError(f"StepTimer.capacity: must be >= 2, got {capacity!r}")
+        _check_timeline(gpu)
         self.capacity = capacity
         # Written rows by slot (absolute row ``i`` in slot ``i % capacity``), each a list of
         # ROW_WIDTH floats; None for a slot never written.
@@ -211,6 +273,7 @@ class StepTimer:
         }
         self._step_ctx = _Step(self)
         self._sync_wait = _SyncWait(self)
+        self._device_wait = _DeviceWait(self)
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -235,6 +298,7 @@ class StepTimer:
 
     def set_gpu(self, gpu: GpuTimeline | None) -> None:
         """Switch GPU timing on or off (between steps; an open step keeps CPU times only)."""
+        _check_timeline(gpu)
         self._gpu = gpu
 
     def phase_open(self, index: int) -> bool:
@@ -261,6 +325,20 @@ class StepTimer:
         ``backward_wait`` inside a timed backward. Blocks do not nest (``RuntimeError``)."""
         return self._sync_wait
 
+    def device_wait(self) -> _DeviceWait:
+        """Context manager around a point where the compute stream waits for a collective
+        without the host blocking (FSDP2's ``wait_for_unshard``): timed on the GPU clock only,
+        credited as :meth:`sync_wait` credits (nothing without GPU timing)."""
+        return self._device_wait
+
+    def wait_signals(self) -> tuple[int, ...]:
+        """The signals a wait ending now is credited to (as :meth:`credit_wait` does)."""
+        if self._start[BACKWARD] >= 0:
+            return (BACKWARD_WAIT,)
+        if self._start[FORWARD] < 0:
+            return (FORWARD, FORWARD_WAIT)
+        return (FORWARD_WAIT,)
+
     def step(self, step_id: int | None = None) -> _Step:
         """Context manager of one step; ``step_id`` defaults to the previous id + 1."""
         if step_id is not None:
@@ -281,10 +359,13 @@ class StepTimer:
     # ---- hot path ------------------------------------------------------------------------
 
     def begin(self, index: int) -> None:
-        """Enter phase ``index`` (``PHASES`` order)."""
+        """Enter phase ``index`` (``TIMED_SIGNALS`` order)."""
         self._start[index] = self._clock()
-        if self._gpu is not None and index < _NG:
-            self._gpu.begin(index)
+        gpu = self._gpu
+        if gpu is not None:
+            if index == BACKWARD:
+                gpu.grad_reset()
+            gpu.begin(index)
 
     def end(self, index: int) -> bool:
         """Leave phase ``index``; a leave without an enter is ignored (returns False)."""
@@ -298,7 +379,7 @@ class StepTimer:
         row[col] = (now - start) * _MS + (before if before == before else 0.0)
         if index == 0 and self._step_start >= 0 and start >= self._step_start:
             self._inside_wait += now - start
-        if self._gpu is not None and index < _NG:
+        if self._gpu is not None:
             self._gpu.end(index)
         return True
 
@@ -308,6 +389,26 @@ class StepTimer:
         row, col = self._row, _COL[index]
         before = row[col]
         row[col] = ns * _MS + (before if before == before else 0.0)
+
+    def last_grad(self, param: object) -> int:
+        """A parameter's gradient was accumulated (DDP's post-accumulate-grad hooks): returns
+        the CPU clock now, and on the GPU clock marks the compute stream where the trailing
+        wait may start (:meth:`.GpuTimeline.grad_mark`)."""
+        if self._gpu is not None:
+            self._gpu.grad_mark(param)
+        return self._clock()
+
+    def credited_ms(self, index: int) -> float:
+        """Milliseconds signal ``index`` holds so far in the open step (0.0 when untimed)."""
+        value = self._row[_COL[index]]
+        return value if value == value else 0.0
+
+    def add_backward_wait(self, ns: int) -> None:
+        """End of a backward pass under DDP: credit ``ns`` since the last gradient to
+        ``backward_wait``, and on the GPU clock the stream time since its marker."""
+        self.add(BACKWARD_WAIT, ns)
+        if self._gpu is not None:
+            self._gpu.grad_wait_end(BACKWARD_WAIT)
 
     def credit_wait(self, ns: int) -> None:
         """Credit ``ns`` spent waiting at a synchronisation point to the current step.
@@ -319,6 +420,9 @@ class StepTimer:
         """
         if self._start[BACKWARD] >= 0:
             self.add(BACKWARD_WAIT, ns)
+            return
+        if self._start[FORWARD_WAIT] >= 0:
+            # Inside DDP's timed pre/post-forward interval, which holds this wait already.
             return
         if self._start[FORWARD] < 0:
             self.add(FORWARD, ns)
@@ -395,6 +499,8 @@ class StepTimer:
         else:
             gpu.finish_step(slot)
             self.finished += gpu.poll(self._write_gpu, 2)
+            if gpu.broken:  # switched itself off after device errors (it said so once)
+                self._gpu = None
 
     def finish_open_step(self) -> None:
         """At shutdown: write a hook-opened step that ran its optimizer (a whole training step
@@ -428,7 +534,8 @@ class StepTimer:
     def _write_gpu(self, slot: int, gpu_ms: list[float]) -> None:
         row = self._rows[slot]
         if row is not None:
-            row[_GPU0 : _GPU0 + len(SIGNALS)] = gpu_ms
+            for col, ms in zip(_GPU_COL, gpu_ms, strict=True):
+                row[col] = ms
 
     def poll_gpu(self, max_steps: int = 64) -> int:
         """Resolve finished GPU markers without blocking (training thread only)."""

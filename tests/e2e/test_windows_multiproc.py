@@ -50,6 +50,7 @@ def _config(**overrides: Any) -> Any:
     from rankwatch.exporter.config import RankwatchConfig
 
     live = overrides.pop("live_window_steps", 100)
+    overrides.setdefault("warmup_steps", 0)  # the scenarios count steps from the first one
     diag = DiagnosisConfig(step_time=StepTimeConfig(live_window_steps=live))
     return RankwatchConfig.from_env(env={}, diagnosis=diag, **overrides)
 

@@ -16,6 +16,7 @@ from rankwatch.diagnosis.step_time.table import (
     BASE_WIDTH,
     EXTRA_COLUMNS,
     MEAN_KEYS,
+    ROW_WIDTH,
     SIGNALS,
     column,
     reduce_window,
@@ -126,6 +127,22 @@ def windows() -> list[tuple[str, dict[int, np.ndarray | None], int]]:
     flagged[2][:, ASYNC_COL] = 0.0
     flagged[2][700, ASYNC_COL] = 1.0  # in the window, older than the tail
     out.append(("async collectives flagged on an old step", flagged, 1000))
+    # The GPU clock with its own sync waits (an NCCL job), the CPU waits different, one old
+    # step of one rank without its GPU backward wait (that step holds the window's fallback).
+    gpu_waits = dict(example_window(4, 1500, slow_rank=1, seed=13).per_rank)
+    for r, rows in gpu_waits.items():
+        assert rows is not None
+        base = 0.5 if r == 1 else 6.0
+        rows[:, column("gpu", "forward_wait")] = base
+        rows[:, column("gpu", "backward_wait")] = base + 0.25 * (rows[:, 0] % 3)
+        rows[:, column("cpu", "forward_wait")] = 0.01
+        rows[:, column("cpu", "backward_wait")] = 0.02
+        rows[:, ASYNC_COL] = 1.0
+    out.append(("sync waits on the GPU clock", gpu_waits, 1000))
+    lost = {r: None if a is None else a.copy() for r, a in gpu_waits.items()}
+    assert lost[0] is not None
+    lost[0][650, column("gpu", "backward_wait")] = np.nan
+    out.append(("a GPU wait lost on an old step", lost, 1000))
     return out
 
 
@@ -182,7 +199,7 @@ def test_state_is_bounded_by_the_window_not_the_run() -> None:
 
 def test_rows_after_drops_resent_and_out_of_order_rows() -> None:
     def ids(*steps: float) -> np.ndarray:
-        rows = np.full((len(steps), 16), 1.0)
+        rows = np.full((len(steps), ROW_WIDTH), 1.0)
         rows[:, 0] = steps
         return rows
 
@@ -190,8 +207,8 @@ def test_rows_after_drops_resent_and_out_of_order_rows() -> None:
     assert rows_after(fresh, 4.0) is fresh  # the usual shipment: nothing copied
     assert rows_after(ids(3, 4, 5, 6), 4.0)[:, 0].tolist() == [5, 6]  # resent head
     assert rows_after(ids(5, 8, 7, 9), 4.0)[:, 0].tolist() == [5, 8, 9]  # one out of order
-    assert rows_after(ids(2, 1), 4.0).shape == (0, 16)
-    assert rows_after(ids(), -1.0).shape == (0, 16)
+    assert rows_after(ids(2, 1), 4.0).shape == (0, ROW_WIDTH)
+    assert rows_after(ids(), -1.0).shape == (0, ROW_WIDTH)
     # The first step of a run (nothing received yet: last step -1) is kept.
     assert rows_after(ids(0, 1), -1.0)[:, 0].tolist() == [0, 1]
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rankwatch.diagnosis.step_time import SIGNALS, diagnose_arrays, diagnose_steps
 from rankwatch.diagnosis.step_time.row_dicts import _rows_table, _strict_rows
-from rankwatch.diagnosis.step_time.table import BASE_WIDTH, ROW_WIDTH
+from rankwatch.diagnosis.step_time.table import BASE_WIDTH, ROW_WIDTH, SYNC_SIGNALS, column
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -27,7 +27,10 @@ full_clock = st.permutations(SIGNALS).flatmap(
     lambda order: st.tuples(*(value for _ in order)).map(lambda v: dict(zip(order, v, strict=True)))
 )
 partial_clock = st.dictionaries(st.sampled_from(SIGNALS), value, max_size=5)
-clock = st.one_of(full_clock, full_clock, partial_clock, st.none(), st.just("absent"))
+# A clock with some of the sync waits too (rankwatch's extension: the careful reader's).
+waits = st.dictionaries(st.sampled_from(SYNC_SIGNALS), value, min_size=1, max_size=2)
+waits_clock = st.tuples(st.one_of(full_clock, partial_clock), waits).map(lambda t: {**t[0], **t[1]})
+clock = st.one_of(full_clock, full_clock, partial_clock, waits_clock, st.none(), st.just("absent"))
 # Step ids: Python ints (fast path), integral floats and numpy ints (careful path).
 step_id = st.one_of(
     st.integers(min_value=0, max_value=50),
@@ -51,9 +54,12 @@ def rank_rows(draw: st.DrawFn) -> list[dict[str, Any]]:
 
 
 def careful_table(rows: list[dict[str, Any]], rank: int) -> np.ndarray:
-    flat = np.array(_strict_rows(rows, rank), dtype=np.float64).reshape(-1, BASE_WIDTH)
+    waits: list[float | None] = []
+    flat = np.array(_strict_rows(rows, rank, waits), dtype=np.float64).reshape(-1, BASE_WIDTH)
     table = np.full((len(rows), ROW_WIDTH), np.nan)
     table[:, :BASE_WIDTH] = flat
+    cols = [column(c, s) for c in ("cpu", "gpu") for s in SYNC_SIGNALS]
+    table[:, cols] = np.array(waits, dtype=np.float64).reshape(len(rows), len(cols))
     return table
 
 

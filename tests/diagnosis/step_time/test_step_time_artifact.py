@@ -119,7 +119,10 @@ def _doc() -> dict[str, Any]:
     ("mutate", "message"),
     [
         (lambda d: d.update(format="other"), r"format: value 'other'"),
-        (lambda d: d.update(version=2), r"version: value 2 is not supported"),
+        (
+            lambda d: d.update(version=3),
+            r"version: value 3 is not supported \(this reader knows 1, 2\)",
+        ),
         (lambda d: d.update(version="1"), r"version: value '1' is not an int"),
         (lambda d: d.update(extra=1), r"extra: unknown key"),
         (lambda d: d.update(strategy="zero3"), r"strategy: value 'zero3'"),
@@ -268,3 +271,44 @@ def test_hot_path_benchmark_runs_in_small_blocks(monkeypatch: pytest.MonkeyPatch
         "six context managers that only read the clock",
     ]
     assert all(math.isfinite(r["median"]) and r["baseline"] > 0 for r in rows)
+
+
+def _with_gpu_waits(steps: int = 3) -> dict[int, Any]:
+    per_rank: dict[int, Any] = {}
+    for rank, arr in example_window(ranks=2, steps=steps).per_rank.items():
+        assert arr is not None
+        arr = arr.copy()
+        for clock in ("cpu", "gpu"):
+            arr[:, column(clock, "forward_wait")] = 1.0 + rank
+            arr[:, column(clock, "backward_wait")] = 2.0 + rank
+        per_rank[rank] = arr
+    return per_rank
+
+
+def test_version_2_carries_the_gpu_clocks_sync_waits(tmp_path: Path) -> None:
+    per_rank = _with_gpu_waits()
+    path = save_window(tmp_path / "w.json", per_rank, window=3)
+    doc = json.loads(path.read_text())
+    assert doc["version"] == VERSION == 2
+    assert doc["ranks"]["1"]["gpu"]["backward_wait"] == [3.0, 3.0, 3.0]
+    loaded = load_window(path)
+    for rank, arr in per_rank.items():
+        np.testing.assert_array_equal(loaded.per_rank[rank], arr)
+    assert loaded.diagnose().visible_definition == "sync_wait"
+
+
+def test_a_version_1_file_is_still_read_and_may_not_name_gpu_waits() -> None:
+    doc = window_to_dict(_with_gpu_waits(), window=3)
+    doc["version"] = 1
+    for rank in doc["ranks"].values():
+        del rank["gpu"]["forward_wait"], rank["gpu"]["backward_wait"]
+    old = window_from_dict(doc)  # written before the GPU clock timed the waits
+    got = old.per_rank[0]
+    assert got is not None
+    assert np.isnan(got[:, column("gpu", "forward_wait")]).all()
+    assert (got[:, column("cpu", "forward_wait")] == 1.0).all()
+    doc["ranks"]["0"]["gpu"]["forward_wait"] = [1.0, 1.0, 1.0]
+    with pytest.raises(
+        ValueError, match=r"ranks.0.gpu.forward_wait: unknown signal in a version 1 artifact"
+    ):
+        window_from_dict(doc)

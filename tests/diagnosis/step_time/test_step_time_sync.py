@@ -135,7 +135,12 @@ def test_unmeasured_input_wait_still_names_the_culprit_with_sync_waits() -> None
     assert "input_wait" in top.missing_signals
 
 
-def rows(n: int, forward_wait: float, backward_wait: float, gpu: bool = False) -> np.ndarray:
+ASYNC_COL = BASE_WIDTH + EXTRA_COLUMNS.index("async_collectives")
+
+
+def rows(
+    n: int, forward_wait: float, backward_wait: float, gpu: bool = False, gpu_waits: bool = False
+) -> np.ndarray:
     arr = np.full((n, ROW_WIDTH), math.nan)
     arr[:, 0] = np.arange(n)
     for clock in ("cpu", "gpu") if gpu else ("cpu",):
@@ -148,18 +153,26 @@ def rows(n: int, forward_wait: float, backward_wait: float, gpu: bool = False) -
             ("step", 100.0),
         ):
             arr[:, column(clock, s)] = v
-    arr[:, column("cpu", "forward_wait")] = forward_wait
-    arr[:, column("cpu", "backward_wait")] = backward_wait
+    for clock in ("cpu", "gpu") if gpu_waits else ("cpu",):
+        arr[:, column(clock, "forward_wait")] = forward_wait
+        arr[:, column(clock, "backward_wait")] = backward_wait
     return arr
 
 
 def test_row_layout_appends_the_extra_columns_once() -> None:
-    assert EXTRA_COLUMNS == ("forward_wait", "backward_wait", "async_collectives")
-    assert ROW_WIDTH == BASE_WIDTH + len(EXTRA_COLUMNS) == 16
-    assert column("cpu", "forward_wait") == 13 and column("cpu", "backward_wait") == 14
+    assert EXTRA_COLUMNS == (
+        "cpu.forward_wait",
+        "cpu.backward_wait",
+        "gpu.forward_wait",
+        "gpu.backward_wait",
+        "async_collectives",
+    )
+    assert BASE_WIDTH + len(EXTRA_COLUMNS) == ROW_WIDTH
+    waits = [column(c, s) for c in ("cpu", "gpu") for s in ("forward_wait", "backward_wait")]
+    assert waits == list(range(BASE_WIDTH, ROW_WIDTH - 1)) and ASYNC_COL == ROW_WIDTH - 1
 
 
-def test_sync_waits_from_arrays_on_the_cpu_clock_only() -> None:
+def test_sync_waits_from_arrays_on_either_clock() -> None:
     per_rank = {0: rows(30, 0.0, 5.0), 1: rows(30, 30.0, 5.0), 2: rows(30, 30.0, 5.0)}
     r = diagnose_arrays(per_rank, window=30)
     assert r.visible_definition == "sync_wait" and r.straggler is not None
@@ -167,15 +180,47 @@ def test_sync_waits_from_arrays_on_the_cpu_clock_only() -> None:
     # A wait missing on one aligned step is not a measurement: the seed definition applies.
     per_rank[1][3, column("cpu", "backward_wait")] = math.nan
     assert diagnose_arrays(per_rank, window=30).visible_definition == "backward"
-    # On the GPU clock the CPU waits are not comparable: the seed definition applies.
+    # On the GPU clock the CPU waits are not comparable: without the GPU clock's own waits the
+    # seed definition applies.
     gpu = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0, gpu=True) for r in range(3)}
+    g = diagnose_arrays(gpu, window=30)
+    assert g.clock == "gpu" and g.visible_definition == "backward"
+    # With them (every rank, every aligned step), the sync-wait definition on the GPU clock.
+    gpu = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0, gpu=True, gpu_waits=True) for r in range(3)}
+    g = diagnose_arrays(gpu, window=30)
+    assert g.clock == "gpu" and g.visible_definition == "sync_wait"
+    assert g.straggler is not None and g.straggler.culprit_rank == 0
+    assert g.rank_means[1]["forward_wait"] == 30.0
+    # A step whose device wait could not be timed (graph capture, no event left): fallback.
+    gpu[2][7, column("gpu", "forward_wait")] = math.nan
     g = diagnose_arrays(gpu, window=30)
     assert g.clock == "gpu" and g.visible_definition == "backward"
 
 
+def test_gpu_waits_never_pick_the_clock() -> None:
+    # GPU waits without the GPU clock's phases: the window is a CPU one, with its own waits.
+    per_rank = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0) for r in range(3)}
+    for arr in per_rank.values():
+        arr[:, column("gpu", "forward_wait")] = 99.0
+    r = diagnose_arrays(per_rank, window=30)
+    assert r.clock == "cpu" and r.rank_means[1]["forward_wait"] == 30.0
+
+
+def test_gpu_clock_of_async_collectives_uses_the_device_waits() -> None:
+    # NCCL-style ranks (the CPU clock blind) with the waits timed on the compute stream.
+    per_rank = {
+        r: rows(30, 0.0 if r == 0 else 30.0, 5.0, gpu=True, gpu_waits=True) for r in range(3)
+    }
+    for arr in per_rank.values():
+        arr[:, ASYNC_COL] = 1.0
+    r = diagnose_arrays(per_rank, window=30)
+    assert r.clock == "gpu" and r.visible_definition == "sync_wait"
+    assert r.straggler is not None and r.straggler.culprit_rank == 0
+
+
 def test_cpu_clock_of_host_async_collectives_abstains() -> None:
     per_rank = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0) for r in range(3)}
-    per_rank[1][:, BASE_WIDTH + 2] = 1.0  # rank 1's collectives do not block its host
+    per_rank[1][:, ASYNC_COL] = 1.0  # rank 1's collectives do not block its host
     r = diagnose_arrays(per_rank, window=30)
     assert r.straggler is None and r.visible_definition == "none"
     assert not any(f.is_straggler for f in r.findings)
@@ -210,6 +255,41 @@ def test_a_saved_window_keeps_the_sync_waits_and_the_flag(tmp_path: Any) -> None
     live = diagnose_arrays(per_rank, window=30)
     path = save_window(tmp_path / "w.json", per_rank, window=30)
     assert load_window(path).diagnose() == live and live.visible_definition == "sync_wait"
-    per_rank[2][:, BASE_WIDTH + 2] = 1.0
+    per_rank[2][:, ASYNC_COL] = 1.0
     path = save_window(tmp_path / "f.json", per_rank, window=30)
     assert load_window(path).diagnose().visible_definition == "none"
+
+
+def test_row_dictionaries_carry_each_clocks_waits() -> None:
+    from rankwatch.diagnosis.step_time import diagnose_steps
+    from rankwatch.diagnosis.step_time.row_dicts import rows_to_array
+
+    arrays = {r: rows(30, 0.0 if r == 0 else 30.0, 5.0, gpu=True, gpu_waits=True) for r in range(3)}
+    names = ("input_wait", "h2d", "forward", "backward", "optimizer", "step")
+    per_rank = {
+        r: [
+            {
+                "step_id": int(row[0]),
+                **{
+                    clock: {
+                        s: float(row[column(clock, s)])
+                        for s in (*names, "forward_wait", "backward_wait")
+                    }
+                    for clock in ("cpu", "gpu")
+                },
+            }
+            for row in arr
+        ]
+        for r, arr in arrays.items()
+    }
+    np.testing.assert_array_equal(rows_to_array(per_rank[1], rank=1), arrays[1])
+    r = diagnose_steps(per_rank, window=30)
+    assert r == diagnose_arrays(arrays, window=30)
+    assert r.clock == "gpu" and r.visible_definition == "sync_wait"
+    per_rank[2][4]["gpu"]["backward_wait"] = -1.0
+    with pytest.raises(ValueError, match=r"rank 2: row 4 \(step_id 4\): field gpu.backward_wait"):
+        diagnose_steps(per_rank, window=30)
+    per_rank[2][4]["gpu"]["backward_wait"] = 1.0
+    per_rank[2][4]["gpu"]["idle_wait"] = 1.0
+    with pytest.raises(ValueError, match=r"field gpu.idle_wait: unknown signal"):
+        diagnose_steps(per_rank, window=30)

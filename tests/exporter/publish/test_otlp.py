@@ -165,7 +165,12 @@ def test_golden_prometheus_and_otlp_publish_the_same_series(monkeypatch, in_chil
     groups: dict[str, set[str]] = {}
     for n, labels in want_map:
         groups.setdefault(n, set()).add(dict(labels)["group"])
-    for name in ("rankwatch_phase_seconds", "rankwatch_diagnosis_info", "rankwatch_window_steps"):
+    for name in (
+        "rankwatch_phase_seconds",
+        "rankwatch_diagnosis_info",
+        "rankwatch_window_steps",
+        "rankwatch_step_outlier_steps",
+    ):
         assert groups[name] == {"world"}, name
     for name in (
         "rankwatch_deepep_notify_ratio",

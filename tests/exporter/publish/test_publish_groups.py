@@ -34,7 +34,12 @@ from tests.publish_reports import (
 from tests.servers import http_get
 
 NOW = T0 + 1000.0
-STEP_FAMILIES = ("rankwatch_phase_seconds", "rankwatch_diagnosis_info", "rankwatch_window_steps")
+STEP_FAMILIES = (
+    "rankwatch_phase_seconds",
+    "rankwatch_diagnosis_info",
+    "rankwatch_window_steps",
+    "rankwatch_step_outlier_steps",
+)
 DEEPEP_FAMILIES = (
     "rankwatch_deepep_notify_ratio",
     "rankwatch_deepep_probe_anomalous",

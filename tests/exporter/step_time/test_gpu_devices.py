@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from rankwatch.diagnosis.step_time import SIGNALS
+from rankwatch.diagnosis.step_time.table import column
 from rankwatch.exporter.step_time.gpu_events import EventPool, GpuTimeline
 from rankwatch.exporter.step_time.hooks import model_device
-from rankwatch.exporter.step_time.timer import BACKWARD, FORWARD, PHASES, StepTimer
+from rankwatch.exporter.step_time.timer import BACKWARD, FORWARD, TIMED_SIGNALS, StepTimer
 
 GPU = {s: 1 + len(SIGNALS) + i for i, s in enumerate(SIGNALS)}
 
@@ -67,24 +68,40 @@ def one_step(timer: StepTimer, backward_device: int) -> None:
     Cuda.current = 0
     timer.begin(FORWARD)
     timer.end(FORWARD)
+    with timer.sync_wait():  # a collective after forward
+        pass
     Cuda.current = backward_device  # the autograd device thread
     timer.begin(BACKWARD)
+    last = timer.last_grad("w")  # post-accumulate-grad hooks, on that thread too
+    timer.add_backward_wait(timer._clock() - last)
     timer.end(BACKWARD)
     Cuda.current = 0
     timer.end_step()
 
 
-def test_the_double_enforces_the_device_rule() -> None:
-    # Without an explicit stream (the old recording), a recycled event meets device 1.
-    timer = StepTimer(8, gpu=GpuTimeline(EventPool(8, DeviceEvent), len(PHASES), 0, 2))
+def test_the_double_enforces_the_device_rule(caplog: pytest.LogCaptureFixture) -> None:
+    event = DeviceEvent()
+    event.record(Stream(0))
     with pytest.raises(RuntimeError, match="does not match"):
-        for _ in range(4):
+        event.record(Stream(1))
+    # Without an explicit stream (the old recording), a recycled event meets device 1: the
+    # error is caught, the steps lose their GPU columns, and GPU timing switches itself off.
+    timer = StepTimer(8, gpu=GpuTimeline(EventPool(8, DeviceEvent), len(TIMED_SIGNALS), 0, 2))
+    with caplog.at_level(logging.WARNING, logger="rankwatch"):
+        for _ in range(6):
             one_step(timer, backward_device=1)
+    assert timer.gpu is None
+    timer.drain_gpu(0.1)
+    rows, _, _ = timer.read(0)
+    assert len(rows) == 6 and np.isnan(rows[:, GPU["forward"]]).any()
+    assert not np.isnan(rows[:, 1 + SIGNALS.index("forward")]).any()  # the CPU clock is whole
+    off = [r for r in caplog.records if "GPU timing is off" in r.getMessage()]
+    assert len(off) == 1
 
 
 def test_markers_go_on_the_model_devices_stream_from_every_thread() -> None:
     stream = Stream(1)  # the model is on cuda:1; the main thread stays on cuda:0
-    gpu = GpuTimeline(EventPool(8, DeviceEvent), len(PHASES), 0, 2, stream=lambda: stream)
+    gpu = GpuTimeline(EventPool(32, DeviceEvent), len(TIMED_SIGNALS), 0, 2, stream=lambda: stream)
     timer = StepTimer(16, gpu=gpu)
     for _ in range(10):  # events are recycled many times over
         one_step(timer, backward_device=1)
@@ -92,6 +109,9 @@ def test_markers_go_on_the_model_devices_stream_from_every_thread() -> None:
     rows, _, _ = timer.read(0)
     assert len(rows) == 10
     assert not np.isnan(rows[:, [GPU["forward"], GPU["backward"], GPU["step"]]]).any()
+    # The waits' markers too (the first pass learns its last gradient: absent there).
+    assert not np.isnan(rows[:, column("gpu", "forward_wait")]).any()
+    assert not np.isnan(rows[1:, column("gpu", "backward_wait")]).any()
 
 
 def test_a_phase_that_could_not_be_timed_is_absent_not_a_partial_sum(
@@ -100,7 +120,7 @@ def test_a_phase_that_could_not_be_timed_is_absent_not_a_partial_sum(
     # 4 events: the step's start and the first forward's pair, then the second forward's
     # start: its end (and the step's end) get none.
     pool = EventPool(4, DeviceEvent)
-    timer = StepTimer(8, gpu=GpuTimeline(pool, len(PHASES), 0, 2, stream=lambda: Stream(0)))
+    timer = StepTimer(8, gpu=GpuTimeline(pool, len(TIMED_SIGNALS), 0, 2, stream=lambda: Stream(0)))
     with caplog.at_level(logging.WARNING, logger="rankwatch"):
         for _ in range(2):
             with timer.step():
@@ -147,7 +167,8 @@ class LaggingEvent(DeviceEvent):
 
 
 def test_a_lagging_device_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
-    gpu = GpuTimeline(EventPool(64, LaggingEvent), len(PHASES), 0, 2, stream=lambda: Stream(0))
+    pool = EventPool(64, LaggingEvent)
+    gpu = GpuTimeline(pool, len(TIMED_SIGNALS), 0, 2, stream=lambda: Stream(0))
     timer = StepTimer(16, gpu=gpu)
     with caplog.at_level(logging.WARNING, logger="rankwatch"):
         for _ in range(8):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rankwatch.diagnosis.step_time import SIGNALS
-from rankwatch.diagnosis.step_time.table import BASE_WIDTH
+from rankwatch.diagnosis.step_time.table import BASE_WIDTH, EXTRA_COLUMNS
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.step_time.hooks import OPTIMIZER_SILENT_BATCHES, move_to_device
 from rankwatch.exporter.step_time.rank_watch import RankWatch
@@ -222,6 +222,33 @@ def test_compile_fullgraph_before_and_after_watch(order: str) -> None:
         assert not np.isnan(rows[:, CPU["forward"]]).any()
 
 
+@pytest.mark.slow  # torch.compile traces: seconds, not in `make test-fast`
+def test_a_model_compiled_after_watch_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    torch._dynamo.reset()
+    rw = RankWatch(config=config())
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = rw.watch(model, opt, batches(OPTIMIZER_SILENT_BATCHES + 2))
+    compiled = torch.compile(model, backend="eager")  # the hooks now run inside the graph
+    with caplog.at_level(logging.WARNING, logger="rankwatch"):
+        train(compiled, opt, loader)
+    rows = rows_of(rw)
+    rw.close(2.0)
+    assert np.isnan(rows[:, CPU["forward"]]).all()  # what the warning is about
+    said = [r for r in caplog.records if "compiled after watch()" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    # Watched where the loop calls it, nothing is said.
+    caplog.clear()
+    rw = RankWatch(config=config())
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = torch.compile(model, backend="eager")
+    with caplog.at_level(logging.WARNING, logger="rankwatch"):
+        train(compiled, opt, rw.watch(compiled, opt, batches(OPTIMIZER_SILENT_BATCHES + 2)))
+    rw.close(2.0)
+    assert "compiled after watch()" not in caplog.text
+
+
 def test_a_rank_on_an_accelerator_flags_its_rows() -> None:
     # CUDA does not run here: the flag is what watch() sets for a model off the CPU.
     for flagged in (False, True):
@@ -232,6 +259,6 @@ def test_a_rank_on_an_accelerator_flags_its_rows() -> None:
         assert rw.timer is not None and rw.timer.async_collectives is False  # on the CPU
         rw.timer.async_collectives = flagged
         train(model, opt, loader)
-        flags = rows_of(rw)[:, BASE_WIDTH + 2]
+        flags = rows_of(rw)[:, BASE_WIDTH + EXTRA_COLUMNS.index("async_collectives")]
         rw.close(2.0)
         assert (flags == 1.0).all() if flagged else np.isnan(flags).all()

@@ -19,11 +19,12 @@ import torch
 
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time import ROW_WIDTH, SIGNALS
+from rankwatch.diagnosis.step_time.table import column
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.step_time.gpu_events import EventPool, GpuTimeline
 from rankwatch.exporter.step_time.hooks import WatchedLoader, detect_strategy, move_to_device
 from rankwatch.exporter.step_time.rank_watch import RankWatch
-from rankwatch.exporter.step_time.timer import PHASES, StepTimer
+from rankwatch.exporter.step_time.timer import PHASES, TIMED_SIGNALS, StepTimer
 
 CPU = {s: 1 + i for i, s in enumerate(SIGNALS)}
 GPU = {s: 1 + len(SIGNALS) + i for i, s in enumerate(SIGNALS)}
@@ -228,7 +229,7 @@ def test_gpu_columns_resolve_by_polling_in_order() -> None:
     HostClockEvent.device_done = False
     try:
         pool = EventPool(64, HostClockEvent)
-        timer = StepTimer(16, gpu=GpuTimeline(pool, len(PHASES), 0, max_pending_steps=8))
+        timer = StepTimer(16, gpu=GpuTimeline(pool, len(TIMED_SIGNALS), 0, max_pending_steps=8))
         for _ in range(3):
             with timer.step():
                 with timer.phase("input_wait"):
@@ -258,7 +259,7 @@ def test_gpu_pool_exhaustion_and_lagging_device_stay_bounded() -> None:
     HostClockEvent.device_done = False
     try:
         pool = EventPool(6, HostClockEvent)
-        timer = StepTimer(64, gpu=GpuTimeline(pool, len(PHASES), 0, max_pending_steps=4))
+        timer = StepTimer(64, gpu=GpuTimeline(pool, len(TIMED_SIGNALS), 0, max_pending_steps=4))
         for _ in range(20):
             with timer.step(), timer.phase("forward"):
                 pass
@@ -341,7 +342,12 @@ class SlowLoader:
 
 
 def single_config(**overrides: Any) -> RankwatchConfig:
-    base: dict[str, Any] = {"interval_seconds": 0.2, "gather_timeout_seconds": 2.0}
+    # Every step shipped: these tests count steps from the first one.
+    base: dict[str, Any] = {
+        "interval_seconds": 0.2,
+        "gather_timeout_seconds": 2.0,
+        "warmup_steps": 0,
+    }
     base.update(overrides)
     return RankwatchConfig.from_env(env={}, **base)
 
@@ -399,9 +405,15 @@ def test_watch_on_a_plain_model_gives_the_explicit_rows() -> None:
     assert rw.strategy is None  # a plain module: no wrapper, the diagnosis uses DDP rules
     assert ex.shape == wa.shape == (n, ROW_WIDTH)
     assert ex[:, 0].tolist() == wa[:, 0].tolist() == list(range(n))
-    # Same signals measured (all six on the CPU clock), none on the GPU clock.
-    assert np.array_equal(np.isnan(ex), np.isnan(wa))
-    assert not np.isnan(wa[:, 1:7]).any() and np.isnan(wa[:, 7:]).all()
+    # Same signals measured (all six on the CPU clock), none on the GPU clock; the hooks also
+    # time the CPU clock's waits of a plain module (none here: 0 before forward, and the short
+    # stretch after the last gradient), which explicit phases leave absent.
+    waits = [column("cpu", "forward_wait"), column("cpu", "backward_wait")]
+    others = [c for c in range(ROW_WIDTH) if c not in waits]
+    assert np.array_equal(np.isnan(ex[:, others]), np.isnan(wa[:, others]))
+    assert np.isnan(ex[:, waits]).all() and not np.isnan(wa[:, waits]).any()
+    assert (wa[:, waits[0]] == 0.0).all()
+    assert not np.isnan(wa[:, 1:7]).any() and np.isnan(wa[:, 7:13]).all()
     floors = {
         "input_wait": IW_S,
         "h2d": H2D_S,

@@ -62,6 +62,11 @@ def test_message_bad_input() -> None:
     buf[0, 4] = CHUNK_ROWS + 3
     with pytest.raises(ValueError, match="rows"):
         decode_message(buf)
+    # A sender of another rankwatch version (rows of another width) is refused by version.
+    encode_message(buf, rows(0, 1), sender=0, seq=0, flags=0, lost=0, strategy=None)
+    buf[0, 1] = 1.0
+    with pytest.raises(ValueError, match=r"is not a rankwatch v2 message \(every rank must run"):
+        decode_message(buf)
 
 
 def test_row_buffer_keeps_the_newest_rows_in_order() -> None:
