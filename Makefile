@@ -11,7 +11,7 @@ STAMP    := $(VENV)/.installed
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
 .PHONY: venv backends demo test test-fast test-floors lint typecheck unit generate bench bench-scale accuracy \
-	accuracy-deepep gpu-check clean
+	accuracy-parallel accuracy-deepep gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -93,9 +93,16 @@ generate: venv
 bench: venv
 	$(PY) -m bench.run_all
 
-# The step-time accuracy matrix: real Gloo jobs, one slow rank per cell -> docs/accuracy.md.
+# The step-time accuracy matrices: real Gloo jobs, one slow rank per cell -> docs/accuracy.md:
+# the single-dimension matrix, then the 3D-parallel one (both run; either's wrong cell fails).
 accuracy: venv
-	$(PY) -m bench.accuracy_step_time --out docs/accuracy.md
+	$(PY) -m bench.accuracy_step_time --out docs/accuracy.md; status=$$?; \
+		$(PY) -m bench.accuracy_parallel --out docs/accuracy.md && exit $$status
+
+# The 3D-parallel matrix alone: 4-rank Gloo jobs on a device mesh (tensor, pipeline and data
+# parallel), live windows and incidents -> its section of docs/accuracy.md (about 15 minutes).
+accuracy-parallel: venv
+	$(PY) -m bench.accuracy_parallel --out docs/accuracy.md
 
 # Regenerates the DeepEP normal-mode accuracy matrix in docs/diagnosis-deepep.md.
 accuracy-deepep: venv

@@ -390,11 +390,16 @@ class VerdictRecorder:
                 "window": report.window_kind,
                 "kind": "NO_STEP_TIME" if st is None else st.kind,
                 "culprit": None if top is None else top.culprit_rank,
+                # kind, culprit, the ranks named, the pipeline replica named when only the
+                # replica can be told
                 "stragglers": []
                 if st is None
                 else [
-                    [f.kind, f.culprit_rank, list(f.ranks)] for f in st.findings if f.is_straggler
+                    [f.kind, f.culprit_rank, list(f.ranks), list(f.slow_group_ranks)]
+                    for f in st.findings
+                    if f.is_straggler
                 ],
+                "group": [] if top is None else list(top.slow_group_ranks),
                 "score": None if st is None or st.straggler is None else st.straggler.score,
                 "visible": None if st is None else st.visible_definition,
                 "missing": list(report.missing_ranks),
@@ -460,7 +465,7 @@ def _run_cell(rank: int, spec: CellSpec) -> dict[str, Any]:
     recorder = VerdictRecorder()
     hub = PublisherHub(cfg, metrics=False, otlp=False, on_incident=on_incident)
     rw = RankWatch(config=cfg, publishers=[hub, recorder])
-    loader = rw.watch(job.model, job.optimizer, batches())
+    loader = rw.watch(job.model, job.optimizer, batches(), mesh=job.mesh)
     if job.forward_module is not None:
         # Compute first, then the fault: both before the forward's own work (per microbatch
         # in a pipeline, so a step's total is the same).
@@ -540,14 +545,17 @@ def _run_world(specs: list[CellSpec]) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Cell:
-    """One cell's outcome."""
+    """One cell's outcome. A window *names* a rank with a straggler finding whose culprit it
+    is, or a pipeline replica (a group) when the finding says only the replica can be told."""
 
     spec: CellSpec
     summary_kind: str
     summary_culprit: int | None
+    summary_group: tuple[int, ...]  # the replica the run's verdict names instead of a rank
     live_windows: int
-    named_right: int  # live windows with a straggler finding naming the slow rank
-    named_other: int  # live windows with a straggler finding naming another rank
+    named_right: int  # live windows naming the slow rank
+    named_group: int  # live windows naming a pipeline replica that holds the slow rank
+    named_other: int  # live windows naming another rank, or a replica without the slow rank
     opened: tuple[tuple[str, str, tuple[int, ...]], ...]  # (class, cause, ranks) per opening
     seconds: float
     expected: str
@@ -565,7 +573,11 @@ class Cell:
             return False
         if self.expected == NO_STRAGGLER:
             return "STRAGGLER" not in self.summary_kind
-        return self.summary_kind == self.expected and self.summary_culprit == self.spec.rank
+        return (
+            self.summary_kind == self.expected
+            and self.summary_culprit == self.spec.rank
+            and not self.summary_group
+        )
 
 
 def _cell_of(spec: CellSpec, per_rank: list[dict[str, Any]]) -> Cell:
@@ -578,21 +590,25 @@ def _cell_of(spec: CellSpec, per_rank: list[dict[str, Any]]) -> Cell:
     ]
     if errors or not isinstance(root, dict) or "windows" not in root:
         err = next((e for e in errors if e), "no result")
-        return Cell(spec, "ERROR", None, 0, 0, 0, (), 0.0, want, str(err))
+        return Cell(spec, "ERROR", None, (), 0, 0, 0, 0, (), 0.0, want, str(err))
     live = [w for w in root["windows"] if w["window"] == "live"]
     summary = next((w for w in root["windows"] if w["window"] == "summary"), None)
-    right = other = 0
+    right = group = other = 0
     kinds: dict[str, int] = {}
     for w in live:
         kinds[w["kind"]] = kinds.get(w["kind"], 0) + 1
-        named = {
-            r
-            for _, culprit, ranks in w["stragglers"]
-            for r in ([culprit] if culprit is not None else ranks)
-        }
-        named.discard(None)
-        right += spec.rank in named
-        other += bool(named - {spec.rank})
+        ranks_named: set[int] = set()
+        groups_named: list[set[int]] = []
+        for _, culprit, ranks, replica in w["stragglers"]:
+            if replica:
+                groups_named.append(set(replica))
+            elif culprit is not None:
+                ranks_named.add(culprit)
+            else:
+                ranks_named.update(ranks)
+        right += spec.rank in ranks_named
+        group += any(spec.rank in g for g in groups_named)
+        other += bool(ranks_named - {spec.rank}) or any(spec.rank not in g for g in groups_named)
     opened = tuple(
         (i["cls"], i["cause"], tuple(i["ranks"]))
         for i in root["incidents"]
@@ -602,8 +618,10 @@ def _cell_of(spec: CellSpec, per_rank: list[dict[str, Any]]) -> Cell:
         spec,
         "NO_SUMMARY" if summary is None else summary["kind"],
         None if summary is None else summary["culprit"],
+        () if summary is None else tuple(summary["group"]),
         len(live),
         right,
+        group,
         other,
         opened,
         float(root.get("seconds", 0.0)),
@@ -709,9 +727,12 @@ def render(cells: list[Cell], section: str = CURRENT) -> str:
         f"over the {MICROBATCHES} microbatches, x{STAGE1_COST:g} on stage 1); the slow rank "
         f"sleeps {SLOW_S * 1e3:.0f} ms more per step where the column says. Cells with a slow "
         f"rank run {STEPS} steps; a control runs until it has had about its number of windows. "
-        "A cell is right when the run's verdict (the summary window) is the expected kind and "
-        "names the slow rank, and no incident opened on any other rank (none at all in a "
-        f"control). Right: {right} of {len(cells)}.",
+        "Every rank passes the mesh to `watch(..., mesh=)`. A cell is right when the run's "
+        "verdict (the summary window) is the expected kind and names the slow rank (not only "
+        "its pipeline replica), and no incident opened on any other rank (none at all in a "
+        "control); the live windows are counted by what their straggler findings name: the "
+        "slow rank, the pipeline replica holding it (when only the replica can be told), or "
+        f"another rank. Right: {right} of {len(cells)}.",
         "",
         "Rows:",
         "",
@@ -726,8 +747,8 @@ def render(cells: list[Cell], section: str = CURRENT) -> str:
     lines += [
         "",
         "| row | slow in | slow rank | run verdict | culprit | live windows | named slow rank "
-        "| named another | incidents opened | expected | right |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| named its replica | named another | incidents opened | expected | right |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         counts = Counter((cause, ranks) for _, cause, ranks in c.opened)
@@ -736,10 +757,13 @@ def render(cells: list[Cell], section: str = CURRENT) -> str:
             for (cause, ranks), n in counts.items()
         )
         culprit = "-" if c.summary_culprit is None else str(c.summary_culprit)
+        if c.summary_group:
+            culprit = f"replica {list(c.summary_group)}"
         slow = "-" if c.spec.rank is None else str(c.spec.rank)
         lines.append(
             f"| {c.spec.row} | {c.spec.place} | {slow} | {c.summary_kind} | {culprit} "
-            f"| {c.live_windows} | {c.named_right} | {c.named_other} | {opened or 'none'} "
+            f"| {c.live_windows} | {c.named_right} | {c.named_group} | {c.named_other} "
+            f"| {opened or 'none'} "
             f"| {c.expected} | {'yes' if c.right else '**no**'} |"
         )
     lines += ["", "The live windows' verdicts, per cell:", ""]
