@@ -47,9 +47,9 @@ from bench.accuracy_frameworks import sleeper
 WORLD = 4
 COMPUTE_S = 0.024  # every rank's forward sleeps this long per step (a stand-in for compute)
 SLOW_S = 0.03  # the injected slowdown per step on the slow rank (half a step or more)
-STEPS = 100  # steps of a cell with a slow rank
-SYNC_STEP = 5  # a live window every this many steps
-LIVE_WINDOW_STEPS = 10  # steps of each live window
+STEPS = 150  # steps of a cell with a slow rank
+SYNC_STEP = 10  # a live window every this many steps
+LIVE_WINDOW_STEPS = 10  # steps of each live window: windows do not overlap (as by default)
 CONTROL_WINDOWS = 200  # live windows of a full-length no-fault cell
 MICROBATCHES = 4  # per pipeline step
 STAGE1_COST = 1.5  # the second pipeline stage's compute, relative to the first one's
@@ -126,6 +126,13 @@ ROWS: dict[str, Row] = {
     "compile_ddp_late": Row(
         "the same, but watch() gets the DDP model and training calls torch.compile of it (its "
         "hooks then run inside the compiled call)",
+        (("dp", 4),),
+        {"dp": 1},
+        "ddp",
+    ),
+    "compile_blocks_ddp": Row(
+        "each block torch.compile'd (the sleep inside the first), DDP around them, the DDP "
+        "model watched",
         (("dp", 4),),
         {"dp": 1},
         "ddp",
@@ -331,7 +338,10 @@ def _sleep_op() -> Any:
     return _SLEEP_OP
 
 
-def _compile_ddp_job(mesh: Any, forward_s: float, *, watch_compiled: bool) -> Job:
+def _compile_ddp_job(row: str, mesh: Any, forward_s: float) -> Job:
+    """``compile_ddp``: the compiled DDP model trains and is watched; ``compile_ddp_late``:
+    the DDP model is watched and its compiled wrapper trains; ``compile_blocks_ddp``: each
+    block is compiled and DDP wraps them (the DDP model trains and is watched)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -342,13 +352,22 @@ def _compile_ddp_job(mesh: Any, forward_s: float, *, watch_compiled: bool) -> Jo
             return op(x, forward_s)
 
     torch.manual_seed(0)
-    net = torch.nn.Sequential(Sleep(), *_mlp((32, 64, 32)))
+    mlp = _mlp((32, 64, 32))
+    last = mlp[-1]
+    if row == "compile_blocks_ddp":
+        blocks: list[Any] = [torch.compile(torch.nn.Sequential(Sleep(), mlp[0], mlp[1])), mlp[2]]
+        blocks[-1] = torch.compile(blocks[-1])
+        net = torch.nn.Sequential(*blocks)
+    else:
+        net = torch.nn.Sequential(Sleep(), *mlp)
     ddp = DDP(net)
-    compiled = torch.compile(ddp)
     # Compute (and a slow forward) sleep inside the graph: nothing for a hook to do.
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    watched = compiled if watch_compiled else ddp
-    return Job(watched, opt, _plain_step(compiled, opt), None, _grad_sleep(net[-1].weight), mesh)
+    if row == "compile_blocks_ddp":
+        return Job(ddp, opt, _plain_step(ddp, opt), None, _grad_sleep(last.weight), mesh)
+    compiled = torch.compile(ddp)
+    watched = compiled if row == "compile_ddp" else ddp
+    return Job(watched, opt, _plain_step(compiled, opt), None, _grad_sleep(last.weight), mesh)
 
 
 def _build_job(row: str, forward_s: float) -> Job:
@@ -366,7 +385,7 @@ def _build_job(row: str, forward_s: float) -> Job:
         return _pp_job(mesh)
     if row == "fsdp_ac_nobarrier":
         return _fsdp_ac_job(mesh)
-    return _compile_ddp_job(mesh, forward_s, watch_compiled=row == "compile_ddp")
+    return _compile_ddp_job(row, mesh, forward_s)
 
 
 def _data_seed(row: str, rank: int, mesh: Any) -> int:
@@ -403,6 +422,10 @@ class VerdictRecorder:
                 "score": None if st is None or st.straggler is None else st.straggler.score,
                 "visible": None if st is None else st.visible_definition,
                 "missing": list(report.missing_ranks),
+                # the run's means per rank (ms): what a wrong verdict is read from
+                "means": None
+                if st is None or report.window_kind != "summary"
+                else {str(r): m for r, m in st.rank_means.items()},
             }
         )
 
@@ -561,6 +584,9 @@ class Cell:
     expected: str
     error: str | None = None
     live_kinds: dict[str, int] = field(default_factory=dict)
+    # the highest straggler score of a live window naming another rank (None: none did)
+    other_score: float | None = None
+    summary_means: dict[str, Any] | None = None  # rank -> the run's means (ms)
 
     @property
     def wrong_incidents(self) -> int:
@@ -594,6 +620,7 @@ def _cell_of(spec: CellSpec, per_rank: list[dict[str, Any]]) -> Cell:
     live = [w for w in root["windows"] if w["window"] == "live"]
     summary = next((w for w in root["windows"] if w["window"] == "summary"), None)
     right = group = other = 0
+    other_scores: list[float] = []
     kinds: dict[str, int] = {}
     for w in live:
         kinds[w["kind"]] = kinds.get(w["kind"], 0) + 1
@@ -608,7 +635,10 @@ def _cell_of(spec: CellSpec, per_rank: list[dict[str, Any]]) -> Cell:
                 ranks_named.update(ranks)
         right += spec.rank in ranks_named
         group += any(spec.rank in g for g in groups_named)
-        other += bool(ranks_named - {spec.rank}) or any(spec.rank not in g for g in groups_named)
+        wrong = bool(ranks_named - {spec.rank}) or any(spec.rank not in g for g in groups_named)
+        other += wrong
+        if wrong and w["score"] is not None:
+            other_scores.append(w["score"])
     opened = tuple(
         (i["cls"], i["cause"], tuple(i["ranks"]))
         for i in root["incidents"]
@@ -627,6 +657,8 @@ def _cell_of(spec: CellSpec, per_rank: list[dict[str, Any]]) -> Cell:
         float(root.get("seconds", 0.0)),
         want,
         live_kinds=kinds,
+        other_score=max(other_scores, default=None),
+        summary_means=None if summary is None else summary["means"],
     )
 
 
@@ -705,14 +737,14 @@ def _commit() -> str:
         return "unknown"
 
 
-def render(cells: list[Cell], section: str = CURRENT) -> str:
-    """The matrix as a Markdown section."""
+def render(cells: list[Cell], section: str = CURRENT, commit: str | None = None) -> str:
+    """The matrix as a Markdown section; ``commit``: the one the cells ran on (default HEAD)."""
     right = sum(c.right for c in cells)
     lines = [
         TITLES[section],
         "",
         "Generated by `make accuracy-parallel` (`python -m bench.accuracy_parallel`) on commit "
-        f"`{_commit()}`; do not edit by hand.",
+        f"`{commit or _commit()}`; do not edit by hand.",
         "",
     ]
     if section == BEFORE:
@@ -772,6 +804,8 @@ def render(cells: list[Cell], section: str = CURRENT) -> str:
             f"{k} {n}" for k, n in sorted(c.live_kinds.items(), key=lambda kv: -kv[1])
         )
         where = c.spec.place if c.spec.rank is None else f"{c.spec.place} on rank {c.spec.rank}"
+        if c.other_score is not None:
+            kinds += f" (highest score naming another rank: {c.other_score:.2f})"
         lines.append(f"- {c.spec.row}, {where}: {kinds or '-'}")
     errors = [c for c in cells if c.error]
     if errors:
@@ -793,6 +827,26 @@ NOTES = """### Reading the 3D-parallel matrix
 (written after the merge)"""
 
 
+def save_run(cells: list[Cell], path: Path) -> None:
+    """The cells of a run and the commit it ran on, as JSON (:func:`load_run` reads it)."""
+    data = {"commit": _commit(), "cells": [{**c.__dict__, "spec": c.spec.__dict__} for c in cells]}
+    path.write_text(json.dumps(data, indent=1))
+
+
+def load_run(path: Path) -> tuple[list[Cell], str]:
+    """The cells and commit :func:`save_run` wrote (to render a run again, e.g. with new
+    notes, without running it again)."""
+    data = json.loads(path.read_text())
+    cells = []
+    for item in data["cells"]:
+        fields = dict(item)
+        fields["spec"] = CellSpec(**item["spec"])
+        fields["summary_group"] = tuple(item["summary_group"])
+        fields["opened"] = tuple((c, k, tuple(r)) for c, k, r in item["opened"])
+        cells.append(Cell(**fields))
+    return cells, str(data["commit"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -810,6 +864,9 @@ def main(argv: list[str] | None = None) -> int:
         "--control-windows", type=int, default=CONTROL_WINDOWS, help="live windows per control"
     )
     parser.add_argument("--json", default="", help="also write the cells as JSON here")
+    parser.add_argument(
+        "--from-json", default="", help="render the run saved here (--json) instead of running"
+    )
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
     places = [p for p in args.places.split(",") if p]
@@ -828,16 +885,18 @@ def main(argv: list[str] | None = None) -> int:
         if s.place in places
     ]
     start = time.monotonic()
-    cells = run_matrix(specs)
-    text = render(cells, args.section)
+    commit = None
+    if args.from_json:
+        cells, commit = load_run(Path(args.from_json))
+    else:
+        cells = run_matrix(specs)
+    text = render(cells, args.section, commit)
     if args.out == "-":
         print(text)
     else:
         write_section(args.section, text, Path(args.out))
     if args.json:
-        Path(args.json).write_text(
-            json.dumps([{**c.__dict__, "spec": c.spec.__dict__} for c in cells], indent=1)
-        )
+        save_run(cells, Path(args.json))
     right = sum(c.right for c in cells)
     print(f"{right}/{len(cells)} cells right in {time.monotonic() - start:.0f} s")
     return 0 if right == len(cells) else 1
