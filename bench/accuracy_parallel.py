@@ -824,7 +824,65 @@ kept as it was, for comparison. The section above is the current code."""
 
 NOTES = """### Reading the 3D-parallel matrix
 
-(written after the merge)"""
+- **How the jobs are built** (torch 2.13, read in its source). Tensor parallel:
+  `torch.distributed.tensor.parallel.parallelize_module` with `ColwiseParallel` then
+  `RowwiseParallel` over `mesh["tp"]`. DDP over a module with DTensor parameters fails in
+  DDP's constructor (`c10d.broadcast_` has no DTensor sharding strategy), so `tp_dp_ddp` uses
+  torch's own TP + DDP composition, `torch.distributed.tensor.parallel.ddp.
+  _pre_dp_module_transform` (local tensors for DDP, DTensors rebuilt around each forward),
+  then `DDP(process_group=mesh["dp"].get_group())`. The pipeline: `PipelineStage` over the
+  DDP-wrapped stage module and `ScheduleGPipe`; `torch.distributed.pipelining.stage`
+  (`_PipelineStageBase.forward_maybe_with_nosync`, `backward_maybe_with_nosync`) runs every
+  microbatch's forward and backward but the last under `no_sync()` and calls the reducer's
+  `prepare_for_backward` itself before the last one. Without `static_graph=True` DDP's bucket
+  rebuild after the first step fails an internal assertion (4 against 8 parameters) in a
+  pipelining job without rankwatch too. The compiled rows run the sleep as an operator of its
+  own (`torch.library.custom_op`), so the compiled graph holds it and no hook of ours runs
+  inside; `compile_ddp_late` watches the DDP model and trains `torch.compile` of it.
+- **Faults.** A sleep of the slow rank, once per step: in the loader before yielding, in a
+  forward pre-hook of the module (split over the microbatches in the pipeline; in the compiled
+  rows, the operator sleeps longer), in the full backward hook of the last layer (FSDP2 and
+  the TP model: a gradient hook under FSDP2 runs inside the reduce-scatter call; DDP rows: the
+  last layer's weight's post-accumulate-grad hook), in an optimizer step pre-hook.
+- **Before and after.** The section below ran before the 3D-parallel work: 4 of 39 right.
+  Each tensor-parallel row named the slow rank's TP peer (rank 0 for slow rank 1) in most live
+  windows and opened `residual_heavy` incidents in its control (the DTensor collectives were
+  not waits); every pipeline cell was `RESIDUAL_HEAVY` with an incident over all four ranks;
+  staggered FSDP2 starts opened a straggler incident on the last rank to start (rank 3, the
+  first all-gather's wait) and the run's verdict missed the slow rank; compiled DDP watched as
+  the compiled wrapper missed a slow backward. Now every fault cell but `compile_ddp_late`'s
+  names the slow rank, with the expected kind, in its run verdict and in every live window,
+  and no window names a TP or pipeline peer or a pipeline replica.
+- **Wrong now: the pipeline's `RESIDUAL_HEAVY` incidents** (`pp_dp`: 7 of 8 fault cells and
+  the control). The verdict names the slow rank; the bottleneck rule also finds a residual
+  over 10 % of the step on most ranks. The run's means of the control (ms per step): step
+  67.4, forward 54.5 to 57.2 (the pipeline's waits in it: forward_wait 28.0 on stage 0, 18.5
+  on stage 1), residual 8.0 to 9.4 (12 to 14 %). The bubble is timed as waits now; what is
+  left is the schedule's own host work outside the stage module (splitting the batch,
+  launching each microbatch's sends and receives, the loss on stage 1), about 2 ms per
+  microbatch here, on a step whose stand-in compute is 24 ms (36 ms on stage 1). With three
+  times the compute (72 ms) the same control was `COMPUTE_BOUND` with no incident (residual
+  7.4 to 8.1 ms, 5 %). Whether a pipeline's schedule overhead should count as residual, or
+  the rule should leave pipelines' residual to a higher threshold, is the open question.
+- **Wrong now: `compile_ddp_late`** (4 fault cells): hooks on a module that is compiled after
+  `watch()` run inside the graph and time nothing, so every window is `INCOMPLETE_DATA`; each
+  rank warns once after 50 optimizer steps and says to watch the compiled module (the
+  documented way: the `compile_ddp` row, all right, and per-block compilation,
+  `compile_blocks_ddp`, all right).
+- **Controls.** 201 live windows each (200 goal). Zero incidents in `fsdp_tp`,
+  `fsdp_ac_nobarrier` (the staggered start is in the warm-up steps, which are not shipped),
+  the three compiled rows; one straggler incident in each of `tp_dp_fsdp` (rank 1, highest
+  window score 0.14) and `tp_dp_ddp` (rank 0, 0.17), and the pipeline's (above, plus one
+  straggler on rank 3 at 0.25). Those runs share a 2-core machine with other jobs (load 4 to
+  7 while they ran): 4 ranks contend for 2 cores, and a rank starved for a few windows is a
+  real straggler for that long; a 10-step window is a tenth of the default's, so such bursts
+  weigh more. The first run of this matrix, with windows of 10 steps every 5 steps, opened 3
+  to 5 straggler incidents per TP control: one burst fell into two overlapping windows, and
+  two of three windows open an incident, so the windows no longer overlap (as with the
+  defaults, 100 steps every 100).
+- **Limits.** CPU and Gloo only, 4 ranks, two sizes per dimension at most; the TP model is
+  two layers, the pipeline two stages of an MLP. Never run on GPUs or NCCL (see
+  `docs/reliability.md`)."""
 
 
 def save_run(cells: list[Cell], path: Path) -> None:
