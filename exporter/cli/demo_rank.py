@@ -336,8 +336,11 @@ def _run_rank(
                 progress = Progress(elapsed, int(control[1]), int(control[2]), steps)
                 with contextlib.suppress(queue.Full):
                     channel.put_nowait(("progress", progress))
-        # Outside the timed step: the with block below closed it, the loader opens the next.
-        dist.broadcast(control, src=0)
+        # Outside the timed step (the with block below closed it, the loader opens the next),
+        # and not a training wait: the other ranks would wait here for the root's own
+        # bookkeeping (the demo's channel, its DeepEP simulation), which is not training.
+        with rw.untimed_collectives():
+            dist.broadcast(control, src=0)
         if int(control[0]):
             break
         phase = timeline.segments[int(control[1])].phase

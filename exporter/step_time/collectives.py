@@ -36,7 +36,8 @@ and a tensor-parallel gradient collective waits there for the step), never while
 ``torch.compile`` traces (the check comes first, so the traced graph is what it was), and
 never inside a sync wait already open (a collective inside FSDP2's shadowed ``unshard``/
 ``post_backward``, inside a user's ``rw.sync_wait()`` block, or a wait inside another wait:
-counted once). Each timer is credited once per wait however many times it was
+counted once), nor inside ``rw.untimed_collectives()`` (control traffic the user says is not
+training). Each timer is credited once per wait however many times it was
 installed (a second ``watch()``); a second ``RankWatch`` in the process has a timer of its own
 and is credited too. The shadows are installed once per process and removed with the last
 handle; a later replacement by someone else is left alone.
@@ -134,7 +135,7 @@ class _Registry:
             waits = registry.waits
             if len(waits) == 1:  # the usual case: one RankWatch in the process
                 wait, thread = waits[0]
-                if wait.open or (get_ident() != thread and not _backward_worker(wait)):
+                if wait.busy or (get_ident() != thread and not _backward_worker(wait)):
                     return original(*args, **kwargs)
                 with wait:
                     return original(*args, **kwargs)
@@ -155,7 +156,7 @@ def _timed_by_each(
     thread whose sync wait is not already open is credited once."""
     me = get_ident()
     entered = [
-        wait for wait, thread in waits if not wait.open and (thread == me or _backward_worker(wait))
+        wait for wait, thread in waits if not wait.busy and (thread == me or _backward_worker(wait))
     ]
     for wait in entered:
         wait.__enter__()

@@ -309,6 +309,16 @@ class RankWatch:
             return _INERT
         return self.timer._sync_wait
 
+    def untimed_collectives(self) -> Any:
+        """Context manager: collectives the training thread waits in inside it are not timed as
+        waits. Every other collective is (see ``watch``); use this for control traffic that is
+        not training, such as a harness broadcasting a stop flag from rank 0 between steps,
+        where the ranks would otherwise be compared on how long they waited for rank 0's own
+        bookkeeping. Blocks nest."""
+        if self.timer is None:
+            return _INERT
+        return self.timer._untimed
+
     def collect(self) -> None:
         """Mark one training step for collection; in sync mode every ``sync_step``-th call
         ships rows (and, on the root, builds a window) on the background thread."""

@@ -135,17 +135,24 @@ class _SyncWait:
     (one instance per timer, reused; see :meth:`StepTimer.sync_wait`). With GPU timing on,
     the wait is also timed on the compute stream (:meth:`.GpuTimeline.wait_begin`)."""
 
-    __slots__ = ("_gpu", "_start", "_timer")
+    __slots__ = ("_gpu", "_start", "_timer", "muted")
 
     def __init__(self, timer: StepTimer) -> None:
         self._timer = timer
         self._start = -1
         self._gpu: GpuTimeline | None = None  # the timeline the open block began on
+        # Open :meth:`StepTimer.untimed_collectives` blocks: the collective shadows time nothing.
+        self.muted = 0
 
     @property
     def open(self) -> bool:
         """A block is open (they do not nest)."""
         return self._start >= 0
+
+    @property
+    def busy(self) -> bool:
+        """A block is open, or an ``untimed_collectives`` block: a collective is not timed."""
+        return self._start >= 0 or self.muted > 0
 
     @property
     def in_backward(self) -> bool:
@@ -170,6 +177,23 @@ class _SyncWait:
         gpu, self._gpu = self._gpu, None
         if gpu is not None:
             gpu.wait_end(timer.wait_signals())
+
+
+class _Untimed:
+    """Context manager of :meth:`StepTimer.untimed_collectives` (one per timer, reused;
+    blocks nest)."""
+
+    __slots__ = ("_wait",)
+
+    def __init__(self, wait: _SyncWait) -> None:
+        self._wait = wait
+
+    def __enter__(self) -> _Untimed:
+        self._wait.muted += 1
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._wait.muted = max(0, self._wait.muted - 1)
 
 
 class _DeviceWait:
@@ -273,6 +297,7 @@ class StepTimer:
         }
         self._step_ctx = _Step(self)
         self._sync_wait = _SyncWait(self)
+        self._untimed = _Untimed(self._sync_wait)
         self._device_wait = _DeviceWait(self)
 
     # ---- state ---------------------------------------------------------------------------
@@ -324,6 +349,12 @@ class StepTimer:
         when no forward is being timed: a synchronisation before the forward pass), or to
         ``backward_wait`` inside a timed backward. Blocks do not nest (``RuntimeError``)."""
         return self._sync_wait
+
+    def untimed_collectives(self) -> _Untimed:
+        """Context manager: collectives waited in inside it are not timed as waits (control
+        traffic that is not training: a harness's stop flag or timeline broadcast). Blocks
+        nest; an explicit :meth:`sync_wait` inside one still counts."""
+        return self._untimed
 
     def device_wait(self) -> _DeviceWait:
         """Context manager around a point where the compute stream waits for a collective

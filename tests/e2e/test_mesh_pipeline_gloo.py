@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.framework_world import run_world
+from tests.framework_world import Recorder, run_world
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,17 +29,6 @@ PHASE_STEPS = 60  # control steps, then as many with rank 3 slow
 WINDOW = 20  # sync_step and live window
 STAGE_WORK_S = (0.015, 0.005)  # per pass: stage 0 three times stage 1
 FAULT_RANK, FAULT_S = 3, 0.02
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.reports: list[dict[str, Any]] = []
-
-    def publish(self, report: Any) -> None:
-        self.reports.append(report.to_dict())
-
-    def close(self, timeout_seconds: float) -> None:
-        pass
 
 
 def scenario(rank: int, world: int, out_dir: str) -> dict[str, Any]:

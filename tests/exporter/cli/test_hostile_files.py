@@ -354,7 +354,7 @@ CASES = [
     Case("not-json.json", text("format: yaml\n"), "not valid JSON"),
     Case("a-list.json", text("[1, 2, 3]"), "is not a JSON object"),
     Case("other-format.json", text('{"format": "grafana"}'), "format: value 'grafana'"),
-    Case("version-2.json", step_json(_set("version", 2)), "version: value 2 is not supported"),
+    Case("version-3.json", step_json(_set("version", 3)), "version: value 3 is not supported"),
     Case("version-text.json", step_json(_set("version", "1")), "version: value '1' is not an int"),
     Case("deep.json", step_json(_deep("meta")), "JSON nested more than 64 levels"),
     Case(
@@ -408,7 +408,7 @@ CASES = [
         step_json(_raw_value("meta", "[" + ",".join(['"ab"'] * 1_000_001) + "]")),
         "more than 1000000 JSON objects, arrays and strings",
     ),
-    Case("long-key.json", step_json(_set("x" * 10**6, 1)), "unknown key in a version 1"),
+    Case("long-key.json", step_json(_set("x" * 10**6, 1)), "unknown key in a version 2"),
     Case(
         "long-config-value.json",
         step_json(_set("config", {"straggler_warning_score": "x" * 10**6})),

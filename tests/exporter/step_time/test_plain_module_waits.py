@@ -136,3 +136,33 @@ def test_only_the_autograd_engines_threads_count_during_a_backward() -> None:
     assert seen == {"python": False, "foreign": True}
     timer.end(BACKWARD)
     timer.end_step()
+
+
+def test_untimed_collectives_leave_control_traffic_out(tmp_path: Any) -> None:
+    import torch.distributed as dist
+
+    from rankwatch.exporter.config import RankwatchConfig
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        rw = RankWatch(config=RankwatchConfig.from_env(env={}, async_mode=False))
+        rw.watch()  # no model: only the collective waits
+        assert rw.timer is not None
+        t = torch.ones(2)
+        with rw.step():
+            dist.all_reduce(t)  # timed: the wait is a measured column (0 or more)
+        with rw.step():
+            with rw.untimed_collectives(), rw.untimed_collectives():  # blocks nest
+                dist.all_reduce(t)
+            dist.barrier()  # timed again after the blocks
+        with rw.step(), rw.untimed_collectives():
+            dist.all_reduce(t)  # not timed: the wait stays absent
+        rows = rw.timer.read(0)[0]
+        rw.close(2.0)
+    finally:
+        dist.destroy_process_group()
+    assert not math.isnan(rows[0][FWW]) and not math.isnan(rows[1][FWW])
+    assert math.isnan(rows[2][FWW])
