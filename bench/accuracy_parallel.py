@@ -853,33 +853,36 @@ NOTES = """### Reading the 3D-parallel matrix
   the compiled wrapper missed a slow backward. Now every fault cell but `compile_ddp_late`'s
   names the slow rank, with the expected kind, in its run verdict and in every live window,
   and no window names a TP or pipeline peer or a pipeline replica.
-- **Wrong now: the pipeline's `RESIDUAL_HEAVY` incidents** (`pp_dp`: 7 of 8 fault cells and
-  the control). The verdict names the slow rank; the bottleneck rule also finds a residual
-  over 10 % of the step on most ranks. The run's means of the control (ms per step): step
-  67.4, forward 54.5 to 57.2 (the pipeline's waits in it: forward_wait 28.0 on stage 0, 18.5
-  on stage 1), residual 8.0 to 9.4 (12 to 14 %). The bubble is timed as waits now; what is
-  left is the schedule's own host work outside the stage module (splitting the batch,
-  launching each microbatch's sends and receives, the loss on stage 1), about 2 ms per
-  microbatch here, on a step whose stand-in compute is 24 ms (36 ms on stage 1). With three
-  times the compute (72 ms) the same control was `COMPUTE_BOUND` with no incident (residual
-  7.4 to 8.1 ms, 5 %). Whether a pipeline's schedule overhead should count as residual, or
-  the rule should leave pipelines' residual to a higher threshold, is the open question.
+- **Wrong now: the pipeline's `RESIDUAL_HEAVY` incidents** (`pp_dp`: 4 of 8 fault cells and
+  the control here; 7 of 8 in the previous full run, on 0ce9ca6). The verdict names the slow
+  rank; the bottleneck rule also finds a residual over 10 % of the step on most ranks. The
+  run's means of the control (ms per step): step 70.8, forward 57.0 to 59.4 (the pipeline's
+  waits in it: forward_wait 30.0 on stage 0, 20.0 on stage 1), residual 8.3 to 9.9 (12 to
+  14 %). The bubble is timed as waits now; what is left is the schedule's own host work
+  outside the stage module (splitting the batch, launching each microbatch's sends and
+  receives, the loss on stage 1), about 2 ms per microbatch here, on a step whose stand-in
+  compute is 24 ms (36 ms on stage 1). With three times the compute (72 ms) a 20-window
+  control was `COMPUTE_BOUND` with no incident (residual 7.4 to 8.1 ms, 5 %). Whether a
+  pipeline's schedule overhead should count as residual, or the rule should leave pipelines'
+  residual to a higher threshold, is the open question.
 - **Wrong now: `compile_ddp_late`** (4 fault cells): hooks on a module that is compiled after
   `watch()` run inside the graph and time nothing, so every window is `INCOMPLETE_DATA`; each
   rank warns once after 50 optimizer steps and says to watch the compiled module (the
   documented way: the `compile_ddp` row, all right, and per-block compilation,
   `compile_blocks_ddp`, all right).
-- **Controls.** 201 live windows each (200 goal). Zero incidents in `fsdp_tp`,
-  `fsdp_ac_nobarrier` (the staggered start is in the warm-up steps, which are not shipped),
-  the three compiled rows; one straggler incident in each of `tp_dp_fsdp` (rank 1, highest
-  window score 0.14) and `tp_dp_ddp` (rank 0, 0.17), and the pipeline's (above, plus one
-  straggler on rank 3 at 0.25). Those runs share a 2-core machine with other jobs (load 4 to
-  7 while they ran): 4 ranks contend for 2 cores, and a rank starved for a few windows is a
-  real straggler for that long; a 10-step window is a tenth of the default's, so such bursts
-  weigh more. The first run of this matrix, with windows of 10 steps every 5 steps, opened 3
-  to 5 straggler incidents per TP control: one burst fell into two overlapping windows, and
-  two of three windows open an incident, so the windows no longer overlap (as with the
-  defaults, 100 steps every 100).
+- **Controls.** 201 live windows each (200 goal). Zero incidents in every control but the
+  pipeline's (above); the staggered FSDP2 start is in the warm-up steps, which are not shipped.
+  The highest straggler score of a control window naming a rank was 0.30 (`tp_dp_ddp`, one
+  window; two of three windows open an incident). The previous full run (0ce9ca6, the same
+  code but for collectives marked untimed, which these jobs do not use) opened one straggler
+  incident in each of the `tp_dp_fsdp` (rank 1, window scores up to 0.14) and `tp_dp_ddp`
+  (rank 0, up to 0.17) controls and one on rank 3 in the pipeline's. These runs share a
+  2-core machine with other jobs (load 4 to 7): 4 ranks contend for 2 cores, a rank starved
+  for a few windows is a real straggler for that long, and a 10-step window is a tenth of the
+  default's, so such bursts weigh more. The first run of this matrix, with windows of 10
+  steps every 5 steps, opened 3 to 5 straggler incidents per TP control: one burst fell into
+  two overlapping windows, and two of three windows open an incident, so the windows no
+  longer overlap (as with the defaults, 100 steps every 100).
 - **Limits.** CPU and Gloo only, 4 ranks, two sizes per dimension at most; the TP model is
   two layers, the pipeline two stages of an MLP. Never run on GPUs or NCCL (see
   `docs/reliability.md`)."""
