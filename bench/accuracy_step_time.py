@@ -441,8 +441,9 @@ NOTES = """## Reading the matrix
   straggler (score 0.16 to 0.18) in 2 of 3 full runs; with the 12 ms forward used now, a few
   milliseconds of contention stay under the 0.10 threshold.
 - **Never ran here:** the GPU clock (CUDA events) and NCCL; on those jobs the sync waits are
-  not timed on the device and the seed's definitions apply on the GPU clock (see
-  `docs/diagnosis-step-time.md`).
+  timed on the compute stream and the sync-wait definition applies on the GPU clock, checked
+  only against a CUDA double so far (see `docs/diagnosis-step-time.md`, and `make gpu-check`
+  for the device check).
 """
 
 
