@@ -28,11 +28,9 @@ import argparse
 import itertools
 import json
 import logging
-import multiprocessing as mp
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -545,25 +543,9 @@ def _worker(rank: int, port: int, specs: list[CellSpec], out: str) -> None:
 
 def _run_world(specs: list[CellSpec]) -> list[dict[str, Any]]:
     """Spawn ``WORLD`` ranks running ``specs`` (:func:`_worker`); what each wrote."""
-    from bench.accuracy_step_time import _free_port
+    from bench.accuracy_step_time import spawn_world
 
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, specs, out)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        results = []
-        for r in range(WORLD):
-            path = Path(out, f"{r}.json")
-            results.append(json.loads(path.read_text()) if path.exists() else {"error": "died"})
-    return results
+    return spawn_world(_worker, WORLD, specs, JOIN_TIMEOUT_S)
 
 
 @dataclass(frozen=True)

@@ -280,25 +280,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_world(cells: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """Spawn ``WORLD`` ranks running ``cells`` (:func:`_worker`); what each wrote."""
+def spawn_world(
+    worker: Any, world: int, work: Any, timeout_s: float = JOIN_TIMEOUT_S
+) -> list[dict[str, Any]]:
+    """Spawn ``world`` processes running ``worker(rank, port, work, out)`` (each writes
+    ``out/<rank>.json``), wait up to ``timeout_s`` for them (killing any left), and return
+    what each wrote (``{"error": "died"}`` for a rank that wrote nothing)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, cells, out)) for r in range(WORLD)]
+        procs = [ctx.Process(target=worker, args=(r, port, work, out)) for r in range(world)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         for p in procs:
             p.join(max(1.0, deadline - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()
         results = []
-        for r in range(WORLD):
+        for r in range(world):
             path = Path(out, f"{r}.json")
             results.append(json.loads(path.read_text()) if path.exists() else {"error": "died"})
     return results
+
+
+def _run_world(cells: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Spawn ``WORLD`` ranks running ``cells`` (:func:`_worker`); what each wrote."""
+    return spawn_world(_worker, WORLD, cells)
 
 
 def run_matrix(cells: list[tuple[str, str]]) -> list[Cell]:
