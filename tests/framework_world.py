@@ -9,6 +9,7 @@ Each rank is a spawned process with torchrun's environment (``RANK``, ``WORLD_SI
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import logging
@@ -44,6 +45,11 @@ def require_framework(name: str) -> None:
 
 
 def _entry(rank: int, world: int, port: int, scenario: str, out: str) -> None:
+    # The rank's stderr (and a fatal error's Python stack) goes to a file the parent reads
+    # back when the rank dies: a C++ abort leaves no JSON to say why.
+    stderr = open(Path(out, f"{rank}.stderr"), "w")  # noqa: SIM115 - lives as long as the rank
+    os.dup2(stderr.fileno(), 2)
+    faulthandler.enable(stderr)
     os.environ.update(torchrun_env(rank, world, port), OMP_NUM_THREADS="1")
     result: dict[str, Any] = {"rank": rank}
     try:
@@ -81,9 +87,22 @@ def run_world(scenario: str, world: int, out_dir: Path) -> dict[int, dict[str, A
         f = out_dir / f"{r}.json"
         out[r] = json.loads(f.read_text()) if f.exists() else {}
         out[r]["exitcode"] = p.exitcode
-        assert "error" not in out[r], f"rank {r}:\n{out[r]['error']}"
-        assert p.exitcode == 0, f"rank {r} exited with {p.exitcode}"
+    # Every rank's error first: a rank that raised often makes its peers abort.
+    errors = [f"rank {r}:\n{res['error']}" for r, res in out.items() if "error" in res]
+    assert not errors, "\n".join(errors) + _stderr_tails(out_dir, world)
+    died = [f"rank {r} exited with {res['exitcode']}" for r, res in out.items() if res["exitcode"]]
+    assert not died, "; ".join(died) + _stderr_tails(out_dir, world)
     return out
+
+
+def _stderr_tails(out_dir: Path, world: int, lines: int = 40) -> str:
+    """The last lines each rank wrote to stderr, for a failure's message."""
+    tails = []
+    for r in range(world):
+        f = out_dir / f"{r}.stderr"
+        text = f.read_text(errors="replace").splitlines()[-lines:] if f.exists() else []
+        tails.append(f"\n--- rank {r} stderr ---\n" + "\n".join(text))
+    return "".join(tails)
 
 
 class LogLines(logging.Handler):
