@@ -475,6 +475,7 @@ def install(
         handles.append(model.register_forward_hook(forward_post, always_call=True))
         if inner is not None:
             handles.extend(_sync_wait_hooks(timer, tracker, inner))
+            handles.extend(_late_compiled_ddp_shadows(timer, tracker, model, forward_seen))
         elif compiled_ddp is not None:
             handles.extend(_compiled_ddp_wait_hooks(timer, tracker, compiled_ddp))
         elif fsdp:
@@ -558,6 +559,58 @@ def _last_grad_hooks(tracker: _BackwardTracker, module: torch.nn.Module) -> list
 # DDP's own methods around its module's forward: the buffer broadcast and the reducer's
 # preparation before it, the post-forward work after it.
 DDP_FORWARD_SYNC = ("_pre_forward", "_post_forward")
+
+
+def _late_compiled_ddp_shadows(
+    timer: StepTimer, tracker: _BackwardTracker, ddp: torch.nn.Module, forward_seen: list[bool]
+) -> list[AttributeShadow]:
+    """A DDP model watched, then compiled (``torch.compile(ddp_model)`` after ``watch()``).
+
+    The hooks of :func:`install` then run inside the compiled graph and time nothing; DDP's
+    ``_pre_forward`` and ``_post_forward`` still run eagerly (dynamo cannot trace the reducer
+    and breaks the graph there, with or without us: DDP does not compile with
+    ``fullgraph=True``). Shadowed on this DDP object and never compiled, they open and close
+    the forward (a training step's, as the hooks would) and time themselves as
+    ``forward_wait``, as under :func:`_compiled_ddp_wait_hooks`. Eagerly, the hooks opened the
+    forward already and the shadows pass through.
+    """
+    wait = timer.sync_wait()
+    thread = get_ident()
+    pre_forward: Callable[..., Any] = getattr(ddp, "_pre_forward")  # noqa: B009 - typed as Tensor
+    post_forward: Callable[..., Any] = getattr(ddp, "_post_forward")  # noqa: B009
+    opened = [False]  # this forward was opened by the shadow (the hooks were compiled)
+
+    def pre(*args: Any, **kwargs: Any) -> Any:
+        if timer.phase_open(FORWARD) or get_ident() != thread:
+            return pre_forward(*args, **kwargs)
+        if not timer.in_step:
+            if not (ddp.training and torch.is_grad_enabled()):
+                return pre_forward(*args, **kwargs)  # evaluation: not a training step
+            timer.start_step(auto=True)
+        forward_seen[0] = opened[0] = True
+        timer.begin(FORWARD)
+        if wait.busy:
+            return pre_forward(*args, **kwargs)
+        with wait:
+            return pre_forward(*args, **kwargs)
+
+    def post(*args: Any, **kwargs: Any) -> Any:
+        if not opened[0] or get_ident() != thread:
+            return post_forward(*args, **kwargs)
+        opened[0] = False
+        if wait.busy:
+            output = post_forward(*args, **kwargs)
+        else:
+            with wait:
+                output = post_forward(*args, **kwargs)
+        if timer.end(FORWARD) and torch.is_grad_enabled():
+            tracker.watch_output(output)
+        return output
+
+    return [
+        AttributeShadow(ddp, "_pre_forward", torch.compiler.disable(pre, recursive=False)),
+        AttributeShadow(ddp, "_post_forward", torch.compiler.disable(post, recursive=False)),
+    ]
 
 
 def _compiled_ddp_wait_hooks(
