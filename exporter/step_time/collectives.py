@@ -62,7 +62,12 @@ import torch
 from rankwatch.exporter.step_time.hooks import AttributeShadow
 from rankwatch.exporter.step_time.timer import StepTimer, _SyncWait
 
-__all__ = ["CollectiveWaitsHandle", "collective_wait_targets", "install_collective_waits"]
+__all__ = [
+    "RegistryHandle",
+    "ShadowRegistry",
+    "collective_wait_targets",
+    "install_collective_waits",
+]
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -87,11 +92,20 @@ def collective_wait_targets() -> list[tuple[Any, str]]:
     return [(owner, name) for owner, name in targets if callable(getattr(owner, name, None))]
 
 
-class _Registry:
-    """The process's subscribed timers and its shadows (installed with the first
-    subscription, removed with the last)."""
+class ShadowRegistry:
+    """The process's subscribed timers and the shadows that serve them (installed with the
+    first subscription, removed with the last).
 
-    def __init__(self) -> None:
+    ``targets()`` lists the ``(owner, attribute)`` pairs to shadow; ``shadow(registry,
+    original)`` returns what replaces each (reading ``registry.waits`` on every call).
+    """
+
+    def __init__(
+        self,
+        targets: Callable[[], list[tuple[Any, str]]],
+        shadow: Callable[[ShadowRegistry, Callable[..., Any]], Callable[..., Any]],
+    ) -> None:
+        self._targets, self._shadow = targets, shadow
         # (sync wait, training thread) per subscribed timer; a tuple replaced, never mutated,
         # so the hot path reads it without a lock.
         self.waits: tuple[tuple[_SyncWait, int], ...] = ()
@@ -106,9 +120,20 @@ class _Registry:
             self.waits = (*self.waits, (wait, thread))
         if not self._shadows:
             self._shadows = [
-                AttributeShadow(owner, name, self._timed(getattr(owner, name)))
-                for owner, name in collective_wait_targets()
+                AttributeShadow(owner, name, self._wrapped(getattr(owner, name)))
+                for owner, name in self._targets()
             ]
+
+    def install(self, timer: StepTimer, api: str) -> list[RegistryHandle]:
+        """Subscribe ``timer`` for the calling thread (the training thread); ``api`` names the
+        public call in the error for a bad ``timer``."""
+        if not isinstance(timer, StepTimer):
+            raise TypeError(
+                f"{api}: field timer: expected a StepTimer, got {type(timer).__name__} {timer!r}"
+            )
+        wait = timer.sync_wait()
+        self.subscribe(wait, get_ident())
+        return [RegistryHandle(self, wait)]
 
     def unsubscribe(self, wait: _SyncWait) -> None:
         key = id(wait)
@@ -125,25 +150,44 @@ class _Registry:
                 shadow.remove()
             self._shadows = []
 
-    def _timed(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        registry = self
+    def _wrapped(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        shadow = self._shadow(self, original)
+        shadow.__wrapped__ = original  # type: ignore[attr-defined]
+        shadow.__doc__ = getattr(original, "__doc__", None)
+        return shadow
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            # The compile check first: while dynamo traces, nothing else here is looked at.
-            if _is_compiling():
+
+class RegistryHandle:
+    """One subscription of a timer to a :class:`ShadowRegistry`; ``remove()`` ends it
+    (idempotent), like torch's hook handles."""
+
+    def __init__(self, registry: ShadowRegistry, wait: _SyncWait) -> None:
+        self._registry = registry
+        self._wait: _SyncWait | None = wait
+
+    def remove(self) -> None:
+        if self._wait is not None:
+            self._registry.unsubscribe(self._wait)
+            self._wait = None
+
+
+def _timed_wait(registry: ShadowRegistry, original: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective's wait, credited to each subscribed timer (module doc)."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        # The compile check first: while dynamo traces, nothing else here is looked at.
+        if _is_compiling():
+            return original(*args, **kwargs)
+        waits = registry.waits
+        if len(waits) == 1:  # the usual case: one RankWatch in the process
+            wait, thread = waits[0]
+            if wait.busy or (get_ident() != thread and not _backward_worker(wait)):
                 return original(*args, **kwargs)
-            waits = registry.waits
-            if len(waits) == 1:  # the usual case: one RankWatch in the process
-                wait, thread = waits[0]
-                if wait.busy or (get_ident() != thread and not _backward_worker(wait)):
-                    return original(*args, **kwargs)
-                with wait:
-                    return original(*args, **kwargs)
-            return _timed_by_each(waits, original, args, kwargs)
+            with wait:
+                return original(*args, **kwargs)
+        return _timed_by_each(waits, original, args, kwargs)
 
-        timed.__wrapped__ = original  # type: ignore[attr-defined]
-        timed.__doc__ = getattr(original, "__doc__", None)
-        return timed
+    return timed
 
 
 def _timed_by_each(
@@ -176,34 +220,14 @@ def _backward_worker(wait: _SyncWait) -> bool:
     return wait.in_backward and isinstance(current_thread(), _DummyThread)
 
 
-_REGISTRY = _Registry()
+_REGISTRY = ShadowRegistry(collective_wait_targets, _timed_wait)
 
 
-class CollectiveWaitsHandle:
-    """One subscription of a timer to the collective waits; ``remove()`` ends it (idempotent),
-    like torch's hook handles."""
-
-    def __init__(self, wait: _SyncWait) -> None:
-        self._wait: _SyncWait | None = wait
-
-    def remove(self) -> None:
-        if self._wait is not None:
-            _REGISTRY.unsubscribe(self._wait)
-            self._wait = None
-
-
-def install_collective_waits(timer: StepTimer) -> list[CollectiveWaitsHandle]:
+def install_collective_waits(timer: StepTimer) -> list[RegistryHandle]:
     """Time every wait of the calling thread (the training thread) for a collective as a sync
     wait of ``timer`` (see the module docstring for where and what is not covered).
 
     Returns the handles (``remove()`` undoes it). Installing again for the same timer credits
     each wait once; the shadows stay until the last handle of the process is removed.
     """
-    if not isinstance(timer, StepTimer):
-        raise TypeError(
-            f"install_collective_waits: field timer: expected a StepTimer, got "
-            f"{type(timer).__name__} {timer!r}"
-        )
-    wait = timer.sync_wait()
-    _REGISTRY.subscribe(wait, get_ident())
-    return [CollectiveWaitsHandle(wait)]
+    return _REGISTRY.install(timer, "install_collective_waits")

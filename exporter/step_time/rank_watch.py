@@ -51,6 +51,7 @@ from rankwatch.exporter.step_time.hooks import (
     model_device,
     unwrap_optimizer,
 )
+from rankwatch.exporter.step_time.pipeline import install_pipeline_phases
 from rankwatch.exporter.step_time.timer import (
     BACKWARD_WAIT,
     FORWARD_WAIT,
@@ -411,6 +412,7 @@ class RankWatch:
             self.timer.async_collectives = device.type != "cpu"
         self._handles.extend(install(self.timer, model, optimizers))
         self._handles.extend(install_collective_waits(self.timer))
+        self._handles.extend(install_pipeline_phases(self.timer))
         if model is not None and self.timer.gpu is not None:
             self._watch_device_waits(model)
         self._watched.update(id(o) for o in (model, *optimizers) if o is not None)

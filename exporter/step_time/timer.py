@@ -155,6 +155,11 @@ class _SyncWait:
         return self._start >= 0 or self.muted > 0
 
     @property
+    def timer(self) -> StepTimer:
+        """The timer this wait credits."""
+        return self._timer
+
+    @property
     def in_backward(self) -> bool:
         """The timer is inside a timed backward pass."""
         return self._timer._start[BACKWARD] >= 0
@@ -277,6 +282,9 @@ class StepTimer:
         self.finished = 0  # rows whose GPU columns are final as well
         self._clock = time.perf_counter_ns
         self._start = [-1] * _N  # ns at which the phase was entered, -1 when not in it
+        # Phases held by an enclosing unit of work (a pipeline stage's microbatch, see
+        # :meth:`hold`): the marks of the hooks inside it leave them alone.
+        self._held = [False] * _N
         self._step_start = -1  # ns, -1 when no step is open
         self._inside_wait = 0  # ns of input wait timed inside the open step's bracket
         self._auto = False  # the open step was opened by a hook, not by ``step()``
@@ -390,7 +398,9 @@ class StepTimer:
     # ---- hot path ------------------------------------------------------------------------
 
     def begin(self, index: int) -> None:
-        """Enter phase ``index`` (``TIMED_SIGNALS`` order)."""
+        """Enter phase ``index`` (``TIMED_SIGNALS`` order); nothing while it is held."""
+        if self._held[index]:
+            return
         self._start[index] = self._clock()
         gpu = self._gpu
         if gpu is not None:
@@ -399,7 +409,10 @@ class StepTimer:
             gpu.begin(index)
 
     def end(self, index: int) -> bool:
-        """Leave phase ``index``; a leave without an enter is ignored (returns False)."""
+        """Leave phase ``index``; a leave without an enter is ignored (returns False). While
+        the phase is held it stays open (returns True: the caller's phase is still timed)."""
+        if self._held[index]:
+            return True
         now = self._clock()
         start = self._start[index]
         if start < 0:
@@ -413,6 +426,21 @@ class StepTimer:
         if self._gpu is not None:
             self._gpu.end(index)
         return True
+
+    def hold(self, index: int) -> bool:
+        """Enter phase ``index`` and hold it open: :meth:`begin` and :meth:`end` of it do
+        nothing until :meth:`release` (the hooks of a module inside a unit of work that is
+        the phase as a whole). False, and nothing held, when the phase is open already."""
+        if self._start[index] >= 0 or self._held[index]:
+            return False
+        self.begin(index)
+        self._held[index] = True
+        return True
+
+    def release(self, index: int) -> None:
+        """Leave phase ``index`` held by :meth:`hold`."""
+        self._held[index] = False
+        self.end(index)
 
     def add(self, index: int, ns: int) -> None:
         """Credit ``ns`` to phase ``index`` of the current step (a wait measured by a hook

@@ -1,0 +1,111 @@
+"""A pipeline stage's share of a step, timed as its forward and backward.
+
+``torch.distributed.pipelining`` runs a stage's part of a step as actions of one microbatch
+each, and every schedule (``ScheduleGPipe``, ``Schedule1F1B``, the interleaved and
+zero-bubble ones, read in torch 2.13's ``schedules.py``) calls the same methods for them:
+
+* ``_PipelineStageBase.forward_one_chunk``: the stage's forward of one microbatch (fetching
+  the received activations, the module's forward, keeping what backward needs), and
+  ``_PipelineSchedule._maybe_compute_loss``, the last stage's loss on it: **forward**;
+* ``backward_one_chunk`` (the input and, in most schedules, the weight gradients; under DDP the
+  last microbatch's gradient reduction too) and ``backward_weight_one_chunk`` (the weight
+  gradients a zero-bubble schedule defers): **backward**.
+
+Timing the module alone leaves the schedule's per-microbatch work around it (a millisecond or
+more a microbatch on the CPU) in the residual, where it reads as untimed host work. The
+receive waits between the actions are collective waits (:mod:`.collectives`), and what is
+left outside both (issuing sends and receives, splitting the batch) stays residual.
+
+Each action is held as its phase (:meth:`StepTimer.hold`): the watched module's hooks inside
+it leave the phase alone, and their waits (DDP's, a tensor-parallel layer's) land in
+``forward_wait``/``backward_wait`` of it as before. Only on the training thread, never while
+``torch.compile`` traces; a forward action opens the step when none is open (a training
+stage, gradients on), as the module's forward hook does. The shadows are on the classes, once
+per process, like the collective waits, and serve every ``RankWatch`` of the process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from threading import get_ident
+from typing import Any
+
+import torch
+
+from rankwatch.exporter.step_time.collectives import RegistryHandle, ShadowRegistry
+from rankwatch.exporter.step_time.timer import BACKWARD, FORWARD, StepTimer
+
+__all__ = ["install_pipeline_phases", "pipeline_phase_targets"]
+
+_is_compiling = torch.compiler.is_compiling
+
+# (owner, method, phase, opens a step): the schedule's actions on a stage.
+_ACTIONS = (
+    ("stage", "forward_one_chunk", FORWARD, True),
+    ("schedule", "_maybe_compute_loss", FORWARD, False),
+    ("stage", "backward_one_chunk", BACKWARD, False),
+    ("stage", "backward_weight_one_chunk", BACKWARD, False),
+)
+
+
+def _owners() -> dict[str, Any]:
+    try:
+        from torch.distributed.pipelining import schedules, stage
+    except ImportError:  # no torch.distributed, or a build without pipelining
+        return {}
+    return {"stage": stage._PipelineStageBase, "schedule": schedules._PipelineSchedule}
+
+
+def pipeline_phase_targets() -> list[tuple[Any, str]]:
+    """``(class, method)`` of every schedule action timed as a phase; empty where this torch
+    has no pipelining (a method a release lacks is skipped)."""
+    owners = _owners()
+    return [
+        (owners[o], name)
+        for o, name, _, _ in _ACTIONS
+        if o in owners and callable(getattr(owners[o], name, None))
+    ]
+
+
+def _held_phase(registry: ShadowRegistry, original: Callable[..., Any]) -> Callable[..., Any]:
+    name = original.__name__
+    _, _, index, opens_step = next(a for a in _ACTIONS if a[1] == name)
+
+    def timed(owner: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return original(owner, *args, **kwargs)
+        me = get_ident()
+        held: list[StepTimer] = []
+        for wait, thread in registry.waits:
+            timer = wait.timer
+            if thread != me:
+                continue
+            if not timer.in_step:
+                if not (opens_step and _training(owner)):
+                    continue
+                timer.start_step(auto=True)
+            if timer.hold(index):
+                held.append(timer)
+        try:
+            return original(owner, *args, **kwargs)
+        finally:
+            for timer in reversed(held):
+                timer.release(index)
+
+    return timed
+
+
+def _training(stage: Any) -> bool:
+    """A training forward: the stage's module in training mode, gradients on (an evaluation
+    forward outside a step is not a step)."""
+    submod = getattr(stage, "submod", None)
+    return bool(getattr(submod, "training", False)) and torch.is_grad_enabled()
+
+
+_REGISTRY = ShadowRegistry(pipeline_phase_targets, _held_phase)
+
+
+def install_pipeline_phases(timer: StepTimer) -> list[RegistryHandle]:
+    """Time every pipeline schedule action of the calling thread (the training thread) as a
+    phase of ``timer`` (module doc). Returns the handles (``remove()`` undoes it)."""
+    return _REGISTRY.install(timer, "install_pipeline_phases")

@@ -1,0 +1,72 @@
+"""The pipeline schedule's actions held as phases: the timer's hold, the class shadows.
+
+The real schedule (a 2-stage GPipe on Gloo, with work outside the watched module and a slow
+loss) is in ``test_collective_waits.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rankwatch.diagnosis.step_time.table import column
+from rankwatch.exporter.step_time.pipeline import (
+    install_pipeline_phases,
+    pipeline_phase_targets,
+)
+from rankwatch.exporter.step_time.timer import BACKWARD, FORWARD, StepTimer
+
+
+def test_the_schedule_actions_of_this_torch_are_all_found() -> None:
+    names = {name for _, name in pipeline_phase_targets()}
+    assert names == {
+        "forward_one_chunk",
+        "_maybe_compute_loss",
+        "backward_one_chunk",
+        "backward_weight_one_chunk",
+    }
+
+
+def test_a_held_phase_ignores_the_marks_inside_it_and_times_the_whole() -> None:
+    clock = iter(range(0, 10**9, 10**6)).__next__  # 1 ms a read
+    timer = StepTimer(4)
+    timer._clock = clock
+    timer.start_step()
+    assert timer.hold(FORWARD)
+    assert not timer.hold(FORWARD)  # held already: not again
+    timer.begin(FORWARD)  # a module's hook inside the action
+    assert timer.end(FORWARD)  # "still timed": the hook goes on (watches the output)
+    assert timer.phase_open(FORWARD)
+    timer.release(FORWARD)
+    assert not timer.phase_open(FORWARD)
+    timer.begin(BACKWARD)
+    assert not timer.hold(BACKWARD)  # open already (a user's phase): left to its owner
+    timer.end(BACKWARD)
+    timer.end_step()
+    rows, _, _ = timer.read(0)
+    # The step opens at 0 ms, the hold reads 1 ms, the release 2 ms: the marks inside read
+    # no clock.
+    assert rows[0][column("cpu", "forward")] == pytest.approx(1.0)
+    assert not math.isnan(rows[0][column("cpu", "backward")])
+
+
+def test_bad_timer_is_refused_with_the_field_named() -> None:
+    for bad in (None, "timer", 3, object()):
+        with pytest.raises(TypeError, match="install_pipeline_phases: field timer"):
+            install_pipeline_phases(bad)  # type: ignore[arg-type]
+
+
+def test_install_and_remove_restore_torch_and_nest_per_timer() -> None:
+    targets = pipeline_phase_targets()
+    before = {(id(o), n): vars(o)[n] for o, n in targets}
+    timer, other = StepTimer(4), StepTimer(4)
+    first, second = install_pipeline_phases(timer), install_pipeline_phases(other)
+    assert all(vars(o)[n] is not before[(id(o), n)] for o, n in targets)
+    for h in first:
+        h.remove()
+    assert all(vars(o)[n] is not before[(id(o), n)] for o, n in targets)  # other's still
+    for h in second:
+        h.remove()
+        h.remove()  # idempotent
+    assert all(vars(o)[n] is before[(id(o), n)] for o, n in targets)
