@@ -3,8 +3,10 @@
 The whole matrix (``make accuracy-parallel``) writes its section of ``docs/accuracy.md``; these
 cells cover the failures it was built for: a slow rank whose tensor-parallel peer waits for it
 in the DTensor collectives (the peer was named before), a slow backward under
-``torch.compile(ddp_model)`` (no verdict before), a slow stage-1 rank of a pipeline whose
-stages differ by design (every window was ``RESIDUAL_HEAVY`` before), and a no-fault control of
+``torch.compile(ddp_model)`` compiled after ``watch()`` (``INCOMPLETE_DATA`` before), a slow
+stage-1 rank of a pipeline whose stages differ by design (every window was ``RESIDUAL_HEAVY``
+before, and the schedule's work around the stage module opened ``residual_heavy`` incidents
+until it was timed as the stage's), and a no-fault control of
 FSDP2 with activation checkpointing whose ranks start seconds apart (the start-up skew opened a
 straggler incident before; a short control here, the matrix's runs 200 windows). Every cell
 runs its live windows through the real publisher hub, so a wrong incident fails it as a wrong
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.multiproc
 FAULT_STEPS = 8 * SYNC_STEP  # 7 live windows after the warm-up
 CELLS = [
     CellSpec("tp_dp_ddp", "forward", 1, FAULT_STEPS),
-    CellSpec("compile_ddp", "backward", 1, FAULT_STEPS),
+    CellSpec("compile_ddp_late", "backward", 1, FAULT_STEPS),
     CellSpec("pp_dp", "forward", 2, FAULT_STEPS),
     CellSpec("fsdp_ac_nobarrier", NONE, None, 12 * SYNC_STEP),
 ]
@@ -44,25 +46,16 @@ def _names_slow_rank_throughout(c: Cell, table: str) -> None:
     assert c.named_other == 0 and c.named_group == 0, table
 
 
-def test_tensor_parallel_compile_and_control_cells_are_right(cells: list[Cell]) -> None:
+def test_every_cell_is_right_and_names_the_slow_rank_throughout(cells: list[Cell]) -> None:
     table = render(cells)
     assert [c.spec for c in cells] == CELLS
     for c in cells:
-        if c.spec.row == "pp_dp":
-            continue
+        # Right: the run's verdict, and no incident on another rank (none in the control),
+        # a pipeline's residual_heavy included.
         assert c.right, table
         if c.spec.rank is not None:
             _names_slow_rank_throughout(c, table)
         else:
             assert c.live_windows >= 10 and c.named_other == 0, table
-
-
-def test_pipeline_cell_names_the_slow_stage_1_rank(cells: list[Cell]) -> None:
-    table = render(cells)
-    (c,) = [c for c in cells if c.spec.row == "pp_dp"]
-    _names_slow_rank_throughout(c, table)
-    # Straggler incidents: on the slow rank only. The pipeline's RESIDUAL_HEAVY incidents are
-    # not held here: the schedule's own host work outside the stage module (8-12 ms a step on
-    # this machine) is over 10 % of these toy steps (docs/accuracy.md, reported as wrong cells).
-    stragglers = [ranks for cls, _, ranks in c.opened if cls == STRAGGLER_CLASS]
-    assert stragglers and all(ranks == (c.spec.rank,) for ranks in stragglers), table
+    (pipeline,) = [c for c in cells if c.spec.row == "pp_dp"]
+    assert all(cls == STRAGGLER_CLASS for cls, _, _ in pipeline.opened), table
