@@ -46,8 +46,15 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy diagnosis exporter rankwatch
 
+# The tests that start no process world and no server run on two workers (a file's tests stay
+# on one worker, so its module fixtures run once); the multi-process worlds, real servers and
+# end-to-end suites run one at a time: their faults are timed, and two of them sharing the
+# machine's two cores would make real stragglers. Exit status 5 is "nothing selected" (a
+# PYTEST_ARGS path on one side only).
+WORLDS := multiproc or servers or e2e
 unit: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not ($(WORLDS))" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m "$(WORLDS)" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The quick checks: the engines' and exporter's unit tests, and the dashboard, rule and project
 # checks (generated files current, thresholds drawn from the configuration, docs, packaging
