@@ -21,11 +21,14 @@ it leave the phase alone, and their waits (DDP's, a tensor-parallel layer's) lan
 ``forward_wait``/``backward_wait`` of it as before. Only on the training thread, never while
 ``torch.compile`` traces; a forward action opens the step when none is open (a training
 stage, gradients on), as the module's forward hook does. The shadows are on the classes, once
-per process, like the collective waits, and serve every ``RankWatch`` of the process.
+per process, like the collective waits, and serve every ``RankWatch`` of the process. They are
+installed by ``watch()`` when the job has imported ``torch.distributed.pipelining`` by then
+(building the stage or the schedule does): call ``watch()`` after building the schedule.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from threading import get_ident
 from typing import Any
@@ -49,16 +52,19 @@ _ACTIONS = (
 
 
 def _owners() -> dict[str, Any]:
-    try:
-        from torch.distributed.pipelining import schedules, stage
-    except ImportError:  # no torch.distributed, or a build without pipelining
+    # Only a pipelining the job imported: importing it here would cost every other job the
+    # import (and, in torch 2.13, leave references to the default process group behind, as
+    # DDP's first forward or torch.compile after init_process_group do).
+    stage = sys.modules.get("torch.distributed.pipelining.stage")
+    schedules = sys.modules.get("torch.distributed.pipelining.schedules")
+    if stage is None or schedules is None:
         return {}
     return {"stage": stage._PipelineStageBase, "schedule": schedules._PipelineSchedule}
 
 
 def pipeline_phase_targets() -> list[tuple[Any, str]]:
-    """``(class, method)`` of every schedule action timed as a phase; empty where this torch
-    has no pipelining (a method a release lacks is skipped)."""
+    """``(class, method)`` of every schedule action timed as a phase; empty until the job has
+    imported ``torch.distributed.pipelining`` (a method a release lacks is skipped)."""
     owners = _owners()
     return [
         (owners[o], name)
