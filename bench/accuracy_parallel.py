@@ -832,39 +832,30 @@ NOTES = """### Reading the 3D-parallel matrix
   not waits); every pipeline cell was `RESIDUAL_HEAVY` with an incident over all four ranks;
   staggered FSDP2 starts opened a straggler incident on the last rank to start (rank 3, the
   first all-gather's wait) and the run's verdict missed the slow rank; compiled DDP watched as
-  the compiled wrapper missed a slow backward. Now every fault cell but `compile_ddp_late`'s
-  names the slow rank, with the expected kind, in its run verdict and in every live window,
-  and no window names a TP or pipeline peer or a pipeline replica.
-- **Wrong now: the pipeline's `RESIDUAL_HEAVY` incidents** (`pp_dp`: 4 of 8 fault cells and
-  the control here; 7 of 8 in the previous full run, on 0ce9ca6). The verdict names the slow
-  rank; the bottleneck rule also finds a residual over 10 % of the step on most ranks. The
-  run's means of the control (ms per step): step 70.8, forward 57.0 to 59.4 (the pipeline's
-  waits in it: forward_wait 30.0 on stage 0, 20.0 on stage 1), residual 8.3 to 9.9 (12 to
-  14 %). The bubble is timed as waits now; what is left is the schedule's own host work
-  outside the stage module (splitting the batch, launching each microbatch's sends and
-  receives, the loss on stage 1), about 2 ms per microbatch here, on a step whose stand-in
-  compute is 24 ms (36 ms on stage 1). With three times the compute (72 ms) a 20-window
-  control was `COMPUTE_BOUND` with no incident (residual 7.4 to 8.1 ms, 5 %). Whether a
-  pipeline's schedule overhead should count as residual, or the rule should leave pipelines'
-  residual to a higher threshold, is the open question.
-- **Wrong now: `compile_ddp_late`** (4 fault cells): hooks on a module that is compiled after
-  `watch()` run inside the graph and time nothing, so every window is `INCOMPLETE_DATA`; each
-  rank warns once after 50 optimizer steps and says to watch the compiled module (the
-  documented way: the `compile_ddp` row, all right, and per-block compilation,
-  `compile_blocks_ddp`, all right).
-- **Controls.** 201 live windows each (200 goal). Zero incidents in every control but the
-  pipeline's (above); the staggered FSDP2 start is in the warm-up steps, which are not shipped.
-  The highest straggler score of a control window naming a rank was 0.30 (`tp_dp_ddp`, one
-  window; two of three windows open an incident). The previous full run (0ce9ca6, the same
-  code but for collectives marked untimed, which these jobs do not use) opened one straggler
-  incident in each of the `tp_dp_fsdp` (rank 1, window scores up to 0.14) and `tp_dp_ddp`
-  (rank 0, up to 0.17) controls and one on rank 3 in the pipeline's. These runs share a
-  2-core machine with other jobs (load 4 to 7): 4 ranks contend for 2 cores, a rank starved
-  for a few windows is a real straggler for that long, and a 10-step window is a tenth of the
-  default's, so such bursts weigh more. The first run of this matrix, with windows of 10
-  steps every 5 steps, opened 3 to 5 straggler incidents per TP control: one burst fell into
-  two overlapping windows, and two of three windows open an incident, so the windows no
-  longer overlap (as with the defaults, 100 steps every 100).
+  the compiled wrapper missed a slow backward. Now every fault cell names the slow rank, with
+  the expected kind, in its run verdict and in every live window, and no window names a TP or
+  pipeline peer or a pipeline replica.
+- **The last two wrong rows, fixed.** The previous full run (086b0a1: 35 of 44) had two.
+  `pp_dp` opened `residual_heavy` incidents in 4 of 8 fault cells and in its control: only the
+  stage's module was timed, and each microbatch's work around it in the schedule (fetching the
+  received activations, keeping what backward needs, the loss on stage 1: about 2 ms a
+  microbatch here) was residual, 12 to 14 % of the step. The schedule's actions
+  (`forward_one_chunk` and the loss, `backward_one_chunk`) are now the stage's forward and
+  backward; the control's residual is 2.1 to 2.6 ms of a 54.0 ms step (4 to 5 %, issuing the
+  sends and receives between actions), `COMPUTE_BOUND`, no incident. `compile_ddp_late` was
+  `INCOMPLETE_DATA` in every window (the hooks of a DDP model compiled after `watch()` run
+  inside the graph and time nothing); DDP's own `_pre_forward`/`_post_forward`, which run
+  eagerly around the compiled module, now time its forward when the hooks could not, and the
+  row gives eager DDP's verdicts.
+- **Controls.** 201 live windows each (200 goal). No incident in any control, and no control
+  window named a rank: every one was `COMPUTE_BOUND`. The staggered FSDP2 start is in the
+  warm-up steps, which are not shipped. Earlier runs of these controls on a machine shared
+  with other jobs (load 4 to 7) opened up to one straggler incident per TP control (window
+  scores 0.14 and 0.17): 4 ranks contend for 2 cores, a rank starved for a few windows is a
+  real straggler for that long, and a 10-step window is a tenth of the default's, so such
+  bursts weigh more. The windows do not overlap (as with the defaults, 100 steps every 100):
+  with windows of 10 steps every 5, one burst fell into two windows and two of three windows
+  open an incident (3 to 5 incidents per TP control in the first run).
 - **Limits.** CPU and Gloo only, 4 ranks, two sizes per dimension at most; the TP model is
   two layers, the pipeline two stages of an MLP. Never run on GPUs or NCCL (see
   `docs/reliability.md`)."""
