@@ -13,9 +13,11 @@ framework's own collective is timed as a sync wait.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from rankwatch.diagnosis.step_time.mesh import MeshLayout
+from rankwatch.exporter.step_time.device_mesh import is_device_mesh
 from rankwatch.exporter.step_time.hooks import time_as_sync_wait
 
 if TYPE_CHECKING:
@@ -41,7 +43,11 @@ class RankwatchStarter:
 
     ``rankwatch``: a function returning the ``RankWatch`` to use (called when each training
     run starts); default :func:`rankwatch.exporter.init` with ``overrides`` (e.g.
-    ``metrics_port=9500``, ``on_incident=...``). ``close_timeout_seconds`` bounds the close.
+    ``metrics_port=9500``, ``on_incident=...``). ``mesh``: the job's device mesh, passed to
+    ``watch(..., mesh=)`` (a ``DeviceMesh``, dimension sizes such as ``{"pp": 2, "dp": 2}``;
+    without it, the mesh of the model's DTensor parameters, if any); a value of another type
+    is refused here, one that does not fit the group when training starts.
+    ``close_timeout_seconds`` bounds the close.
     The attribute ``rankwatch`` is the ``RankWatch`` of the latest run (still there, closed,
     after it).
     """
@@ -51,8 +57,14 @@ class RankwatchStarter:
         rankwatch: Callable[[], RankWatch] | None = None,
         *,
         close_timeout_seconds: float = 5.0,
+        mesh: Any = None,
         **overrides: Any,
     ) -> None:
+        if not (mesh is None or isinstance(mesh, (Mapping, MeshLayout)) or is_device_mesh(mesh)):
+            raise TypeError(
+                "RankwatchCallback: field mesh: expected a DeviceMesh, a mapping of dimension "
+                f'sizes such as {{"pp": 2, "dp": 2}}, or None, got {type(mesh).__name__} {mesh!r}'
+            )
         if rankwatch is not None and not callable(rankwatch):
             raise TypeError(
                 f"RankwatchCallback: field rankwatch: expected a function returning a "
@@ -66,6 +78,7 @@ class RankwatchStarter:
         self._factory = rankwatch
         self._overrides = overrides
         self._close_timeout_seconds = close_timeout_seconds
+        self.mesh = mesh
         self.rankwatch: RankWatch | None = None
 
     def _start_rankwatch(self) -> RankWatch:

@@ -88,10 +88,11 @@ class RankwatchCallback(Callback, RankwatchStarter):
         rankwatch: Callable[[], RankWatch] | None = None,
         *,
         close_timeout_seconds: float = 5.0,
+        mesh: Any = None,
         **overrides: Any,
     ) -> None:
         RankwatchStarter.__init__(
-            self, rankwatch, close_timeout_seconds=close_timeout_seconds, **overrides
+            self, rankwatch, close_timeout_seconds=close_timeout_seconds, mesh=mesh, **overrides
         )
         self._step: Any = None  # the entered ``rw.step()`` context, None between steps
         # CPU clock (ns) at which the open step's last optimizer step ended; -1 while it has
@@ -115,7 +116,9 @@ class RankwatchCallback(Callback, RankwatchStarter):
             isinstance(model, torch.nn.Module) and model is not pl_module
         )
         if not self._phases_from_callbacks:
-            rw.watch(model)
+            rw.watch(model, mesh=self.mesh)
+        elif self.mesh is not None:
+            rw.watch(mesh=self.mesh)
         optimizers = [unwrap_optimizer(o) for o in trainer.optimizers]
         optimizers = [o for o in optimizers if o is not None]
         for k, opt in enumerate(optimizers):

@@ -161,10 +161,11 @@ class RankwatchCallback(TrainerCallback, RankwatchStarter):
         rankwatch: Callable[[], RankWatch] | None = None,
         *,
         close_timeout_seconds: float = 5.0,
+        mesh: Any = None,
         **overrides: Any,
     ) -> None:
         RankwatchStarter.__init__(
-            self, rankwatch, close_timeout_seconds=close_timeout_seconds, **overrides
+            self, rankwatch, close_timeout_seconds=close_timeout_seconds, mesh=mesh, **overrides
         )
         self._restore_loader: Callable[[], None] = lambda: None
         self._restore_gather: Callable[[], None] = lambda: None
@@ -214,7 +215,7 @@ class RankwatchCallback(TrainerCallback, RankwatchStarter):
         # synchronisation points (buffer broadcast, gradient reduction); the callbacks'
         # model is the module inside it.
         ddp = _ddp_of(trainer, model) if trainer is not None else None
-        rw.watch(ddp if ddp is not None else model, inner)
+        rw.watch(ddp if ddp is not None else model, inner, mesh=self.mesh)
         # Without optimizer hooks nothing would close the step the hooks opened: on_step_end
         # (once per optimizer step) does.
         self._steps_closed_by_callback = inner is None

@@ -17,12 +17,13 @@ from typing import Any
 
 from rankwatch.diagnosis.step_time.mesh import MeshLayout, ranks_text
 
-__all__ = ["mesh_layout", "model_mesh"]
+__all__ = ["is_device_mesh", "mesh_layout", "model_mesh"]
 
 log = logging.getLogger(__name__)
 
 
-def _is_device_mesh(value: object) -> bool:
+def is_device_mesh(value: object) -> bool:
+    """``value`` is a ``torch.distributed.device_mesh.DeviceMesh`` (False without distributed)."""
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # a torch built without distributed
@@ -53,7 +54,7 @@ def mesh_layout(mesh: object, group_ranks: Sequence[int]) -> MeshLayout | None:
             layout = MeshLayout.from_sizes(mesh, tuple(group_ranks))
         except ValueError as exc:
             raise ValueError(f"watch: field mesh: value {dict(mesh)!r}: {exc}") from None
-    elif _is_device_mesh(mesh):
+    elif is_device_mesh(mesh):
         try:
             layout = _from_device_mesh(mesh)
         except ValueError as exc:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from rankwatch.diagnosis.step_time.mesh import MeshLayout
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.integrations import in_sync_wait, unwrap_optimizer, watch_loader_in_place
 from rankwatch.exporter.publish.hub import PublisherHub
@@ -200,7 +201,7 @@ def test_lightning_callback_makes_one_row_per_optimizer_step_when_accumulating(
         def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
             time.sleep(AFTER_S)
 
-    callback = RankwatchCallback(lambda: RankWatch(config=_config()))
+    callback = RankwatchCallback(lambda: RankWatch(config=_config()), mesh={"dp": 1})
     trainer = lp.Trainer(
         accelerator="cpu",
         devices=1,
@@ -216,6 +217,7 @@ def test_lightning_callback_makes_one_row_per_optimizer_step_when_accumulating(
     trainer.fit(lightning_regressor(), train_dataloaders=pairs_loader(0, 8 * 10))
     rw = callback.rankwatch
     assert rw is not None and rw.timer is not None and not rw.active
+    assert rw._collector is not None and rw._collector.mesh == MeshLayout(("dp",), (1,), (0,))
     rows = rw.timer.ring[: rw.timer.written]
     assert len(rows) == 5  # ten batches, five optimizer steps
     assert not any(math.isnan(v) for v in rows[:, [1, 3, 4, 5]].ravel())
@@ -236,7 +238,7 @@ def test_trainer_callback_makes_one_row_per_optimizer_step_when_accumulating(
     from rankwatch.exporter.integrations.transformers import RankwatchCallback
     from tests.e2e.test_integration_transformers import SlowCollator, TokenDataset, training_args
 
-    callback = RankwatchCallback(lambda: RankWatch(config=_config()))
+    callback = RankwatchCallback(lambda: RankWatch(config=_config()), mesh={"pp": 1})
     trainer = Trainer(
         model=tiny_bert(),
         args=training_args(str(tmp_path), 5, None, gradient_accumulation_steps=2),
@@ -247,7 +249,26 @@ def test_trainer_callback_makes_one_row_per_optimizer_step_when_accumulating(
     trainer.train()
     rw = callback.rankwatch
     assert rw is not None and rw.timer is not None and not rw.active
+    assert rw._collector is not None and rw._collector.mesh == MeshLayout(("pp",), (1,), (0,))
     rows = rw.timer.ring[: rw.timer.written]
     assert len(rows) == 5  # ten micro-batches, five optimizer steps
     assert not any(math.isnan(v) for v in rows[:, [1, 3, 4, 5]].ravel())
     assert type(trainer.callback_handler.train_dataloader).__module__ == "accelerate.data_loader"
+
+
+@pytest.mark.parametrize("framework", ["lightning", "transformers"])
+def test_callback_bad_arguments_are_refused_with_the_field_named(framework: str) -> None:
+    import importlib
+
+    module = importlib.import_module(f"rankwatch.exporter.integrations.{framework}")
+    callback = module.RankwatchCallback
+    with pytest.raises(TypeError, match=r"RankwatchCallback: field rankwatch: .*'not callable'"):
+        callback("not callable")
+    with pytest.raises(ValueError, match=r"overrides \['metrics_port'\] apply to init\(\) only"):
+        callback(lambda: RankWatch(config=_config()), metrics_port=9500)
+    for bad in ("pp=2", 4, ["pp", 2], object()):
+        with pytest.raises(TypeError, match="RankwatchCallback: field mesh: expected a DeviceMesh"):
+            callback(mesh=bad)
+    # What fits: nothing, sizes, a layout (a DeviceMesh is checked against the group later).
+    for good in (None, {"dp": 2}, MeshLayout(("dp",), (1,), (0,))):
+        assert callback(mesh=good).mesh is good
