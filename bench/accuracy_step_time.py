@@ -143,12 +143,12 @@ def _run_cell(rank: int, row: str, col: str) -> list[list[float | None]]:
     layers: list[torch.nn.Module] = [torch.nn.Linear(32, 64)]
     if row in ("batchnorm", "no_broadcast"):
         layers.append(torch.nn.BatchNorm1d(64))
-    layers += [torch.nn.ReLU(), torch.nn.Linear(64, 1)]
+    last = torch.nn.Linear(64, 1)
+    layers += [torch.nn.ReLU(), last]
     net = torch.nn.Sequential(*layers)
-    last = layers[-1]
-    inner: torch.nn.Module = torch.compile(net, fullgraph=True) if row == "compile" else net
+    inner: Any = torch.compile(net, fullgraph=True) if row == "compile" else net
     inner.register_forward_pre_hook(sleeper(BASE_S))
-    model: torch.nn.Module
+    model: Any
     if row == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
