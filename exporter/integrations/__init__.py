@@ -13,11 +13,10 @@ framework's own collective is timed as a sync wait.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from rankwatch.diagnosis.step_time.mesh import MeshLayout
-from rankwatch.exporter.step_time.device_mesh import is_device_mesh
+from rankwatch.exporter.step_time.device_mesh import check_mesh_type
 from rankwatch.exporter.step_time.hooks import time_as_sync_wait
 
 if TYPE_CHECKING:
@@ -60,11 +59,7 @@ class RankwatchStarter:
         mesh: Any = None,
         **overrides: Any,
     ) -> None:
-        if not (mesh is None or isinstance(mesh, (Mapping, MeshLayout)) or is_device_mesh(mesh)):
-            raise TypeError(
-                "RankwatchCallback: field mesh: expected a DeviceMesh, a mapping of dimension "
-                f'sizes such as {{"pp": 2, "dp": 2}}, or None, got {type(mesh).__name__} {mesh!r}'
-            )
+        check_mesh_type(mesh, "RankwatchCallback")
         if rankwatch is not None and not callable(rankwatch):
             raise TypeError(
                 f"RankwatchCallback: field rankwatch: expected a function returning a "

@@ -17,13 +17,12 @@ from typing import Any
 
 from rankwatch.diagnosis.step_time.mesh import MeshLayout, ranks_text
 
-__all__ = ["is_device_mesh", "mesh_layout", "model_mesh"]
+__all__ = ["check_mesh_type", "mesh_layout", "model_mesh"]
 
 log = logging.getLogger(__name__)
 
 
-def is_device_mesh(value: object) -> bool:
-    """``value`` is a ``torch.distributed.device_mesh.DeviceMesh`` (False without distributed)."""
+def _is_device_mesh(value: object) -> bool:
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # a torch built without distributed
@@ -40,6 +39,18 @@ def _from_device_mesh(mesh: Any) -> MeshLayout:
     return MeshLayout.from_nested(tuple(names), ranks)
 
 
+def check_mesh_type(mesh: object, api: str) -> None:
+    """``TypeError`` naming ``api``'s ``mesh`` field and the value unless ``mesh`` is of a type
+    ``watch(mesh=)`` takes: a ``DeviceMesh``, a mapping of dimension sizes, a ``MeshLayout``,
+    or None (whether it fits the group is :func:`mesh_layout`'s to say)."""
+    if mesh is None or isinstance(mesh, (Mapping, MeshLayout)) or _is_device_mesh(mesh):
+        return
+    raise TypeError(
+        f"{api}: field mesh: expected a DeviceMesh, a mapping of dimension sizes such as "
+        f'{{"pp": 2, "dp": 2}}, or None, got {type(mesh).__name__} {mesh!r}'
+    )
+
+
 def mesh_layout(mesh: object, group_ranks: Sequence[int]) -> MeshLayout | None:
     """The ``mesh`` argument of ``watch`` as a :class:`MeshLayout` holding every rank of the
     group (``group_ranks``): a ``DeviceMesh`` (its root mesh), a mapping of dimension sizes
@@ -47,6 +58,7 @@ def mesh_layout(mesh: object, group_ranks: Sequence[int]) -> MeshLayout | None:
     None. ``TypeError``/``ValueError`` naming ``mesh`` and the value otherwise."""
     if mesh is None:
         return None
+    check_mesh_type(mesh, "watch")
     if isinstance(mesh, MeshLayout):
         layout = mesh
     elif isinstance(mesh, Mapping):
@@ -54,16 +66,11 @@ def mesh_layout(mesh: object, group_ranks: Sequence[int]) -> MeshLayout | None:
             layout = MeshLayout.from_sizes(mesh, tuple(group_ranks))
         except ValueError as exc:
             raise ValueError(f"watch: field mesh: value {dict(mesh)!r}: {exc}") from None
-    elif is_device_mesh(mesh):
+    else:
         try:
             layout = _from_device_mesh(mesh)
         except ValueError as exc:
             raise ValueError(f"watch: field mesh: value {mesh!r}: {exc}") from None
-    else:
-        raise TypeError(
-            "watch: field mesh: expected a DeviceMesh, a mapping of dimension sizes such as "
-            f'{{"pp": 2, "dp": 2}}, or None, got {type(mesh).__name__} {mesh!r}'
-        )
     outside = sorted(set(group_ranks) - set(layout.ranks))
     if outside:
         raise ValueError(
