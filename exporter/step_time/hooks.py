@@ -57,6 +57,7 @@ from rankwatch.exporter.step_time.timer import (
     INPUT_WAIT,
     OPTIMIZER,
     StepTimer,
+    _SyncWait,
 )
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "install",
     "model_device",
     "move_to_device",
+    "open_training_step",
     "time_as_sync_wait",
     "unwrap_optimizer",
 ]
@@ -449,11 +451,8 @@ def install(
             if _is_compiling():
                 return
             forward_seen[0] = True
-            if not timer.in_step:
-                # A forward outside any step is evaluation or inference: not a training step.
-                if not (module.training and torch.is_grad_enabled()):
-                    return
-                timer.start_step(auto=True)
+            if not timer.in_step and not open_training_step(timer, module.training):
+                return
             timer.begin(FORWARD)
             if sync:
                 timer.begin(FORWARD_WAIT)
@@ -583,26 +582,17 @@ def _late_compiled_ddp_shadows(
     def pre(*args: Any, **kwargs: Any) -> Any:
         if timer.phase_open(FORWARD) or get_ident() != thread:
             return pre_forward(*args, **kwargs)
-        if not timer.in_step:
-            if not (ddp.training and torch.is_grad_enabled()):
-                return pre_forward(*args, **kwargs)  # evaluation: not a training step
-            timer.start_step(auto=True)
+        if not timer.in_step and not open_training_step(timer, ddp.training):
+            return pre_forward(*args, **kwargs)
         forward_seen[0] = opened[0] = True
         timer.begin(FORWARD)
-        if wait.busy:
-            return pre_forward(*args, **kwargs)
-        with wait:
-            return pre_forward(*args, **kwargs)
+        return _in_sync_wait(wait, pre_forward, args, kwargs)
 
     def post(*args: Any, **kwargs: Any) -> Any:
         if not opened[0] or get_ident() != thread:
             return post_forward(*args, **kwargs)
         opened[0] = False
-        if wait.busy:
-            output = post_forward(*args, **kwargs)
-        else:
-            with wait:
-                output = post_forward(*args, **kwargs)
+        output = _in_sync_wait(wait, post_forward, args, kwargs)
         if timer.end(FORWARD) and torch.is_grad_enabled():
             tracker.watch_output(output)
         return output
@@ -708,14 +698,34 @@ def time_as_sync_wait(
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         # The compile check first: while dynamo traces, nothing else here is looked at.
-        if _is_compiling() or wait.open or get_ident() != thread:
+        if _is_compiling() or get_ident() != thread:
             return original(*args, **kwargs)
-        with wait:
-            return original(*args, **kwargs)
+        return _in_sync_wait(wait, original, args, kwargs)
 
     if never_compiled:
         timed = torch.compiler.disable(timed, recursive=False)
     return AttributeShadow(owner, name, timed)
+
+
+def _in_sync_wait(
+    wait: _SyncWait, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``fn(*args, **kwargs)`` inside ``wait``, or as it is when a sync wait is open already
+    (one collective calling another, a user's ``sync_wait`` block around it: counted once)."""
+    if wait.open:
+        return fn(*args, **kwargs)
+    with wait:
+        return fn(*args, **kwargs)
+
+
+def open_training_step(timer: StepTimer, training: bool) -> bool:
+    """A forward starts while no step is open: open one (closed later by the optimizer's hook or
+    the loader) when it is a training forward (``training`` module, gradients on) and return
+    True; a forward outside any step in evaluation or inference is not a step (False)."""
+    if not (training and torch.is_grad_enabled()):
+        return False
+    timer.start_step(auto=True)
+    return True
 
 
 def _optimizer_hooks(

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from rankwatch.exporter.step_time.collectives import RegistryHandle, ShadowRegistry
+from rankwatch.exporter.step_time.hooks import open_training_step
 from rankwatch.exporter.step_time.timer import BACKWARD, FORWARD, StepTimer
 
 __all__ = ["install_pipeline_phases", "pipeline_phase_targets"]
@@ -86,10 +87,10 @@ def _held_phase(registry: ShadowRegistry, original: Callable[..., Any]) -> Calla
             timer = wait.timer
             if thread != me:
                 continue
-            if not timer.in_step:
-                if not (opens_step and _training(owner)):
-                    continue
-                timer.start_step(auto=True)
+            if not timer.in_step and not (
+                opens_step and open_training_step(timer, _stage_training(owner))
+            ):
+                continue
             if timer.hold(index):
                 held.append(timer)
         try:
@@ -101,11 +102,9 @@ def _held_phase(registry: ShadowRegistry, original: Callable[..., Any]) -> Calla
     return timed
 
 
-def _training(stage: Any) -> bool:
-    """A training forward: the stage's module in training mode, gradients on (an evaluation
-    forward outside a step is not a step)."""
-    submod = getattr(stage, "submod", None)
-    return bool(getattr(submod, "training", False)) and torch.is_grad_enabled()
+def _stage_training(stage: Any) -> bool:
+    """The stage's module is in training mode."""
+    return bool(getattr(getattr(stage, "submod", None), "training", False))
 
 
 _REGISTRY = ShadowRegistry(pipeline_phase_targets, _held_phase)

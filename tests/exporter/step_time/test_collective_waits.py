@@ -156,9 +156,9 @@ def scenario_c10d(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     group_name = dist.group.WORLD.group_name
 
     def reduced(x: torch.Tensor) -> torch.Tensor:
-        # The group by name: a group object traced into the graph is kept by the compiled
-        # code past destroy_process_group(), and a Gloo thread then frees the last work during
-        # interpreter shutdown, which aborts the process (seen: 2 runs in 17 under load).
+        # The group by name: a group object traced into the graph would be one more holder of
+        # the group past destroy_process_group() (torch's compile machinery keeps others; see
+        # tests.framework_world._quiesce for why a group alive at exit matters).
         return funcol.all_reduce(x * 2, "sum", group_name) + 1
 
     compiled = torch.compile(reduced, backend="eager", fullgraph=True)
