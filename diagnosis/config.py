@@ -364,9 +364,6 @@ class StepTimeConfig(EnvOptions):
     bottleneck_warning_share: float = field(
         default=0.10, metadata=option("RANKWATCH_BOTTLENECK_WARNING_SHARE", 0.0, 1.0, lo_open=True)
     )
-    bottleneck_critical_share: float = field(
-        default=0.20, metadata=option("RANKWATCH_BOTTLENECK_CRITICAL_SHARE", 0.0, 1.0, lo_open=True)
-    )
     compute_bound_share: float = field(
         default=0.90, metadata=option("RANKWATCH_COMPUTE_BOUND_SHARE", 0.0, 1.0, lo_open=True)
     )
@@ -401,12 +398,6 @@ class StepTimeConfig(EnvOptions):
                 f"{option_label(StepTimeConfig, 'straggler_critical_score')}: must be >= "
                 f"straggler_warning_score ({self.straggler_warning_score}), "
                 f"got {self.straggler_critical_score}"
-            )
-        if self.bottleneck_critical_share < self.bottleneck_warning_share:
-            raise ValueError(
-                f"{option_label(StepTimeConfig, 'bottleneck_critical_share')}: must be >= "
-                f"bottleneck_warning_share ({self.bottleneck_warning_share}), "
-                f"got {self.bottleneck_critical_share}"
             )
         if self.min_steps_critical < self.min_steps_warning:
             raise ValueError(

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from rankwatch.diagnosis.config import LowLatencyConfig, config_or_default
+from rankwatch.diagnosis.headroom import headroom_shift
 
 __all__ = [
     "DENOMINATOR_EPSILON",
@@ -132,17 +133,24 @@ def _compute(
     exclude_flag = _check_switch("excluding_zeros", excluding_zeros)
 
     values = arr.astype(np.float64, copy=False)
-    col_means = values.mean(axis=0)
-    row_means = values.mean(axis=1)
-    col_ratios = col_means / (col_means.mean() + DENOMINATOR_EPSILON)
-    row_ratios = row_means / (row_means.mean() + DENOMINATOR_EPSILON)
+    # Means of values near float64's maximum would overflow: ratios are formed on values
+    # scaled by a power of two (see headroom), the epsilon with them; means are scaled back.
+    shift = headroom_shift(values)
+    scaled = np.ldexp(values, -shift) if shift else values
+    epsilon = math.ldexp(DENOMINATOR_EPSILON, -shift)
+    col_means = scaled.mean(axis=0)
+    row_means = scaled.mean(axis=1)
+    col_ratios = col_means / (col_means.mean() + epsilon)
+    row_ratios = row_means / (row_means.mean() + epsilon)
     if exclude_flag:
-        nonzero = values[values != 0]
+        nonzero = scaled[values != 0]
         # No non-zero cell: every cell is 0, so any finite denominator gives ratio 0.
         point_base = float(nonzero.mean()) if nonzero.size else 0.0
     else:
-        point_base = float(values.mean())
-    point_ratios = values / (point_base + DENOMINATOR_EPSILON)
+        point_base = float(scaled.mean())
+    point_ratios = scaled / (point_base + epsilon)
+    if shift:
+        col_means, row_means = np.ldexp(col_means, shift), np.ldexp(row_means, shift)
 
     abnormal_cols = np.flatnonzero(col_ratios > t_col)
     abnormal_rows = np.flatnonzero(row_ratios > t_row)

@@ -27,6 +27,7 @@ __all__ = [
     "GPU_TIMING",
     "KINDS",
     "RANK_MEAN_KEYS",
+    "SCORE_HELD_AT_ONE",
     "SEVERITIES",
     "STATUS_KINDS",
     "STRAGGLER_KINDS",
@@ -51,6 +52,11 @@ VISIBLE_NONE = "none"  # the rule abstained: the CPU clock cannot contain the wa
 VISIBLE_DEFINITIONS: tuple[str, ...] = (VISIBLE_SYNC, VISIBLE_DDP, VISIBLE_FSDP, VISIBLE_NONE)
 # Named in ``missing_signals`` when the straggler rule abstains for want of GPU timing.
 GPU_TIMING = "gpu_timing"
+# Why a straggler score is not the plain quotient (``StragglerEvidence.score_note``).
+SCORE_HELD_AT_ONE = (
+    "held at 1: the visible gap exceeds the victim's outer step (input wait + step), so its "
+    "phase timings and its step disagree"
+)
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -73,6 +79,8 @@ class StragglerEvidence:
     culprit or the victim (or ``compute`` under FSDP) is absent from both.
     ``missing_signals`` names the signals that kept a component out of attribution.
     ``visible_definition`` names the visible value compared (``VISIBLE_DEFINITIONS``).
+    ``score`` is always finite, in ``[0, 1]``: a quotient above 1 (or past float range, as a
+    subnormal step gives) is held at 1 and ``score_note`` says why (empty otherwise).
 
     With a mesh (:class:`~.mesh.MeshLayout`): ``compared_ranks`` and ``compared_group`` are
     the comparison group the evidence comes from (``"pipeline stage 1 (ranks 2, 3)"``),
@@ -98,8 +106,10 @@ class StragglerEvidence:
     culprit_position: str = ""
     slow_group: str = ""
     slow_group_ranks: tuple[int, ...] = ()
+    score_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        note = {"score_note": self.score_note} if self.score_note else {}
         return {
             "culprit_rank": self.culprit_rank,
             "victim_rank": self.victim_rank,
@@ -113,6 +123,7 @@ class StragglerEvidence:
             "missing_signals": list(self.missing_signals),
             "visible_definition": self.visible_definition,
             **_mesh_fields(self),
+            **note,
         }
 
 

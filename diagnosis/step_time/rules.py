@@ -52,11 +52,13 @@ from typing import Any
 import numpy as np
 
 from rankwatch.diagnosis.config import StepTimeConfig, config_or_default
+from rankwatch.diagnosis.headroom import headroom_shift
 from rankwatch.diagnosis.step_time.mesh import ComparisonGroup, MeshLayout
 from rankwatch.diagnosis.step_time.report import (
     COMPONENTS,
     GPU_TIMING,
     RANK_MEAN_KEYS,
+    SCORE_HELD_AT_ONE,
     STATUS_KINDS,
     STRAGGLER_KINDS,
     UNATTRIBUTED,
@@ -360,7 +362,13 @@ def _straggler_evidence(
     order = idx[np.lexsort((ranks[idx], visible[idx]))]
     c, v = int(order[0]), int(order[order.size // 2])
     gap = float(visible[v] - visible[c])
+    # On consistent timings the visible phase lies inside the step, so the score is at most 1;
+    # a larger quotient (or one past float range: a subnormal step) means the victim's phases
+    # and step disagree, and the score is held at 1 with the reason stated.
     score = gap / float(m[v, IW] + m[v, STEP])
+    score_note = ""
+    if not score <= 1.0:
+        score, score_note = 1.0, SCORE_HELD_AT_ONE
     excess: dict[str, float] = {}
     missing: list[str] = []
     if k[c, IW] and k[v, IW]:  # always true on the seed's definitions (eligibility)
@@ -410,6 +418,7 @@ def _straggler_evidence(
         eligible_ranks=tuple(int(r) for r in ranks[idx]),
         missing_signals=tuple(s for s in SIGNALS if s in missing),
         visible_definition=definition,
+        score_note=score_note,
     )
 
 
@@ -454,13 +463,13 @@ def _unmeasured(measured: np.ndarray, columns: list[int]) -> tuple[str, ...]:
     return tuple(SIGNALS[c] for c, gap in zip(columns, gaps, strict=True) if gap)
 
 
-def _bottlenecks(wm: WindowMeans, cfg: StepTimeConfig, capped: bool) -> list[tuple[Finding, float]]:
+def _bottlenecks(wm: WindowMeans, cfg: StepTimeConfig) -> list[tuple[Finding, float]]:
     m, k = wm.means, wm.measured
     ranks = np.asarray(wm.ranks)
     outer = m[:, IW] + m[:, STEP]
     base = k[:, IW] & k[:, STEP] & (outer > 0)
     safe_outer = np.where(base, outer, 1.0)
-    warn, crit = cfg.bottleneck_warning_share, cfg.bottleneck_critical_share
+    warn = cfg.bottleneck_warning_share
 
     def share(numerator: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, float | None]:
         # A share of the outer step lies in [0, 1]; means whose phases add up to more than
@@ -490,10 +499,13 @@ def _bottlenecks(wm: WindowMeans, cfg: StepTimeConfig, capped: bool) -> list[tup
             continue
         if median is None:
             continue
-        sev = _severity(median, warn, crit, capped)
-        if sev is not None:
+        # A share is a steady property of the job, not a fault: a warning at most, never
+        # critical (critical pages; see vocabulary.PROPERTY_CLASSES).
+        if _at_least(median, warn):
             blamed = tuple(int(r) for r in ranks[mask & (values >= warn - EPSILON)])
-            found.append((Finding(kind, sev, median, blamed, missing_signals=missing), median))
+            found.append(
+                (Finding(kind, "warning", median, blamed, missing_signals=missing), median)
+            )
     compute_mask = base & k[:, FWD] & k[:, BWD]
     values, median = share(m[:, FWD] + m[:, BWD] + m[:, OPT], compute_mask)
     # H2D bottlenecks exist on the GPU clock only: the CPU clock's H2D share does not gate.
@@ -549,6 +561,19 @@ def diagnose_window(
     # None for them (``to_dict``) instead of warnings on every window.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         return _diagnose(wm, strat, cfg, layout)
+
+
+def _scaled_back(ev: StragglerEvidence, shift: int) -> StragglerEvidence:
+    """Evidence of scaled means with its milliseconds back at the given scale (a value past
+    float range is infinite, published as absent); scores and coverage are ratios, unchanged."""
+    return dataclasses.replace(
+        ev,
+        visible_culprit_ms=float(np.ldexp(ev.visible_culprit_ms, shift)),
+        visible_victim_ms=float(np.ldexp(ev.visible_victim_ms, shift)),
+        component_excesses_ms={
+            name: float(np.ldexp(e, shift)) for name, e in ev.component_excesses_ms.items()
+        },
+    )
 
 
 def _group_evidence(
@@ -607,6 +632,9 @@ def _diagnose(
 ) -> StepTimeReport:
     fsdp = strat == "fsdp"
     m, k = wm.means, wm.measured
+    shift = headroom_shift(m)
+    if shift:  # the policy sees scaled means (see headroom); the report shows the given ones
+        wm = dataclasses.replace(wm, means=np.ldexp(m, -shift))
     ranks = tuple(wm.ranks)
     visible, visible_measured, eligible, definition = _visible(wm, fsdp)
     # A CPU clock that cannot contain the wait (collectives that do not block the host) must
@@ -614,7 +642,7 @@ def _diagnose(
     blind = wm.clock == "cpu" and wm.async_collectives
 
     # Per-rank means and missing signals (one pass over ranks, no per-step work).
-    table = np.concatenate([m, visible[:, None]], axis=1).astype(object)
+    table = np.concatenate([m, np.ldexp(visible, shift)[:, None]], axis=1).astype(object)
     table[~np.concatenate([k, visible_measured[:, None]], axis=1)] = None
     rank_means = {
         r: dict(zip(RANK_MEAN_KEYS, row, strict=True))
@@ -664,6 +692,8 @@ def _diagnose(
         if wm.steps > 0 and not blind
         else None
     )
+    if evidence is not None and shift:
+        evidence = _scaled_back(evidence, shift)
     if wm.steps < cfg.min_steps_warning:
         return report([Finding("WARMUP", "info", 0.0)], evidence)
 
@@ -694,7 +724,7 @@ def _diagnose(
                 slow_group_ranks=evidence.slow_group_ranks,
             )
             ranked.append((finding, evidence.score))
-    ranked.extend(_bottlenecks(wm, cfg, capped))
+    ranked.extend(_bottlenecks(wm, cfg))
     if ranked:
         ranked.sort(
             key=lambda fs: (

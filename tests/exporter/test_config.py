@@ -172,10 +172,6 @@ def test_unparseable_value_names_variable_and_value(env_name: str) -> None:
             },
             "straggler_critical_score",
         ),
-        (
-            {"RANKWATCH_BOTTLENECK_WARNING_SHARE": "0.5"},
-            "bottleneck_critical_share",
-        ),
         ({"RANKWATCH_MIN_STEPS_WARNING": "30"}, "min_steps_critical"),
         ({"RANKWATCH_NORMAL_HISTORY_BOOTSTRAP": "17"}, "history_horizon"),
     ],

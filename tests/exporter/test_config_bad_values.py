@@ -103,11 +103,6 @@ REVIEWED: list[tuple[dict[str, str], str, str]] = [
         "must be >= straggler_warning_score (0.3), got 0.2",
     ),
     (
-        {"RANKWATCH_BOTTLENECK_WARNING_SHARE": "0.5"},
-        "RANKWATCH_BOTTLENECK_CRITICAL_SHARE",
-        "must be >= bottleneck_warning_share (0.5), got 0.2",
-    ),
-    (
         {"RANKWATCH_MIN_STEPS_WARNING": "30"},
         "RANKWATCH_MIN_STEPS_CRITICAL",
         "must be >= min_steps_warning (30), got 20",

@@ -25,7 +25,8 @@ or column never shows up as points (its effect is removed first and its cells ar
 each shared slowdown is reported once, at its widest scope.
 
 4. Robust scores: with a zero spread (MAD = 0), any real deviation is an infinite score, as in
-   the specification; the factor thresholds still apply.
+   the specification, so it passes the score threshold; the factor thresholds still apply. The
+   anomaly then carries no score, and says why (``Anomaly.score_note``).
 5. For the global part, one aggregate per link class (``class_aggregates``): dense probes the
    median of the intra-node and of the inter-node block medians, leaving out flagged blocks;
    the gateway probe its median edge. Every anomaly carries its load context (``load_ratio``).

@@ -20,7 +20,8 @@ __all__ = ["diagnose_notify", "notify_ratios"]
 def notify_ratios(mean_duration_ns: np.ndarray) -> np.ndarray:
     """Each rank's mean duration over the median of the *other* ranks with launches.
 
-    NaN for a rank without launches, and where the peer median is 0 (no ratio exists).
+    NaN for a rank without launches, and where the peer median is 0 (no ratio exists); inf
+    where the quotient passes float range (:func:`diagnose_notify` states both reasons).
     """
     peers = median_excluding_self(mean_duration_ns)
     # A huge duration over a tiny peer median may overflow to inf: still "not late".
@@ -51,6 +52,19 @@ def diagnose_notify(mean_duration_ns: np.ndarray, probe: str, config: NormalConf
     ratio = notify_ratios(durations)
     with np.errstate(invalid="ignore"):
         late = np.flatnonzero(ratio <= config.notify_ratio)
+    # Where no ratio exists the rank gets none (NaN, published as absent) and the detail says why.
+    launched = np.isfinite(durations)
+    zero_peers = launched & np.isnan(ratio)
+    past_range = np.isinf(ratio)
+    ratio[past_range] = np.nan
+    detail = "; ".join(
+        f"{_ranks_text(mask)}: no ratio, {why}"
+        for mask, why in (
+            (zero_peers, "the median of the peers' durations is 0 ns"),
+            (past_range, "the duration over the peers' median passes float range (not late)"),
+        )
+        if mask.any()
+    )
     anomalies = tuple(
         Anomaly(
             probe=probe, scope="rank", src=int(r), dst=None, factor=float(ratio[r]), ranks=(int(r),)
@@ -64,4 +78,10 @@ def diagnose_notify(mean_duration_ns: np.ndarray, probe: str, config: NormalConf
         anomalies=anomalies,
         notify_ratio=ratio,
         mean_duration_ns=durations,
+        detail=detail,
     )
+
+
+def _ranks_text(mask: np.ndarray) -> str:
+    ranks = np.flatnonzero(mask)
+    return ("rank " if ranks.size == 1 else "ranks ") + ", ".join(str(int(r)) for r in ranks)

@@ -38,6 +38,7 @@ __all__ = [
     "PROBE_KINDS",
     "PROBE_STATUSES",
     "SCOPES",
+    "ZERO_SPREAD",
     "Anomaly",
     "Incident",
     "NormalReport",
@@ -64,6 +65,11 @@ PROBE_STATUSES: tuple[str, ...] = ("ok", "anomalous", "insufficient", "not_appli
 # paths separately, the RDMA receive probe its gateway edges.
 LINK_CLASSES: tuple[str, ...] = ("intra_node", "inter_node", "gateway")
 GLOBAL_STATUSES: tuple[str, ...] = ("bootstrapping", "normal", "slow")
+# Why an anomaly has no robust score (``Anomaly.score_note``).
+ZERO_SPREAD = (
+    "no finite score: more than half of its peers are identical (spread 0), so any real "
+    "deviation from them is an outlier"
+)
 _ARRAY_FIELDS = ("notify_ratio", "mean_duration_ns", "cost_per_sample", "tokens_per_sample")
 
 
@@ -105,6 +111,10 @@ class Anomaly:
     ``load_ratio`` is the load context of a Completion anomaly: tokens per sample inside its
     scope over tokens per sample of the rest of the probe's matrix (None when unknown). Well
     above 1 means the slow place also carried much more traffic (an expert hot spot).
+
+    ``score`` is finite or None. A deviation from peers whose spread is zero (more than half of
+    them identical) is an outlier however small its z-score denominator: the rule flags it, the
+    anomaly keeps no score and ``score_note`` says why (:data:`ZERO_SPREAD`).
     """
 
     probe: str
@@ -115,9 +125,14 @@ class Anomaly:
     score: float | None = None
     ranks: tuple[int, ...] = ()
     load_ratio: float | None = None
+    score_note: str = ""
 
     def __post_init__(self) -> None:
         _check_choice("Anomaly", "scope", self.scope, SCOPES)
+        if self.score is not None and not math.isfinite(self.score):
+            # The modified z-score of a deviation over a zero spread is infinite: no number.
+            object.__setattr__(self, "score", None)
+            object.__setattr__(self, "score_note", ZERO_SPREAD)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -130,6 +145,7 @@ class Anomaly:
             "score": json_ready(self.score),
             "ranks": [int(r) for r in self.ranks],
             "load_ratio": json_ready(self.load_ratio),
+            **({"score_note": self.score_note} if self.score_note else {}),
         }
 
 

@@ -156,8 +156,10 @@ def median_excluding_self(values: np.ndarray) -> np.ndarray:
         # i-th order statistic of the remaining values, per removed value.
         return np.where(vals > v[i], v[i], v[i + 1])
 
-    # Halves first: the sum of two durations near float64's top would overflow to inf.
-    out[idx] = 0.5 * remaining(lo_i) + 0.5 * remaining(hi_i)
+    # The lower one plus half the difference: a sum of two durations near float64's top would
+    # overflow to inf, and halving the smallest subnormals first would round them to 0.
+    lower = remaining(lo_i)
+    out[idx] = lower + 0.5 * (remaining(hi_i) - lower)
     return out
 
 

@@ -10,6 +10,7 @@ import pytest
 from rankwatch.diagnosis.config import NormalConfig
 from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
 from rankwatch.diagnosis.deepep.normal.completion import cost_per_sample, diagnose_completion
+from rankwatch.diagnosis.deepep.normal.report import ZERO_SPREAD
 from tests.diagnosis.deepep.normal_support import (
     block_factor,
     cell_factor,
@@ -109,11 +110,13 @@ def test_robust_score_threshold_is_configurable():
 
 
 def test_mad_zero_and_a_real_deviation_is_an_outlier():
-    # All rows but one identical: the MAD is 0, so the slow row's score is infinite.
+    # All rows but one identical: the MAD is 0, so the slow row's z-score is infinite. The
+    # anomaly is flagged, keeps no score (never inf) and says why.
     w = make_window(factors={DF: row_factor(16, 7, 1.3)})
     (a,) = probe_result(w, DF).anomalies
-    assert a.score == float("inf")
-    assert a.to_dict()["score"] is None  # JSON has no infinity
+    assert a.score is None
+    assert a.score_note == ZERO_SPREAD
+    assert a.to_dict()["score"] is None and a.to_dict()["score_note"] == ZERO_SPREAD
 
 
 def test_mad_zero_still_needs_the_factor():
@@ -337,14 +340,15 @@ def test_worked_example_of_the_docs():
         "row",
         5,
         pytest.approx(1.5, rel=1e-6),
-        float("inf"),  # seven of eight rows are identical: zero spread, a real deviation
+        None,  # seven of eight rows are identical: zero spread, a real deviation
     )
+    assert row.score_note == point.score_note == ZERO_SPREAD
     assert (point.scope, point.src, point.dst, point.factor, point.score) == (
         "point",
         1,
         6,
         pytest.approx(2.5, rel=1e-6),
-        float("inf"),
+        None,
     )
     assert report.probes[DF].aggregate == pytest.approx(1732.05, abs=0.01)
     (incident,) = report.incidents

@@ -451,10 +451,12 @@ def test_fsdp_caps_at_warning() -> None:
     assert r.kind == "INPUT_STRAGGLER" and r.severity == "warning"
 
 
-def test_fsdp_caps_bottlenecks_too() -> None:
-    means = {r: normal(input_wait=30.0) for r in range(3)}  # input share 30 / 125 = 0.24
-    assert finding(diag(means), "INPUT_BOUND").severity == "critical"
-    assert finding(diag(means, strategy="fsdp"), "INPUT_BOUND").severity == "warning"
+@pytest.mark.parametrize("input_wait", [30.0, 900.0])  # input share 0.24 and 0.90
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_bottlenecks_are_never_critical(input_wait: float, strategy: str) -> None:
+    # A share of the step is a steady property of the job, not a fault: it never pages.
+    means = {r: normal(input_wait=input_wait) for r in range(3)}
+    assert finding(diag(means, strategy=strategy), "INPUT_BOUND").severity == "warning"
 
 
 def test_fsdp_never_attributes_compute() -> None:
@@ -565,7 +567,7 @@ def _input_share(share: float) -> dict[int, dict[str, float | None]]:
 
 @pytest.mark.parametrize(
     ("share", "severity"),
-    [(0.0999, None), (0.10, "warning"), (0.1999, "warning"), (0.20, "critical")],
+    [(0.0999, None), (0.10, "warning"), (0.1999, "warning"), (0.20, "warning"), (0.45, "warning")],
 )
 def test_input_bound_boundaries(share: float, severity: str | None) -> None:
     r = diag(_input_share(share))
@@ -602,7 +604,7 @@ def test_bottleneck_median_of_an_even_count_averages_the_middle_pair() -> None:
 
 @pytest.mark.parametrize(
     ("residual", "severity"),
-    [(9.99, None), (10.0, "warning"), (19.99, "warning"), (20.0, "critical")],
+    [(9.99, None), (10.0, "warning"), (19.99, "warning"), (20.0, "warning"), (40.0, "warning")],
 )
 def test_residual_heavy_boundaries(residual: float, severity: str | None) -> None:
     means = {r: normal(forward=40.0 - residual) for r in range(3)}
@@ -628,7 +630,7 @@ def test_h2d_bound_only_on_the_gpu_clock(clock: str) -> None:
     means = {r: normal(h2d=25.0, forward=15.0) for r in range(3)}  # h2d share 0.25
     r = diag(means, clock=clock)
     if clock == "gpu":
-        assert r.kind == "H2D_BOUND" and r.severity == "critical"
+        assert r.kind == "H2D_BOUND" and r.severity == "warning"
     else:
         assert "H2D_BOUND" not in kinds(r)
     assert r.clock == clock
@@ -682,12 +684,22 @@ def test_compute_bound_is_never_capped_above_info() -> None:
 
 
 def test_higher_severity_wins() -> None:
-    # Straggler warning 0.12 vs residual-heavy critical 0.25 (all ranks).
+    # Straggler critical 0.25 vs residual-heavy warning 0.50 (all ranks): the fault first.
+    means = {r: normal(residual=50.0) for r in range(3)}
+    means[0] = late(25.0, residual=50.0)
+    r = diag(means)
+    assert kinds(r)[:2] == ["INPUT_STRAGGLER", "RESIDUAL_HEAVY"]
+    assert r.severity == "critical"
+    assert finding(r, "RESIDUAL_HEAVY").score == pytest.approx(0.5)
+
+
+def test_residual_heavy_and_a_straggler_of_the_same_severity_rank_by_score() -> None:
+    # Straggler warning 0.12 vs residual-heavy warning 0.25: the higher score first.
     means = {r: normal(forward=15.0) for r in range(3)}
     means[0] = normal(forward=15.0, backward=38.0, input_wait=17.0, step=83.0)
     r = diag(means)
     assert kinds(r)[:2] == ["RESIDUAL_HEAVY", "INPUT_STRAGGLER"]
-    assert r.severity == "critical"
+    assert r.severity == "warning"
 
 
 def test_same_severity_higher_score_wins() -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import sys
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from rankwatch.diagnosis.step_time import (
@@ -21,12 +23,24 @@ from rankwatch.diagnosis.step_time import (
     diagnose_steps,
     rows_to_array,
 )
+from rankwatch.diagnosis.step_time.report import SCORE_HELD_AT_ONE
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-times = st.floats(min_value=0.0, max_value=1e6, allow_nan=False, allow_infinity=False)
+# The boundaries every property below must hold at, drawn on purpose (not left to luck): zero,
+# the smallest subnormal, a subnormal input wait seen in a real failure, the smallest normal,
+# tiny, ordinary and (for the extreme strategies) huge values up to the float maximum.
+SMALL_BOUNDARIES = (0.0, 5e-324, 2.2e-309, sys.float_info.min, 1e-300, 1.0, 1e6)
+HUGE_BOUNDARIES = (1e300, 1e308, sys.float_info.max)
+times = st.one_of(
+    st.sampled_from(SMALL_BOUNDARIES),
+    st.floats(min_value=0.0, max_value=1e6, allow_nan=False, allow_infinity=False),
+)
 # Any finite non-negative float, subnormals and values near the float maximum included.
-extreme_times = st.floats(min_value=0.0, allow_nan=False, allow_infinity=False)
+extreme_times = st.one_of(
+    st.sampled_from(SMALL_BOUNDARIES + HUGE_BOUNDARIES),
+    st.floats(min_value=0.0, allow_nan=False, allow_infinity=False),
+)
 maybe_time = st.one_of(st.none(), times)
 maybe_extreme = st.one_of(st.none(), extreme_times)
 strategies_ = st.sampled_from([None, "", "ddp", "fsdp", "DDP"])
@@ -74,6 +88,13 @@ def means_windows(draw: Any, values: Any = maybe_time) -> dict[int, dict[str, fl
     return out
 
 
+# The window that once gave ``score=inf``: the victim's outer step is a subnormal input wait.
+SUBNORMAL_OUTER = {
+    0: {"input_wait": 2.2e-309, "forward": 40.0, "backward": 50.0, "step": 0.0},
+    1: {"input_wait": 49.0, "forward": 40.0, "backward": 1.0, "step": 0.0},
+}
+
+
 @SETTINGS
 @given(
     means=means_windows(),
@@ -81,6 +102,7 @@ def means_windows(draw: Any, values: Any = maybe_time) -> dict[int, dict[str, fl
     strategy=strategies_,
     clock=st.sampled_from(["cpu", "gpu"]),
 )
+@example(means=SUBNORMAL_OUTER, steps=30, strategy=None, clock="cpu")
 def test_any_finite_means_give_a_report(
     means: dict[int, Any], steps: int, strategy: str | None, clock: str
 ) -> None:
@@ -96,8 +118,42 @@ def test_extreme_finite_means_give_a_report_without_nan(
     means: dict[int, Any], steps: int, strategy: str | None
 ) -> None:
     report = diagnose_means(means, steps=steps, strategy=strategy, clock="gpu")
-    json.dumps(report.to_dict(), allow_nan=False)
-    assert report.kind in KINDS
+    check_report(report)
+
+
+def test_the_subnormal_outer_step_gives_a_finite_score_and_says_why() -> None:
+    report = diagnose_means(SUBNORMAL_OUTER, steps=30)
+    assert report.kind == "INPUT_STRAGGLER" and report.straggler is not None
+    assert report.straggler.score == 1.0 and report.findings[0].score == 1.0
+    assert report.straggler.score_note == SCORE_HELD_AT_ONE
+    assert report.to_dict()["straggler"]["score_note"] == SCORE_HELD_AT_ONE
+
+
+BOUNDARIES = SMALL_BOUNDARIES + HUGE_BOUNDARIES
+
+
+@pytest.mark.parametrize(("low", "high"), list(itertools.combinations(BOUNDARIES, 2)))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_every_pair_of_boundary_values_gives_finite_scores(
+    low: float, high: float, strategy: str
+) -> None:
+    """Mixed magnitudes on purpose: each pair of boundaries fills every signal of three ranks
+    in turn (one rank all ``low``, one all ``high``, one alternating), on both clocks."""
+    alternating = {k: (low, high)[i % 2] for i, k in enumerate(mean_keys)}
+    means = {
+        0: {k: low for k in SIGNALS},
+        1: {k: high for k in SIGNALS},
+        2: alternating,
+        3: {k: (high, low)[i % 2] for i, k in enumerate(SIGNALS)},
+    }
+    for clock in ("cpu", "gpu"):
+        report = diagnose_means(means, steps=30, strategy=strategy, clock=clock)
+        check_report(report)
+        if report.straggler is not None:
+            assert 0.0 <= report.straggler.score <= 1.0
+            assert (report.straggler.score_note == "") or (
+                report.straggler.score_note == SCORE_HELD_AT_ONE
+            )
 
 
 @st.composite
@@ -179,8 +235,7 @@ def test_extreme_finite_rows_give_a_report_without_nan(
     per_rank: dict[int, list[dict[str, Any]]], strategy: str | None
 ) -> None:
     report = diagnose_steps(per_rank, strategy=strategy, window=5)
-    json.dumps(report.to_dict(), allow_nan=False)
-    assert report.kind in KINDS
+    check_report(report)
 
 
 @SETTINGS
