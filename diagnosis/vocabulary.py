@@ -6,6 +6,7 @@ from __future__ import annotations
 __all__ = [
     "BOTTLENECK_CLASS",
     "COMPONENTS",
+    "FAULT",
     "GLOBAL_DATA_PATH_SLOWDOWN",
     "HANG_SUSPECT",
     "INCIDENT_CLASSES",
@@ -15,6 +16,8 @@ __all__ = [
     "NORMAL_INCIDENT_CLASSES",
     "OPEN_AT_ONCE_CLASSES",
     "PRE_STAGE_ARRIVAL_SKEW",
+    "PROPERTY",
+    "PROPERTY_CLASSES",
     "SEVERITIES",
     "SEVERITY_LEVELS",
     "STATUS_KINDS",
@@ -22,6 +25,8 @@ __all__ = [
     "STRAGGLER_KINDS",
     "UNATTRIBUTED",
     "UNCLASSIFIED",
+    "incident_nature",
+    "incident_pages",
 ]
 
 # Severities of a finding, most severe first.
@@ -79,3 +84,22 @@ NORMAL_INCIDENT_CLASSES: tuple[str, ...] = (
 # debounce: DeepEP's own timeout ends a hung job about 100 s later.
 OPEN_AT_ONCE_CLASSES: tuple[str, ...] = (HANG_SUSPECT,)
 INCIDENT_CLASSES: tuple[str, ...] = (STRAGGLER_CLASS, BOTTLENECK_CLASS, *NORMAL_INCIDENT_CLASSES)
+
+# One severity story. An incident is a *fault* (something holds the job back and someone
+# should look: a straggler the others wait for, a DeepEP incident class, a hang) or a steady
+# *property* of the job (how its step divides: input-bound, residual-heavy, compute-bound,
+# which is the same from the first window to the last). Critical means a fault that pages;
+# a property is a warning at most and never pages. Every class not listed here is a fault.
+FAULT = "fault"
+PROPERTY = "property"
+PROPERTY_CLASSES: tuple[str, ...] = (BOTTLENECK_CLASS,)
+
+
+def incident_nature(cls: str) -> str:
+    """``"property"`` for a class in :data:`PROPERTY_CLASSES`, else ``"fault"``."""
+    return PROPERTY if cls in PROPERTY_CLASSES else FAULT
+
+
+def incident_pages(cls: str, severity: str) -> bool:
+    """Whether an incident of this class and severity pages: a critical fault."""
+    return severity == "critical" and incident_nature(cls) == FAULT

@@ -49,14 +49,18 @@ def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
     panels = [
         stat(
             "Critical incidents",
-            "Open critical incidents over the selected runs and groups; each pages within minutes.",
+            "Open critical incidents over the selected runs and groups; each pages within minutes. "
+            "Only faults are critical (a straggler holding the others, a DeepEP incident class, "
+            "a hang): a steady property of the job (input-bound, residual-heavy) is a warning "
+            "at most and never counted here.",
             f'count({M.incident_active}{{{SEL}, severity="critical"}}) or vector(0)',
             "short",
             thresholds=steps((GREEN, None), (RED, 1)),
         ),
         stat(
             "All open incidents",
-            "All open incidents of every class and severity over the selected runs and groups.",
+            "All open incidents of every class and severity over the selected runs and groups, "
+            "properties of the job (step_time_bottleneck warnings, which do not page) included.",
             f"count({M.incident_active}{{{SEL}}}) or vector(0)",
             "short",
             thresholds=steps((GREEN, None), (ORANGE, 1)),

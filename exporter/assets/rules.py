@@ -47,6 +47,9 @@ RULES_HEADER = """\
 # DeepEP alerts carry it, so an escalation is a new alert at the higher severity.
 # Aggregations keep job/run/group plus the incident's identity labels and drop instance/pod, so
 # the same incident seen through two scrape paths pages once per job.
+# Only faults alert (a straggler holding the others, the DeepEP classes, a hang); critical means
+# a fault that pages. A step_time_bottleneck incident (input-bound, residual-heavy: a steady
+# property of the job) is a warning at most and has no alert here: it shows on the dashboards.
 """
 
 

@@ -68,9 +68,11 @@ def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
         ),
         stat(
             "Severity",
-            "Severity of the current step-time diagnosis. Critical needs a score "
-            f"of {critical} % or more, at least {policy.min_steps_critical} steps in the window, "
-            "and a DDP/default strategy.",
+            "Severity of the current step-time diagnosis. Critical is a straggler only, and "
+            f"needs a score of {critical} % or more, at least {policy.min_steps_critical} steps "
+            "in the window, and a DDP/default strategy; a bottleneck (input-bound, "
+            "residual-heavy: a steady property of the job, which does not page) is a warning "
+            "at most.",
             f"max({M.diagnosis_severity}{{{SEL}}})",
             "none",
             thresholds=SEVERITY_STEPS,

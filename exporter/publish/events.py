@@ -11,6 +11,8 @@ attribute                        meaning
 ``rankwatch.incident.action``    ``open`` or ``close``
 ``rankwatch.incident.class``     incident class (``step_time_straggler``, ...)
 ``rankwatch.incident.severity``  ``warning`` or ``critical``
+``rankwatch.incident.nature``    ``fault`` or ``property`` (a steady property of the job)
+``rankwatch.incident.pages``     true for a critical fault, the only incident that pages
 ``rankwatch.incident.probe``     DeepEP probe(s), comma-separated; empty for step time
 ``rankwatch.incident.cause``     straggler kind / bottleneck kind / normal-mode scope
 ``rankwatch.incident.culprit_ranks`` global ranks blamed (list of ints)
@@ -41,6 +43,7 @@ from typing import Any
 from opentelemetry._logs import LogRecord, SeverityNumber
 
 from rankwatch.diagnosis.deepep.normal.report import json_ready
+from rankwatch.diagnosis.vocabulary import PROPERTY
 from rankwatch.exporter.publish.incidents import IncidentEvent
 
 __all__ = ["event_attributes", "event_json", "event_log_record", "event_message"]
@@ -77,9 +80,10 @@ def event_message(event: IncidentEvent) -> str:
     mesh = f" ({position}, within {evidence.get('compared_group')})" if position else ""
     if evidence.get("slow_group"):
         mesh += f", {evidence['slow_group']} slow as a whole"
+    nature = " (a property of the job, does not page)" if inc.nature == PROPERTY else ""
     return (
-        f"rankwatch incident {inc.incident_id} {verb}{reason}: {inc.severity} {inc.cls}{probe}, "
-        f"rank {where}{hosts}{mesh}, cause {inc.cause or 'unknown'}{score} "
+        f"rankwatch incident {inc.incident_id} {verb}{reason}: {inc.severity} {inc.cls}{probe}"
+        f"{nature}, rank {where}{hosts}{mesh}, cause {inc.cause or 'unknown'}{score} "
         f"(window {event.window_index}, run {event.run or '-'}, group {event.group or '-'})"
     )
 
@@ -92,6 +96,8 @@ def event_attributes(event: IncidentEvent) -> dict[str, Any]:
         "rankwatch.incident.action": event.action,
         "rankwatch.incident.class": inc.cls,
         "rankwatch.incident.severity": inc.severity,
+        "rankwatch.incident.nature": inc.nature,
+        "rankwatch.incident.pages": inc.pages,
         "rankwatch.incident.probe": inc.probe,
         "rankwatch.incident.cause": inc.cause,
         "rankwatch.incident.culprit_ranks": [int(r) for r in inc.ranks],

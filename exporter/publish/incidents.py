@@ -27,7 +27,10 @@ Findings that become incidents, and their identity:
   ``step_time_straggler`` identified by the culprit rank, with the kind (lower case) as the
   cause, so a straggler whose attribution wavers between windows stays one incident; the
   single-rank bottleneck kinds (``INPUT_BOUND``, ``COMPUTE_BOUND``, ``RESIDUAL_HEAVY``, ...)
-  become class ``step_time_bottleneck`` identified by kind and ranks;
+  become class ``step_time_bottleneck`` identified by kind and ranks. A bottleneck is a steady
+  property of the job, not a fault: its incident is a warning at most, never pages, and says
+  so (``pages: false`` in its evidence; :attr:`OpenIncident.pages`, see
+  ``vocabulary.incident_pages``: only a critical fault pages);
 * one fault, one incident: a bottleneck finding that blames the straggler's culprit and no
   other rank (in a small group a slow input pipeline on one rank lifts the median input share
   over its threshold, so ``INPUT_BOUND`` names the same rank as ``INPUT_STRAGGLER``) is the
@@ -68,6 +71,8 @@ from rankwatch.diagnosis.vocabulary import (
     PRE_STAGE_ARRIVAL_SKEW,
     STRAGGLER_CLASS,
     STRAGGLER_KINDS,
+    incident_nature,
+    incident_pages,
 )
 from rankwatch.exporter.config import RankwatchConfig
 
@@ -123,6 +128,16 @@ class OpenIncident:
     evidence: Mapping[str, Any]
     opened_window: int
     opened_at_s: float
+
+    @property
+    def nature(self) -> str:
+        """``"fault"`` or ``"property"`` (a steady property of the job; see the vocabulary)."""
+        return incident_nature(self.cls)
+
+    @property
+    def pages(self) -> bool:
+        """Whether this incident pages: a critical fault (a property never does)."""
+        return incident_pages(self.cls, self.severity)
 
 
 @dataclass(frozen=True)
@@ -214,6 +229,9 @@ def _step_time_signals(report: WindowReport) -> list[Signal]:
             ranks = ranks_attr or ((int(culprit),) if culprit is not None else ())
             key = (BOTTLENECK_CLASS, kind, ranks)
             cls = BOTTLENECK_CLASS
+            # A property of the job: a warning at most (also from a report of an older engine).
+            severity = "warning"
+            evidence["pages"] = False
         out.append(
             Signal(
                 key=key,
@@ -550,7 +568,7 @@ class IncidentTracker:
                 cause=inc.cause,
                 ranks=inc.ranks,
                 score=inc.score,
-                evidence={k: v for k, v in sig.evidence.items() if k != "kind"},
+                evidence={k: v for k, v in sig.evidence.items() if k not in ("kind", "pages")},
             )
             out[skey] = _fold(base, [sig])
         return out

@@ -15,13 +15,19 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from rankwatch.diagnosis.report import WindowReport
-from rankwatch.diagnosis.vocabulary import SEVERITY_LEVELS
+from rankwatch.diagnosis.vocabulary import (
+    FAULT,
+    PROPERTY,
+    SEVERITY_LEVELS,
+    incident_nature,
+    incident_pages,
+)
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.incidents import (
     CLOSED_RUN_ENDED,
@@ -41,6 +47,7 @@ __all__ = [
     "IncidentRecord",
     "RunRecorder",
     "end_of_run_text",
+    "incident_counts",
     "summary_text",
     "write_summary",
 ]
@@ -71,6 +78,9 @@ class IncidentRecord:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["class"] = out.pop("cls")
+        # A fault or a steady property of the job; only a critical fault pages.
+        out["nature"] = incident_nature(self.cls)
+        out["pages"] = incident_pages(self.cls, self.severity)
         out["ranks"] = list(self.ranks)
         out["hostnames"] = list(self.hostnames)
         out["causes"] = list(self.causes)
@@ -279,7 +289,7 @@ def summary_text(summary: Mapping[str, Any]) -> str:
         lines.append(f"  What to do: {v['action']}")
         lines.append("")
     incidents = summary.get("incidents") or []
-    lines.append(f"Incidents of the run: {len(incidents)}")
+    lines.append(f"Incidents of the run: {incident_counts(incidents)}")
     lines += [f"  {_incident_line(inc, start)}" for inc in incidents]
     files = summary.get("files") or {}
     if files:
@@ -300,10 +310,37 @@ def _incident_line(inc: Mapping[str, Any], start: float | None) -> str:
     opened, closed = _clock(inc["opened_at_s"], start), _clock(inc["closed_at_s"], start)
     if inc.get("close_reason"):
         closed += f" ({inc['close_reason']})"
+    nature = ", a property: does not page" if _nature(inc) == PROPERTY else ""
     return (
-        f"{inc['class']} {inc['severity']} ranks {ranks} ({causes}){score}: "
+        f"{inc['class']} {inc['severity']}{nature} ranks {ranks} ({causes}){score}: "
         f"opened {opened}, closed {closed}"
     )
+
+
+def _nature(inc: Mapping[str, Any]) -> str:
+    # Summaries written before the nature was recorded: from the class.
+    return str(inc.get("nature") or incident_nature(str(inc.get("class", ""))))
+
+
+def incident_counts(incidents: Sequence[Mapping[str, Any]]) -> str:
+    """How many incidents, faults and properties apart: ``"2 (1 critical fault; 1 property,
+    does not page)"``; only a critical fault pages."""
+    faults = [inc for inc in incidents if _nature(inc) == FAULT]
+    critical = sum(1 for inc in faults if inc.get("severity") == "critical")
+    properties = len(incidents) - len(faults)
+
+    def n(count: int, word: str, plural: str) -> str:
+        return f"{count} {word if count == 1 else plural}"
+
+    parts = []
+    if critical:
+        parts.append(n(critical, "critical fault", "critical faults"))
+    if len(faults) - critical:
+        parts.append(n(len(faults) - critical, "warning fault", "warning faults"))
+    if properties:
+        verb = "does" if properties == 1 else "do"
+        parts.append(f"{n(properties, 'property', 'properties')}, {verb} not page")
+    return f"{len(incidents)} ({'; '.join(parts)})" if parts else "0"
 
 
 def end_of_run_text(summary: Mapping[str, Any], written: tuple[Path, Path] | None) -> str:
@@ -329,9 +366,10 @@ def end_of_run_text(summary: Mapping[str, Any], written: tuple[Path, Path] | Non
         lines.append(f"  Why: {verdict['why']}")
         lines.append(f"  What to do: {verdict['action']}")
     incidents = summary.get("incidents") or []
-    paged = sum(1 for inc in incidents if inc["severity"] == "critical")
-    lines.append(f"  Incidents: {len(incidents)} ({paged} critical)")
+    lines.append(f"  Incidents: {incident_counts(incidents)}")
     lines += [f"    {_incident_line(inc, run.get('started_at_s'))}" for inc in incidents]
+    if run.get("run_id_source"):
+        lines.append(f"  Run name: {run['run_id_source']}")
     if written is not None:
         lines.append(f"  Summary: {written[1]} (and {written[0].name} beside it)")
     else:

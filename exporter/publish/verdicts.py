@@ -200,7 +200,10 @@ def step_verdict(report: StepTimeReport, window: WindowReport | None = None) -> 
             kind=kind,
             severity=finding.severity,
             what=what,
-            why=f"{_pct(finding.score)} {why} (over {report.steps} steps).",
+            # A share of the step is the same from window to window: a property of the job to
+            # improve, not a fault to be woken for (critical is for faults only).
+            why=f"{_pct(finding.score)} {why} (over {report.steps} steps); a steady property "
+            "of the job, not a fault: it does not page.",
             action=action,
             ranks=tuple(finding.ranks),
         )

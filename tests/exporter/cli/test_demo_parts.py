@@ -231,8 +231,10 @@ def test_balanced_verdicts() -> None:
     # With a fifth of each step spent waiting for input everywhere it is input-bound instead.
     means = {r: {**m, "input_wait": 12.0} for r, m in _means(4).items()}
     v = step_verdict(diagnose_means(means, steps=100))
-    assert (v.kind, v.severity, v.rank) == ("INPUT_BOUND", "critical", None)
+    assert (v.kind, v.severity, v.rank) == ("INPUT_BOUND", "warning", None)
     assert "waiting for input on the median rank" in v.why
+    # A steady property of the job, not a fault: a warning at most, and it says it won't page.
+    assert "a steady property of the job, not a fault: it does not page" in v.why
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -193,7 +194,7 @@ def _two_ranks(i: int, culprit: int | None = 1):
 def test_a_straggler_and_the_bottleneck_it_causes_are_one_incident():
     report = _two_ranks(0)
     kinds = [(f.kind, f.severity, f.ranks) for f in report.step_time.findings]
-    assert kinds == [("INPUT_STRAGGLER", "critical", (1,)), ("INPUT_BOUND", "critical", (1,))]
+    assert kinds == [("INPUT_STRAGGLER", "critical", (1,)), ("INPUT_BOUND", "warning", (1,))]
     (sig,) = signals_from_report(report)
     assert sig.cls == "step_time_straggler" and sig.cause == "input_straggler"
     assert [r["kind"] for r in sig.evidence["related"]] == ["INPUT_BOUND"]
@@ -232,6 +233,43 @@ def test_a_bottleneck_without_a_straggler_is_an_incident_of_its_own():
     t = IncidentTracker(2, 3, 3)
     (opened,) = [e for i in range(2) for e in t.update(_input_bound_only(i))]
     assert (opened.incident.cls, opened.incident.cause) == ("step_time_bottleneck", "input_bound")
+
+
+def test_a_bottleneck_incident_is_a_property_that_never_pages():
+    t = IncidentTracker(2, 3, 3)
+    (opened,) = [e for i in range(2) for e in t.update(_input_bound_only(i))]
+    inc = opened.incident
+    assert (inc.severity, inc.nature, inc.pages) == ("warning", "property", False)
+    assert inc.evidence["pages"] is False
+    attrs = event_attributes(opened)
+    assert attrs["rankwatch.incident.nature"] == "property"
+    assert attrs["rankwatch.incident.pages"] is False
+    assert "(a property of the job, does not page)" in event_message(opened)
+
+
+def test_a_critical_bottleneck_of_an_older_report_is_held_at_warning():
+    # Reports replayed from an engine that still made bottlenecks critical: the incident is
+    # still a warning, so rankwatch_incident_active{severity="critical"} counts faults only.
+    def older(i: int):
+        report = _input_bound_only(i)
+        st = report.step_time
+        finding = dataclasses.replace(st.findings[0], severity="critical")
+        return dataclasses.replace(
+            report, step_time=dataclasses.replace(st, severity="critical", findings=(finding,))
+        )
+
+    t = IncidentTracker(2, 3, 3)
+    (opened,) = [e for i in range(2) for e in t.update(older(i))]
+    assert (opened.incident.severity, opened.incident.pages) == ("warning", False)
+    assert dict(t.snapshot().opened_total) == {("step_time_bottleneck", "warning"): 1}
+
+
+def test_a_critical_straggler_pages_and_says_so():
+    t = IncidentTracker(2, 3, 3)
+    (opened,) = [e for i in range(2) for e in t.update(_two_ranks(i))]
+    assert (opened.incident.nature, opened.incident.pages) == ("fault", True)
+    assert event_attributes(opened)["rankwatch.incident.pages"] is True
+    assert "pages" not in opened.incident.evidence  # the folded INPUT_BOUND leaves no trace
 
 
 def test_a_bottleneck_that_blames_other_ranks_too_stays_a_second_incident():

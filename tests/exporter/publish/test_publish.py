@@ -20,7 +20,7 @@ from rankwatch.exporter.publish.hub import (
 )
 from rankwatch.exporter.publish.incidents import IncidentEvent, IncidentSnapshot
 from rankwatch.exporter.publish.protocol import Publisher
-from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text
+from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text, summary_text
 from tests.exporter.publish.test_otlp import OTEL_VARS
 from tests.publish_reports import T0, full_report, rank_infos, step_report, window
 from tests.servers import http_get
@@ -220,12 +220,54 @@ def test_close_prints_the_run_verdict_and_where_the_summary_is(monkeypatch, tmp_
     block = err[err.index("rankwatch: run end-test ended") :]
     lines = block.splitlines()
     assert lines[1].startswith("  Verdict: ")
-    assert "  Incidents: 0 (0 critical)" in lines
+    assert "  Incidents: 0" in lines
     assert f"  Summary: {tmp_path / 'summary.txt'} (and summary.json beside it)" in lines
     assert (tmp_path / "summary.json").is_file()
     # once: a second close prints nothing
     rw.close(5.0)
     assert "ended" not in capsys.readouterr().err
+
+
+def _incident(cls: str, severity: str) -> dict:
+    return {
+        "incident_id": f"{cls}-1",
+        "class": cls,
+        "severity": severity,
+        "probe": "",
+        "cause": "x",
+        "ranks": [1],
+        "score": None,
+        "opened_at_s": 10.0,
+        "closed_at_s": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("incidents", "counted"),
+    [
+        ([], "0"),
+        (
+            [("step_time_straggler", "critical"), ("step_time_bottleneck", "warning")],
+            "2 (1 critical fault; 1 property, does not page)",
+        ),
+        (
+            [("step_time_straggler", "warning"), ("global_data_path_slowdown", "critical")],
+            "2 (1 critical fault; 1 warning fault)",
+        ),
+        (
+            [("step_time_bottleneck", "warning")] * 2 + [("hang_suspect", "critical")] * 2,
+            "4 (2 critical faults; 2 properties, do not page)",
+        ),
+    ],
+)
+def test_the_end_block_counts_faults_and_properties_apart(incidents, counted):
+    summary = {"run": {"run_id": "r"}, "incidents": [_incident(c, s) for c, s in incidents]}
+    block = end_of_run_text(summary, None)
+    assert f"  Incidents: {counted}\n" in block
+    assert f"Incidents of the run: {counted}\n" in summary_text(summary)
+    for line in block.splitlines():
+        if "step_time_bottleneck" in line:
+            assert "a property: does not page" in line
 
 
 def test_end_of_run_text_rejects_bad_input():
