@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test test-fast test-floors lint typecheck unit generate bench bench-scale accuracy \
+.PHONY: venv backends demo test test-fast test-floors fuzz lint typecheck unit generate bench bench-scale accuracy \
 	accuracy-parallel accuracy-deepep gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -67,6 +67,17 @@ test-fast: venv
 		$(PYTEST_ARGS)
 
 test: venv backends lint typecheck unit
+
+# The property tests (every test file that uses hypothesis) with fresh randomness: `make test`
+# runs them derandomized (the same examples every run; see tests/conftest.py), this runs
+# FUZZ_EXAMPLES_FACTOR (default 10) times as many examples per test from a new random seed,
+# keeps what fails in .hypothesis/ (replayed first next time) and prints each failing example
+# with the @reproduce_failure blob that replays it. Not part of `make test`: a new failure here
+# is a bug to fix, with its example added to the test, not a reason for `make test` to flap.
+PROPERTY_TESTS = $(shell grep -rlE '^from hypothesis import' tests)
+fuzz: venv
+	RANKWATCH_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -n 2 --dist loadfile -p no:cacheprovider \
+		-m "not ($(WORLDS))" $(PROPERTY_TESTS) $(PYTEST_ARGS)
 
 # The declared dependency floors, tested: a fresh environment with every runtime dependency (and
 # the gRPC extra) pinned to its floor runs the publishing tests. Separate from `test` because it

@@ -9,9 +9,35 @@ name, so ``-m diagnosis`` or ``-m "not e2e"`` selects by folder.
 from __future__ import annotations
 
 import os
+import random
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests (hypothesis) are deterministic by default: derandomized (each test's examples
+# follow from the test itself), no example database carried between runs, and no timing-based
+# check (a deadline, "too slow") that a loaded machine could fail. So `make test` draws the same
+# examples on every run and every machine; the boundaries each test must cover are in its
+# strategies and explicit examples, not left to luck. `make fuzz` selects the `fuzz` profile:
+# fresh randomness, FUZZ_EXAMPLES_FACTOR (default 10) times each test's examples, failures
+# kept in .hypothesis/ so the next run replays them, and each failing example printed with the
+# blob that reproduces it (`@reproduce_failure`).
+settings.register_profile(
+    "deterministic",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "fuzz", derandomize=False, deadline=None, print_blob=True, report_multiple_bugs=True
+)
+settings.load_profile(os.environ.get("RANKWATCH_HYPOTHESIS_PROFILE", "deterministic"))
+FUZZ_EXAMPLES_FACTOR = int(os.environ.get("FUZZ_EXAMPLES_FACTOR", "10"))
 
 # Gloo and torch threads: keep worlds small and quiet on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -22,7 +48,26 @@ FOLDER_MARKERS = ("diagnosis", "exporter", "dashboards", "deploy", "project", "e
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    fuzz = settings.default is settings.get_profile("fuzz")
     for item in items:
         parts = item.path.relative_to(TESTS).parts
         if len(parts) > 1 and parts[0] in FOLDER_MARKERS:
             item.add_marker(getattr(pytest.mark, parts[0]))
+        test = getattr(item, "obj", None)
+        own = getattr(test, "_hypothesis_internal_use_settings", None)
+        if fuzz and own is not None:
+            # A test's own max_examples wins over any profile's: scale it here for fuzzing.
+            test._hypothesis_internal_use_settings = settings(  # type: ignore[union-attr]
+                own, max_examples=own.max_examples * FUZZ_EXAMPLES_FACTOR
+            )
+
+
+@pytest.fixture(autouse=True)
+def _seeded_randomness() -> None:
+    """Every test starts from the same random state: Python's, numpy's global one and torch's
+    (when loaded), so a test that draws without a generator of its own is deterministic too."""
+    random.seed(0)
+    np.random.seed(0)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(0)

@@ -109,6 +109,7 @@ def _entry(scenario: str, rank: int, world: int, port: int, out: str, extra: dic
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
+        torch.manual_seed(rank)  # the same weights and batches on every run
         SCENARIOS[scenario](rank, world, out, extra, result)
         if extra.get("destroy", True):
             dist.destroy_process_group()

@@ -32,6 +32,7 @@ def scenario_react(rank: int, world: int, out: str) -> dict[str, Any]:
     from rankwatch.exporter.publish.incidents import IncidentEvent
 
     dist.init_process_group("gloo")  # from torchrun's environment
+    torch.manual_seed(dist.get_rank())  # the same weights and batches on every run
     events: list[dict[str, Any]] = []
     seen = {"open": threading.Event(), "close": threading.Event()}
     threads: set[str] = set()

@@ -49,6 +49,7 @@ def _job(rank: int, world: int, port: int, metrics_port: int, out: str) -> None:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
+        torch.manual_seed(rank)  # the same weights and batches on every run
         cfg = RankwatchConfig.from_env(
             env={},
             interval_seconds=0.5,

@@ -60,6 +60,7 @@ def scenario_journey(rank: int, world: int, out: str) -> dict[str, Any]:
     from rankwatch.exporter.publish.incidents import IncidentEvent
 
     dist.init_process_group("gloo")
+    torch.manual_seed(dist.get_rank())  # the same weights and batches on every run
     lines = LogLines("rankwatch.incidents")  # the logger left at its default level
     events: list[dict[str, Any]] = []
 
