@@ -11,6 +11,7 @@ The names a training script needs are importable from here; they load on first u
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -77,13 +78,22 @@ def init(
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.identity import local_rank_from_env
     from rankwatch.exporter.publish.hub import default_publishers
+    from rankwatch.exporter.run_name import resolve_run_name
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
     config = RankwatchConfig.from_env(**overrides)
     # Strict: the metrics port is base + LOCAL_RANK, so a bad value must not become a guess.
     local_rank = local_rank_from_env(strict=True)
+    # No launcher named the run: rank 0 names it and every rank takes that name, before the
+    # publishers (their labels and OTLP resource carry it) are made.
+    run = resolve_run_name(config, overrides)
+    if run.name != config.run_id:
+        config = dataclasses.replace(config, run_id=run.name)
     publishers = default_publishers(
-        config, 0 if local_rank is None else local_rank, on_incident=on_incident
+        config,
+        0 if local_rank is None else local_rank,
+        on_incident=on_incident,
+        run_source=run.source,
     )
     try:
         return RankWatch(group, strategy, config, publishers)

@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from rankwatch.exporter.config import RankwatchConfig, config_options, redacted_url
     from rankwatch.exporter.identity import run_name_from_env
+    from rankwatch.exporter.run_name import AT_START
 
     try:
         # The one object the collectors read (DeepEP settings included, as cfg.deepep).
@@ -375,10 +376,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
         for opt in config_options()
     ]
     run = run_name_from_env()
+    # Nothing in the environment names the run: under torch.distributed rank 0 will (run_name).
+    source = run.source if cfg.run_id else AT_START
     if args.json:
         doc = {
             "version": _version(),
-            "run": {"name": cfg.run_id, "source": run.source},
+            "run": {"name": cfg.run_id, "source": source},
             "variables": rows,
         }
         print(json.dumps(doc, indent=2))
@@ -398,8 +401,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(f"Run name: {cfg.run_id} (from {run.source})")
     else:
         print(
-            "Run name: none (no RANKWATCH_RUN_ID, and no Slurm, Kubernetes Job or torchrun "
-            "run id in the environment; the run label will be empty)"
+            "Run name: none in the environment (no RANKWATCH_RUN_ID, Slurm, Kubernetes Job or "
+            f"torchrun run id); {AT_START}"
         )
     print("OTLP push: standard OTEL_EXPORTER_OTLP_* variables; endpoint", end=" ")
     endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")

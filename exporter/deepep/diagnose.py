@@ -49,6 +49,7 @@ from rankwatch.exporter.deepep.snapshot import (
 from rankwatch.exporter.gloo import create_gloo_group
 from rankwatch.exporter.identity import DEFAULT_NODE_NAME_ENV, local_rank_from_env, node_hostname
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
+from rankwatch.exporter.run_name import resolve_run_name
 
 __all__ = ["HISTORY_WINDOWS", "Diagnose", "infer_ranks_per_node"]
 
@@ -380,7 +381,8 @@ class Diagnose:
             low_latency_config=rw_config.diagnosis.low_latency,
             gather_timeout_seconds=float(gather_timeout_seconds),
             log_to_file=_log_to_file(deepep, source),
-            run=rw_config.run_id,
+            # No launcher named the run: the name rank 0 shared (the step-time one, if any).
+            run=rw_config.run_id or resolve_run_name(rw_config, env=source).name,
             gloo_lazy_connect=rw_config.gloo_lazy_connect,
         )
 

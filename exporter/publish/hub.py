@@ -603,12 +603,14 @@ def default_publishers(
     local_rank: int,
     *,
     on_incident: Callable[[IncidentEvent], object] | None = None,
+    run_source: str = "",
 ) -> list[Publisher]:
     """What a training process publishes through, as configured: one :class:`PublisherHub`
     (``/metrics`` on port base + ``local_rank`` when enabled, OTLP when an endpoint is set,
     incident log lines, ``on_incident`` called with each incident event) and a
     :class:`~.recorder.RunRecorder` for the run's summary (written into ``artifact_dir`` when
-    set; printed at the end by ``RankWatch.close``), or nothing when rankwatch is disabled."""
+    set; printed at the end by ``RankWatch.close``), or nothing when rankwatch is disabled.
+    ``run_source`` says where ``config.run_id`` came from (the summary and end block show it)."""
     if not isinstance(config, RankwatchConfig):
         raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
@@ -617,5 +619,7 @@ def default_publishers(
         return []
     hub = PublisherHub(config, local_rank=local_rank, on_incident=on_incident)
     run = {"run_id": config.run_id, "started_at_s": time.time()}
+    if run_source:
+        run["run_id_source"] = run_source
     recorder = RunRecorder(config, config.artifact_dir or None, run)
     return [hub, recorder]

@@ -19,6 +19,7 @@ the windows and publishes them. Without ``torch.distributed`` the process is a g
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -33,6 +34,7 @@ from rankwatch.exporter.gloo import create_gloo_group, dedicated_store, group_ti
 from rankwatch.exporter.identity import local_identity
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
 from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text
+from rankwatch.exporter.run_name import resolve_run_name
 from rankwatch.exporter.step_time.collectives import install_collective_waits
 from rankwatch.exporter.step_time.collector import WindowCollector
 from rankwatch.exporter.step_time.device_mesh import mesh_layout, model_mesh
@@ -205,6 +207,10 @@ class RankWatch:
         if not config.enabled:
             return
         layout, members_only = _resolve_layout(group)
+        if not config.run_id:  # RankWatch made without init(): the shared name (run_name)
+            run = resolve_run_name(config)
+            if run.name:
+                config = self.config = dataclasses.replace(config, run_id=run.name)
         if layout is None or not layout.is_member:
             # Outside the group: the new_group call below is still collective for lists.
             if layout is not None and not members_only and len(layout.ranks) > 1:
@@ -215,9 +221,10 @@ class RankWatch:
         self._layout = layout
         if layout.is_root and not config.run_id:
             log.warning(
-                "rankwatch: the run has no name (no RANKWATCH_RUN_ID, and no Slurm, Kubernetes "
-                "Job or torchrun run id in the environment): its run label is empty; set "
-                "RANKWATCH_RUN_ID to the same value on every rank"
+                "rankwatch: the run has no name (no RANKWATCH_RUN_ID, no Slurm, Kubernetes "
+                "Job or torchrun run id in the environment, and no torch.distributed store to "
+                "share one over): its run label is empty; set RANKWATCH_RUN_ID to the same "
+                "value on every rank"
             )
         self.timer = StepTimer(config.max_buffered_steps)
         self._want_gpu(self._cuda_available() if gpu_timing is None else gpu_timing)

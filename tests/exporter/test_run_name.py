@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,8 +13,16 @@ from pathlib import Path
 import pytest
 
 from rankwatch.exporter.cli.main import main
-from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.config import MAX_LABEL_CHARS, RankwatchConfig
 from rankwatch.exporter.identity import RunName, run_name_from_env
+from rankwatch.exporter.run_name import (
+    IN_CODE,
+    ResolvedRunName,
+    made_run_name,
+    made_source,
+    resolve_run_name,
+    share_run_name,
+)
 
 K8S = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
 
@@ -109,7 +118,7 @@ def test_rankwatch_config_shows_the_name_and_its_source(monkeypatch, capsys):
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert main(["config"]) == 0
-    assert "Run name: none (" in capsys.readouterr().out
+    assert "Run name: none in the environment (" in capsys.readouterr().out
 
 
 _PRINT_RUN = textwrap.dedent(
@@ -147,3 +156,91 @@ def test_a_real_torchrun_launch_names_every_rank_alike(tmp_path: Path, args, wan
     assert len(names) == 1 and "" not in names and "none" not in names
     if want is not None:
         assert names == want
+
+
+# --- a name for a run no launcher names (exporter/run_name.py) ---------------------------------
+
+
+def test_a_made_name_is_the_host_and_the_start_time_in_utc():
+    assert made_run_name("node-a", 1796275851.0) == "node-a-20261203-053051"
+    long = made_run_name("h" * 400, 0.0)
+    assert len(long) == MAX_LABEL_CHARS and long.endswith("-19700101-000000")
+
+
+def test_rank_0_stores_the_name_and_every_other_rank_takes_it():
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    assert share_run_name(store, 0, lambda: "root-name", 0.1) == ("root-name", 0)
+    for rank in (1, 2, 3):
+        assert share_run_name(store, rank, lambda r=rank: f"rank-{r}", 0.1) == ("root-name", 0)
+
+
+def test_without_rank_0_the_first_other_rank_names_it_and_rank_0_takes_that():
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    assert share_run_name(store, 2, lambda: "rank-2", 0.05) == ("rank-2", 2)
+    assert share_run_name(store, 1, lambda: "rank-1", 0.05) == ("rank-2", 0)
+    assert share_run_name(store, 0, lambda: "root", 0.05) == ("rank-2", 0)
+
+
+def test_the_source_of_every_name_is_said():
+    env = {"SLURM_JOB_ID": "7"}
+    cfg = RankwatchConfig.from_env(env)
+    assert resolve_run_name(cfg, env=env) == ResolvedRunName("slurm-7", "SLURM_JOB_ID")
+    cfg = RankwatchConfig.from_env(env, run_id="mine")
+    assert resolve_run_name(cfg, {"run_id": "mine"}, env) == ResolvedRunName("mine", IN_CODE)
+    # run_id="" given on purpose, or no torch.distributed to share a name over: no name
+    cfg = RankwatchConfig.from_env({}, run_id="")
+    assert resolve_run_name(cfg, {"run_id": ""}, {}) == ResolvedRunName("", "")
+    assert resolve_run_name(RankwatchConfig.from_env({}), env={}) == ResolvedRunName("", "")
+
+
+_PLAIN_TORCHRUN_JOB = textwrap.dedent(
+    """
+    import json, os
+    import torch.distributed as dist
+    from rankwatch import exporter
+
+    dist.init_process_group("gloo")
+    rw = exporter.init(metrics_enabled=False, interval_seconds=0.2)
+    for _ in range(3):
+        with rw.step():
+            pass
+        rw.collect()
+    name = rw.config.run_id
+    rw.close(10.0)
+    print(json.dumps([os.environ["RANK"], name]), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.multiproc
+def test_plain_torchrun_without_a_run_id_shares_one_readable_name(tmp_path: Path):
+    """torchrun with ``--master-port`` and no ``--rdzv-id`` (its run id is ``none``): rank 0
+    names the run after its host and start time, and both ranks publish that one name."""
+    import socket
+
+    from tests.servers import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(_PLAIN_TORCHRUN_JOB)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "RANKWATCH_", "KUBERNETES_", "JOBSET_"))
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert sorted(rank for rank, _ in rows) == ["0", "1"], proc.stdout
+    (name,) = {name for _, name in rows}
+    host = socket.gethostname().lower()
+    assert re.fullmatch(re.escape(host) + r"-\d{8}-\d{6}", name), name
+    # The end-of-run block (the root's) names the run and says where the name came from.
+    assert f"rankwatch: run {name} ended" in proc.stderr, proc.stderr[-3000:]
+    assert f"  Run name: {made_source(0)}" in proc.stderr, proc.stderr[-3000:]
