@@ -86,14 +86,14 @@ def init(
     local_rank = local_rank_from_env(strict=True)
     # No launcher named the run: rank 0 names it and every rank takes that name, before the
     # publishers (their labels and OTLP resource carry it) are made.
-    run = resolve_run_name(config, overrides)
-    if run.name != config.run_id:
+    run = resolve_run_name(config, overrides) if config.enabled else None
+    if run is not None and run.name != config.run_id:
         config = dataclasses.replace(config, run_id=run.name)
     publishers = default_publishers(
         config,
         0 if local_rank is None else local_rank,
         on_incident=on_incident,
-        run_source=run.source,
+        run_source="" if run is None else run.source,
     )
     try:
         return RankWatch(group, strategy, config, publishers)
