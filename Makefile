@@ -74,7 +74,7 @@ test: venv backends lint typecheck unit
 # keeps what fails in .hypothesis/ (replayed first next time) and prints each failing example
 # with the @reproduce_failure blob that replays it. Not part of `make test`: a new failure here
 # is a bug to fix, with its example added to the test, not a reason for `make test` to flap.
-PROPERTY_TESTS = $(shell grep -rlE '^from hypothesis import' tests)
+PROPERTY_TESTS = $(filter-out tests/conftest.py,$(shell grep -rlE '^from hypothesis import' tests))
 fuzz: venv
 	RANKWATCH_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -n 2 --dist loadfile -p no:cacheprovider \
 		-m "not ($(WORLDS))" $(PROPERTY_TESTS) $(PYTEST_ARGS)
