@@ -7,9 +7,10 @@ the root), the DeepEP collector in synchronous mode (NPZ windows and its log fil
 in its forward, so incidents open. Logging is left unconfigured, so what rankwatch says reaches
 stderr exactly as a plain script would show it.
 
-The job trains until rank 0 sees ``fault-applied`` in the control folder, then ``AFTER_FAULT_S``
-more (rank 0 broadcasts the decision each step, so both ranks take the same steps), scrapes its
-own ``/metrics`` into the control folder, closes, and writes ``rank<r>.json`` there.
+The job trains until rank 0 sees ``fault-applied`` in the control folder, then at least
+``AFTER_FAULT_S`` and ``STEPS_AFTER_FAULT`` steps more (rank 0 broadcasts the decision each
+step, so both ranks take the same steps), scrapes its own ``/metrics`` into the control folder,
+closes, and writes ``rank<r>.json`` there.
 
 Run as ``python -m bench.reliability_job`` with ``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``,
 ``RELIABILITY_CONTROL`` (the control folder) and the settings above in the environment.
@@ -30,14 +31,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from rankwatch import exporter
+from rankwatch.exporter import init
 from rankwatch.diagnosis.deepep.normal import NormalSimulator
 from rankwatch.exporter.deepep.deepxtrace import DeepXTraceLog
 from rankwatch.exporter.deepep.diagnose import Diagnose
 from rankwatch.exporter.publish.hub import PublisherHub
 from tests.e2e.test_deepep_gloo import write_normal
 
-AFTER_FAULT_S = 1.5  # training after the fault: several step windows and DeepEP rounds
+# Training after the fault: several step windows and DeepEP rounds, however loaded the machine.
+AFTER_FAULT_S = 1.5
+STEPS_AFTER_FAULT = 30
 MAX_RUN_S = 60.0  # a job whose fault never came ends anyway
 SLOW_RANK = 1
 SLOW_FORWARD_S = 0.012
@@ -92,7 +95,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(SlowOnOneRank(rank == SLOW_RANK))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    rw = exporter.init()
+    rw = init()
     rw.watch(model, opt)
     xtrace = None
     if rank == 0:
@@ -132,9 +135,12 @@ def main() -> None:
         now = time.monotonic()
         if rank == 0 and fault_seen is None and (control / "fault-applied").exists():
             fault_seen = now
-        stop = torch.tensor(
-            [int(fault_seen is not None and now - fault_seen > AFTER_FAULT_S)], dtype=torch.int64
+        done = (
+            fault_seen is not None
+            and now - fault_seen > AFTER_FAULT_S
+            and steps_after_fault >= STEPS_AFTER_FAULT
         )
+        stop = torch.tensor([int(done)], dtype=torch.int64)
         if rank == 0 and now - started > MAX_RUN_S:
             stop[0] = 1
         dist.broadcast(stop, 0)

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.reliability_job import STEPS_AFTER_FAULT
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -413,13 +414,13 @@ def _run_job(fault: Fault, folder: Path, control: Path, run: Run) -> None:
         line
         for line in outputs[0].splitlines()
         if line.startswith(("  Summary:", "  Not written:"))
-    )
+    ).replace(str(control.parent), "$TMP")  # the cell's temporary folder
     after = _snapshot(folder) if folder.is_dir() else {}
     earlier_kept = all(after.get(n) == b for n, b in before.items() if n.startswith("earlier-"))
     trained = (
         run.exit_codes == (0, 0)
         and not run.traceback
-        and run.steps_after_fault > 20
+        and run.steps_after_fault >= STEPS_AFTER_FAULT
         and not any(r.get("timed_out") for r in results)
     )
     for writer in WRITERS:
@@ -478,6 +479,126 @@ def _kept(writer: Writer, before: dict[str, bytes], after: dict[str, bytes], fau
     return f"{len(mine)} kept"
 
 
+@dataclass
+class HeatmapCell:
+    """``rankwatch heatmap --all WINDOW.npz --out FOLDER`` under one fault."""
+
+    fault: str
+    expected: str
+    exit_code: int = -1
+    traceback: bool = False
+    lines: int = 0
+    errno_seen: str = ""
+    kept: str = ""
+    not_run: str = ""
+    seconds: float = 0.0
+    output: str = ""
+
+    @property
+    def ok(self) -> bool:
+        if self.not_run or self.traceback or self.kept.startswith("LOST"):
+            return False
+        if not self.expected:
+            return self.exit_code == 0 and self.lines == 0
+        return self.exit_code == 1 and self.lines == 1 and self.errno_seen == self.expected
+
+
+HEATMAP_ERRNOS = {
+    "full_disk": "ENOSPC",
+    "read_only": "EROFS",
+    "folder_deleted": "",
+    "permission_removed": "EACCES",
+    "path_is_a_file": "ENOTDIR",
+    "path_is_a_device": "ENOTDIR",
+}
+
+
+def _heatmap_window(folder: Path) -> Path:
+    from rankwatch.diagnosis.deepep.artifact import save_window_artifact
+    from rankwatch.diagnosis.deepep.normal import NormalSimulator
+
+    sim = NormalSimulator(ep_size=4, ranks_per_node=2, seed=5, slow_rank=1)
+    return save_window_artifact(folder, sim.window("pre_dispatch_delay", 0))
+
+
+def run_heatmap(fault: Fault) -> HeatmapCell:
+    """The heatmap command writing into ``fault``'s folder: pictures drawn once before the
+    fault (where the fault leaves a folder to draw into), then again under it."""
+    cell = HeatmapCell(fault.name, HEATMAP_ERRNOS[fault.name])
+    started = time.monotonic()
+    with _cell_base() as base:
+        inputs = base / "inputs"
+        inputs.mkdir()
+        window = _heatmap_window(inputs)
+        try:
+            folder = fault.prepare(base)
+        except NotRunnable as exc:
+            cell.not_run = str(exc)
+            return cell
+        try:
+            command = [sys.executable, "-m", "rankwatch.exporter.cli", "heatmap", "--all"]
+            command += [str(window), "--out", str(folder)]
+            if fault.without_dac:
+                command = ["setpriv", f"--bounding-set={DAC_CAPS}", "--", *command]
+            if fault.hurt is not None:  # an earlier drawing, which the fault must not spoil
+                subprocess.run(command, cwd=ROOT, capture_output=True, check=True)
+            before = _pictures(folder)
+            if fault.hurt is not None:
+                fault.hurt(folder)
+            done = subprocess.run(
+                command, cwd=ROOT, capture_output=True, text=True, check=False, timeout=120
+            )
+            cell.exit_code = done.returncode
+            cell.output = done.stdout + done.stderr
+            cell.traceback = "Traceback" in cell.output
+            lines = [
+                line
+                for line in done.stderr.splitlines()
+                if line.startswith("rankwatch heatmap: error: --out") and _ERRNO.search(line)
+            ]
+            cell.lines = len(lines)
+            cell.errno_seen = ",".join(sorted({m for x in lines for m in _ERRNO.findall(x)}))
+            after = _pictures(folder) if folder.is_dir() else {}
+            if not fault.keeps_earlier:
+                cell.kept = "removed by the fault"
+            elif not before:
+                cell.kept = "none before"
+            else:
+                lost = sorted(n for n, b in before.items() if after.get(n) != b)
+                cell.kept = f"LOST {', '.join(lost)}" if lost else f"{len(before)} kept"
+        finally:
+            fault.cleanup(folder)
+    cell.seconds = time.monotonic() - started
+    return cell
+
+
+def _pictures(folder: Path) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    with contextlib.suppress(OSError):
+        for path in [*folder.glob("*.png"), *folder.glob("earlier-*")]:
+            out[path.name] = path.read_bytes()
+    return out
+
+
+def heatmap_table(cells: list[HeatmapCell]) -> str:
+    """The heatmap command's row of outcomes as Markdown."""
+    lines = ["| fault | `rankwatch heatmap --all WINDOW.npz --out FOLDER` |", "|---|---|"]
+    for cell in cells:
+        if cell.not_run:
+            lines.append(f"| {cell.fault} | not run: {cell.not_run} |")
+            continue
+        said = f"1 line, {cell.errno_seen}" if cell.lines == 1 else f"{cell.lines} lines"
+        if not cell.expected and not cell.lines:
+            said = "pictures written"
+        mark = "" if cell.ok else " **FAILED**"
+        lines.append(
+            f"| {cell.fault} | exit {cell.exit_code}, "
+            f"{'a traceback' if cell.traceback else 'no traceback'}, {said}; "
+            f"earlier pictures: {cell.kept}{mark} |"
+        )
+    return "\n".join(lines)
+
+
 def table(runs: list[Run]) -> str:
     """The matrix as Markdown: one row per fault, one column per writer, then the job."""
     head = "| fault | " + " | ".join(f"`{w.name}`" for w in WRITERS) + " | the job |"
@@ -516,13 +637,16 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def _write_doc(out: Path, runs: list[Run]) -> None:
+def _write_doc(out: Path, runs: list[Run], heatmaps: list[HeatmapCell]) -> None:
     text = out.read_text()
-    ok = sum(c.ok for r in runs for c in r.cells)
-    total = len(FAULTS) * len(WRITERS)
+    ok = sum(c.ok for r in runs for c in r.cells) + sum(c.ok for c in heatmaps)
+    total = len(FAULTS) * (len(WRITERS) + 1)
     block = (
         f"{BEGIN}\n\n{ok} of {total} cells right; measured on {time.strftime('%Y-%m-%d')} "
         f"with `make reliability-matrix`.\n\n{table(runs)}\n\n"
+        "The heatmap command (`rankwatch heatmap`, run by hand after the job, so not part of "
+        "the training runs) under the same faults, drawing into the folder:\n\n"
+        f"{heatmap_table(heatmaps)}\n\n"
         "The end block the root printed for each fault (its `Summary:` and `Not written:` "
         "lines):\n\n"
         + "\n".join(
@@ -546,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="fault names to run")
     parser.add_argument("--show-output", action="store_true", help="print each job's output")
     args = parser.parse_args(argv)
-    runs = []
+    runs, heatmaps = [], []
     for fault in FAULTS:
         if args.only and fault.name not in args.only:
             continue
@@ -556,10 +680,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{fault.name}: {state} ({run.seconds:.1f} s)", flush=True)
         if args.show_output or not run.ok:
             print(run.output)
+        cell = run_heatmap(fault)
+        heatmaps.append(cell)
+        state = "not run: " + cell.not_run if cell.not_run else ("ok" if cell.ok else "FAILED")
+        print(f"{fault.name} (heatmap): {state} ({cell.seconds:.1f} s)", flush=True)
+        if args.show_output or not cell.ok:
+            print(cell.output)
     print(table(runs))
+    print(heatmap_table(heatmaps))
     if args.out is not None:
-        _write_doc(args.out, runs)
-    return 0 if all(r.ok for r in runs) else 1
+        _write_doc(args.out, runs, heatmaps)
+    return 0 if all(r.ok for r in runs) and all(c.ok for c in heatmaps) else 1
 
 
 if __name__ == "__main__":

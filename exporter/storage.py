@@ -120,6 +120,7 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(tmp, 0o644)  # readable like any file written by open(), not mkstemp's 0600
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

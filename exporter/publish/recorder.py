@@ -104,12 +104,16 @@ class RunRecorder:
         self.written: tuple[Path, Path] | None = None
         # The summary is written once, at close; a storage fault is said, counted, and named
         # in the end block instead of the files.
-        self.guard = GuardedWrites(
-            "summary",
-            "run summary",
-            option_env(RankwatchConfig, "artifact_dir"),
-            "" if out_dir is None else str(out_dir),
-            retries=False,
+        self.guard = (
+            None
+            if out_dir is None
+            else GuardedWrites(
+                "summary",
+                "run summary",
+                option_env(RankwatchConfig, "artifact_dir"),
+                str(out_dir),
+                retries=False,
+            )
         )
         self._tracker = IncidentTracker.from_config(self.config)
         self._lock = threading.Lock()
@@ -183,9 +187,9 @@ class RunRecorder:
             for event in self._tracker.close_all(CLOSED_RUN_ENDED, time.time()):
                 self._record(event)
             received = bool(self.windows) or self.final_step is not None
-        out_dir = self.out_dir
-        if out_dir is not None and received:
-            self.written = self.guard.run(
+        out_dir, guard = self.out_dir, self.guard
+        if out_dir is not None and guard is not None and received:
+            self.written = guard.run(
                 out_dir, lambda: write_summary(out_dir, self.summary(self.run))
             )
 

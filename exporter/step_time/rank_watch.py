@@ -478,7 +478,7 @@ class RankWatch:
         if recorder is None:
             return
         try:
-            guards = [recorder.guard]
+            guards = [] if recorder.guard is None else [recorder.guard]
             if self._collector is not None:
                 guards += self._collector.storage_guards()
             faults = [text for g in guards if (text := g.not_written()) is not None]

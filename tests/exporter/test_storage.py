@@ -191,14 +191,14 @@ def test_storage_errors_are_among_the_exporter_counters() -> None:
 
 
 def test_the_end_block_says_what_was_not_written_instead_of_the_hint() -> None:
-    summary = {"run": {"run_id": "r"}, "verdict": None, "incidents": []}
+    summary: dict[str, object] = {"run": {"run_id": "r"}, "verdict": None, "incidents": []}
     why = "run summary (RANKWATCH_ARTIFACT_DIR='/dev/null': ENOTDIR (exists and is not a folder))"
     text = end_of_run_text(summary, None, [why])
     assert f"  Not written: {why}\n" in text
     assert "set RANKWATCH_ARTIFACT_DIR" not in text
     assert "set RANKWATCH_ARTIFACT_DIR" in end_of_run_text(summary, None)
     with pytest.raises(TypeError, match="not_written: expected a sequence of strings"):
-        end_of_run_text(summary, None, "run summary")  # type: ignore[arg-type]
+        end_of_run_text(summary, None, "run summary")
 
 
 @pytest.mark.parametrize(
@@ -215,4 +215,4 @@ def test_bad_guard_settings_are_refused_by_name(kwargs: dict[str, object], field
     args: dict[str, object] = {"writer": "w", "what": "t", "variable": "V", "value": "/x"}
     args.update(kwargs)
     with pytest.raises(ValueError, match=field):
-        GuardedWrites(**args)  # type: ignore[arg-type]
+        GuardedWrites(**args)
