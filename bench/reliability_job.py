@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from rankwatch.exporter import init
 from rankwatch.diagnosis.deepep.normal import NormalSimulator
+from rankwatch.exporter import init
 from rankwatch.exporter.deepep.deepxtrace import DeepXTraceLog
 from rankwatch.exporter.deepep.diagnose import Diagnose
 from rankwatch.exporter.publish.hub import PublisherHub
