@@ -82,6 +82,7 @@ def _scrape(rw: Any) -> str:
 
 
 def main() -> None:
+    began = time.monotonic()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     control = Path(os.environ["RELIABILITY_CONTROL"])
     torch.set_num_threads(1)
@@ -149,17 +150,24 @@ def main() -> None:
         steps_after_fault += int(applied.item())
         if stop.item():
             break
+    trained = time.monotonic()
     metrics = _scrape(rw) if rank == 0 else ""
     diag.stop()
     rw.close()
     if xtrace is not None:
         xtrace.close(1.0)
+    closed = time.monotonic()
     result = {
         "rank": rank,
         "steps": steps,
         "steps_after_fault": steps_after_fault,
         "slowest_step_s": slowest_s,
         "timed_out": time.monotonic() - started > MAX_RUN_S,
+        "seconds": {
+            "start": started - began,
+            "train": trained - started,
+            "close": closed - trained,
+        },
     }
     if rank == 0:
         (control / "metrics.txt").write_text(metrics)

@@ -107,6 +107,7 @@ class Run:
     end_block: str = ""
     seconds: float = 0.0
     output: str = ""
+    phases_s: dict[str, float] = field(default_factory=dict)  # rank 0: start, train, close
 
     @property
     def ok(self) -> bool:
@@ -406,6 +407,7 @@ def _run_job(fault: Fault, folder: Path, control: Path, run: Run) -> None:
     run.steps = min(int(r.get("steps", 0)) for r in results)
     run.steps_after_fault = min(int(r.get("steps_after_fault", 0)) for r in results)
     run.slowest_step_s = max(float(r.get("slowest_step_s", 0.0)) for r in results)
+    run.phases_s = dict(results[0].get("seconds") or {})
     metrics_path = control / "metrics.txt"
     metrics = metrics_path.read_text() if metrics_path.exists() else ""
     run.metrics_out = "rankwatch_window_index{" in metrics
