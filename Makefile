@@ -11,7 +11,7 @@ STAMP    := $(VENV)/.installed
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
 .PHONY: venv backends demo test test-fast test-floors fuzz lint typecheck unit generate bench bench-scale accuracy \
-	accuracy-parallel accuracy-deepep gpu-check clean
+	accuracy-parallel accuracy-deepep reliability-matrix gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -125,6 +125,12 @@ accuracy-parallel: venv
 # Regenerates the DeepEP normal-mode accuracy matrix in docs/diagnosis-deepep.md.
 accuracy-deepep: venv
 	$(PY) -m bench.accuracy_deepep --write
+
+# The storage-fault matrix: real 2-rank Gloo jobs whose folder fills up, turns read-only, is
+# deleted, loses its permission, or is a file or a device, against every writer (and the heatmap
+# command) -> its section of docs/reliability.md (about three minutes; the mounts need root).
+reliability-matrix: venv
+	$(PY) -m bench.reliability_matrix --out docs/reliability.md
 
 # Root memory, CPU per window, sockets per rank and publishing at 8 ... 4,096 ranks (spawns up
 # to 32 Gloo processes for a few seconds).

@@ -20,6 +20,7 @@ never changes the process's plotting backend.
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import sys
@@ -37,6 +38,7 @@ from rankwatch.diagnosis.deepep.artifact import (
 )
 from rankwatch.diagnosis.deepep.normal.schema import COMPLETION_PROBES, NOTIFY_PROBES
 from rankwatch.diagnosis.deepep.normal.window import NormalWindow
+from rankwatch.exporter.storage import atomic_write, ensure_folder, errno_name
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -47,6 +49,7 @@ __all__ = [
     "CHARTS",
     "DEFAULT_DPI",
     "DOCS_DPI",
+    "PictureNotWritten",
     "chart_paths",
     "figure_size_px",
     "main",
@@ -166,12 +169,22 @@ def _new_figure(chart: str, ep: int, dpi: int) -> Figure:
     return fig
 
 
+class PictureNotWritten(OSError):
+    """A chart could not be written (full disk, read-only or unusable folder...): the
+    ``OSError`` it came from, with the picture's path as its file name."""
+
+
 def _save(fig: Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
     # No bbox_inches="tight": the pixel size must not depend on the content. No software tag:
     # the same window gives the same bytes, whatever matplotlib version drew it.
-    fig.savefig(path, format="png", metadata={"Software": None})
-    return path
+    png = io.BytesIO()
+    fig.savefig(png, format="png", metadata={"Software": None})
+    try:
+        # Atomic: a failed write leaves the earlier picture of that name, never half a PNG.
+        ensure_folder(path.parent)
+        return atomic_write(path, png.getvalue())
+    except OSError as exc:
+        raise PictureNotWritten(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
 def _node_ticks(ax: Axes, ep: int, rpn: int, axis: str) -> None:
@@ -515,7 +528,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``rankwatch heatmap``: 0 on success, 2 for bad arguments or an unreadable artifact."""
+    """``rankwatch heatmap``: 0 on success, 2 for bad arguments or an unreadable artifact, 1
+    when a picture cannot be written (one line naming the folder, the errno and the file)."""
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
@@ -524,6 +538,15 @@ def main(argv: list[str] | None = None) -> int:
     charts = CHARTS if args.all else tuple(args.chart)
     try:
         paths = render_all(args.window, args.out, dpi=args.dpi, charts=charts)
+    except PictureNotWritten as exc:
+        where = "--out" if args.out is not None else "the artifact's folder (no --out)"
+        folder = args.out if args.out is not None else os.path.dirname(args.window) or "."
+        print(
+            f"rankwatch heatmap: error: {where} {folder!r}: {errno_name(exc)} ({exc.strerror}) "
+            f"writing {exc.filename}",
+            file=sys.stderr,
+        )
+        return 1
     except (ValueError, TypeError, OSError) as exc:
         print(f"rankwatch heatmap: error: {exc}", file=sys.stderr)
         return 2

@@ -39,7 +39,6 @@ import threading
 import types
 import uuid
 from collections.abc import Mapping, Sequence
-from logging.handlers import TimedRotatingFileHandler
 from typing import Any
 
 import numpy as np
@@ -53,6 +52,7 @@ from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig
 from rankwatch.exporter.deepep.counters import LOW_LATENCY_PHASES, bundle_views
 from rankwatch.exporter.deepep.diagnose import Diagnose as _Collector
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
+from rankwatch.exporter.storage import GuardedRotatingFileHandler, GuardedWrites
 
 __all__ = [
     "NORMAL_STATS_SCHEMA",
@@ -112,6 +112,7 @@ _ENABLE_ENV = option_env(DeepEPConfig, "enable")
 _ASYNC_ENV = option_env(DeepEPConfig, "async_mode")
 _INTERVAL_ENV = option_env(DeepEPConfig, "interval_seconds")
 _WARMUP_ENV = option_env(DeepEPConfig, "warmup_seconds")
+_LOG_PATH_ENV = option_env(DeepEPConfig, "log_path")
 # DeepXTrace's defaults where they differ from rankwatch's own.
 _DEEPXTRACE_INTERVAL_SECONDS = 20
 _DEEPXTRACE_OFF = ("0", "false", "off")
@@ -282,14 +283,12 @@ class DeepXTraceLog:
         self.details = details
         self._lock = threading.Lock()
         self._handler: logging.Handler | None = None
-        try:
-            os.makedirs(log_path, exist_ok=True)
-            handler = TimedRotatingFileHandler(
-                self.path, when="midnight", interval=1, backupCount=2, encoding="utf-8"
-            )
-        except OSError as exc:  # an unwritable log folder must not stop training
-            log.warning("DeepXTrace log file %s cannot be opened: %s", self.path, exc)
-            return
+        # An unusable log folder never stops training: the storage-fault policy (said once,
+        # counted, retried on a schedule) covers opening the file as well as every line.
+        self.guard = GuardedWrites(
+            "deepxtrace_log", "DeepXTrace log lines", _LOG_PATH_ENV, log_path
+        )
+        handler = GuardedRotatingFileHandler(self.path, self.guard, backup_count=2)
         handler.setFormatter(
             logging.Formatter("[%(asctime)s.%(msecs)03d] %(message)s", "%Y-%m-%dT%H:%M:%S")
         )

@@ -34,8 +34,8 @@ from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.config import DeepEPConfig
 from rankwatch.exporter.deepep.counters import LOW_LATENCY_PHASES
 from rankwatch.exporter.deepep.snapshot import CounterWindows, DeepEPWindow, PendingSnapshot
-from rankwatch.exporter.folders import usable_folder
 from rankwatch.exporter.publish.protocol import Publisher, publish_to_all
+from rankwatch.exporter.storage import GuardedFileHandler, GuardedWrites
 
 __all__ = ["HISTORY_WINDOWS", "DeepEPRoot"]
 
@@ -103,6 +103,10 @@ class DeepEPRoot:
         self._latest: WindowReport | None = None
         self._log_handler: logging.Handler | None = None
         self._artifacts: ArtifactStore | None = None
+        # Storage faults of the NPZ windows and the log file follow one policy (said once,
+        # counted, retried on a schedule, never raised): rankwatch.exporter.storage.
+        self.npz_guard: GuardedWrites | None = None
+        self.log_guard: GuardedWrites | None = None
         self.recent_windows: deque[DeepEPWindow] = deque(maxlen=HISTORY_WINDOWS)
         self.rejected_windows: Counter[str] = Counter()
         self.dropped_snapshots = 0
@@ -128,9 +132,11 @@ class DeepEPRoot:
         if self.enable_normal_diagnose:
             self._normal_diagnoser = NormalDiagnoser(self.normal_config)
         self._attach_log_file()
-        if self.config.export_npz and usable_folder(
-            self.config.log_path, _LOG_PATH_ENV, "DeepEP NPZ windows are not saved"
-        ):
+        if self.config.export_npz:
+            self.npz_guard = GuardedWrites(
+                "deepep_npz", "DeepEP NPZ windows", _LOG_PATH_ENV, self.config.log_path
+            )
+            self.npz_guard.check_folder(self.config.log_path)
             self._artifacts = ArtifactStore(self.config.log_path, self.config.npz_retention)
         self._worker = threading.Thread(
             target=self._work, name="rankwatch-deepep-root", daemon=True
@@ -299,11 +305,14 @@ class DeepEPRoot:
             log.info(f"{self._prefix(window.window_index)} LowLatency {phase}: {payload}")
 
     def _save_artifact(self, window: DeepEPWindow, report: WindowReport) -> None:
-        if self._artifacts is None or window.normal is None:
+        store, normal, guard = self._artifacts, window.normal, self.npz_guard
+        if store is None or normal is None or guard is None:
             return
         try:
-            self._artifacts.save(window.normal, report.normal)
-        except (OSError, ValueError) as exc:  # a full disk must not end diagnosis
+            guard.run(
+                store.directory, lambda: store.save(normal, report.normal), folder=store.directory
+            )
+        except ValueError as exc:  # a window the format cannot hold must not end diagnosis
             log.warning("DeepEP artifact of window %d not written: %s", window.window_index, exc)
 
     def _attach_log_file(self) -> None:
@@ -312,15 +321,13 @@ class DeepEPRoot:
         if not self._log_to_file:
             return
         path = os.path.join(self.config.log_path, f"deepep_diagnose_rank{self._log_rank}.log")
-        # An unusable log folder must not stop training: one warning, and no log file.
-        without = "DeepEP log lines go to the application's logging only"
-        if not usable_folder(self.config.log_path, _LOG_PATH_ENV, without):
-            return
-        try:
-            handler = logging.FileHandler(path, encoding="utf-8")
-        except OSError as exc:
-            log.warning("DeepEP log file %s cannot be opened: %s; %s", path, exc, without)
-            return
+        # An unusable log folder must not stop training: said once, the lines still go to the
+        # application's logging, and the file is retried on the guard's schedule.
+        self.log_guard = GuardedWrites(
+            "deepep_log", "DeepEP log lines", _LOG_PATH_ENV, self.config.log_path
+        )
+        self.log_guard.check_folder(self.config.log_path)
+        handler = GuardedFileHandler(path, self.log_guard)
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
         handler.setLevel(logging.INFO)
         log.addHandler(handler)

@@ -309,6 +309,15 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Failures to gather or form a window, by reason.",
     ),
     _m(
+        "storage_errors_total",
+        "counter",
+        "",
+        ("writer",),
+        "Failed writes of rankwatch's files in this process, by writer (step_windows, summary, "
+        "deepep_npz, deepep_log, deepxtrace_log); each kind of error is also logged once per "
+        "writer, naming the setting, the path and the errno.",
+    ),
+    _m(
         "export_failures_total",
         "counter",
         "",

@@ -77,6 +77,7 @@ from rankwatch.exporter.publish.samples import (
     window_invalid_samples,
     window_samples,
 )
+from rankwatch.exporter.storage import storage_error_counts
 
 __all__ = [
     "MAX_GROUPS",
@@ -138,6 +139,7 @@ class HealthCounters:
                 up=up,
                 export_failures=dict(self._failures),
                 collection_errors=dict(self._collection),
+                storage_errors=storage_error_counts(),
             )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -20,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from rankwatch.diagnosis.config import option_env
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.vocabulary import (
     FAULT,
@@ -40,6 +40,7 @@ from rankwatch.exporter.publish.verdicts import (
     normal_verdict,
     step_verdict,
 )
+from rankwatch.exporter.storage import GuardedWrites, atomic_write, ensure_folder
 
 __all__ = [
     "SUMMARY_JSON",
@@ -111,6 +112,19 @@ class RunRecorder:
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.run = dict(run or {})
         self.written: tuple[Path, Path] | None = None
+        # The summary is written once, at close; a storage fault is said, counted, and named
+        # in the end block instead of the files.
+        self.guard = (
+            None
+            if out_dir is None
+            else GuardedWrites(
+                "summary",
+                "run summary",
+                option_env(RankwatchConfig, "artifact_dir"),
+                str(out_dir),
+                retries=False,
+            )
+        )
         self._tracker = IncidentTracker.from_config(self.config)
         self._lock = threading.Lock()
         self._incidents: dict[str, IncidentRecord] = {}
@@ -183,8 +197,11 @@ class RunRecorder:
             for event in self._tracker.close_all(CLOSED_RUN_ENDED, time.time()):
                 self._record(event)
             received = bool(self.windows) or self.final_step is not None
-        if self.out_dir is not None and received:
-            self.written = write_summary(self.out_dir, self.summary(self.run))
+        out_dir, guard = self.out_dir, self.guard
+        if out_dir is not None and guard is not None and received:
+            self.written = guard.run(
+                out_dir, lambda: write_summary(out_dir, self.summary(self.run))
+            )
 
     def incidents(self) -> list[IncidentRecord]:
         """Every incident of the run so far, in opening order; open ones have no close time."""
@@ -343,10 +360,16 @@ def incident_counts(incidents: Sequence[Mapping[str, Any]]) -> str:
     return f"{len(incidents)} ({'; '.join(parts)})" if parts else "0"
 
 
-def end_of_run_text(summary: Mapping[str, Any], written: tuple[Path, Path] | None) -> str:
+def end_of_run_text(
+    summary: Mapping[str, Any],
+    written: tuple[Path, Path] | None,
+    not_written: Sequence[str] = (),
+) -> str:
     """The few lines the root prints when rankwatch closes: the run's verdict, its incidents,
     and where the summary files are (``written``: the paths :func:`write_summary` returned;
-    None when none were written)."""
+    None when none were written). ``not_written`` says, one item per output, what storage
+    faults kept from being written and why (:meth:`GuardedWrites.not_written`); the summary's
+    own fault, when it is among them, replaces the hint to set a folder."""
     if not isinstance(summary, Mapping):
         raise TypeError(
             f"summary: expected the mapping RunRecorder.summary() returns, got {summary!r}"
@@ -370,29 +393,20 @@ def end_of_run_text(summary: Mapping[str, Any], written: tuple[Path, Path] | Non
     lines += [f"    {_incident_line(inc, run.get('started_at_s'))}" for inc in incidents]
     if run.get("run_id_source"):
         lines.append(f"  Run name: {run['run_id_source']}")
+    if isinstance(not_written, str) or not all(isinstance(t, str) for t in not_written):
+        raise TypeError(f"not_written: expected a sequence of strings, got {not_written!r}")
     if written is not None:
         lines.append(f"  Summary: {written[1]} (and {written[0].name} beside it)")
-    else:
+    elif not not_written:
         lines.append("  Summary: not written (set RANKWATCH_ARTIFACT_DIR=DIR to keep one)")
+    lines += [f"  Not written: {text}" for text in not_written]
     return "\n".join(lines) + "\n"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_summary(out_dir: str | os.PathLike[str], summary: Mapping[str, Any]) -> tuple[Path, Path]:
     """Write ``summary.json`` and ``summary.txt`` into ``out_dir`` (atomically); return both."""
-    folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = ensure_folder(out_dir)
     json_path, text_path = folder / SUMMARY_JSON, folder / SUMMARY_TEXT
-    _atomic_write(json_path, json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    _atomic_write(text_path, summary_text(summary))
+    atomic_write(json_path, json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    atomic_write(text_path, summary_text(summary))
     return json_path, text_path

@@ -122,6 +122,7 @@ class ExporterHealth:
     up: bool = True
     export_failures: Mapping[str, int] = field(default_factory=dict)
     collection_errors: Mapping[str, int] = field(default_factory=dict)
+    storage_errors: Mapping[str, int] = field(default_factory=dict)
     window_invalid: Mapping[str, int] = field(default_factory=dict)
 
 
@@ -478,6 +479,7 @@ def health_samples(
     out = _Out(_common(report, config))
     _counter_samples(out, _S["deepep_window_invalid_total"], health.window_invalid)
     _counter_samples(out, _S["collection_errors_total"], health.collection_errors)
+    _counter_samples(out, _S["storage_errors_total"], health.storage_errors)
     _counter_samples(out, _S["export_failures_total"], health.export_failures)
     out.add(_S["exporter_up"], (), 1.0 if health.up else 0.0)
     out.add(_S["exporter_start_time_seconds"], (), health.started_at_s)

@@ -4,7 +4,9 @@ When ``RankwatchConfig.artifact_dir`` is set, the root saves every window it dia
 versioned step-window JSON (``rankwatch.diagnosis.step_time.artifact``), so ``rankwatch diagnose``
 and ``rankwatch replay`` can re-diagnose it offline. Only the newest ``artifact_retention``
 files of a group are kept. File names are built from a sanitised group name, so a group name
-can never place a file outside the folder.
+can never place a file outside the folder. A write that fails (full disk, read-only or removed
+folder...) follows the storage-fault policy of :mod:`rankwatch.exporter.storage`: said once,
+counted, retried on its schedule, never raised.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.retention import prune_oldest
 from rankwatch.diagnosis.step_time.artifact import save_window
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.folders import usable_folder
+from rankwatch.exporter.storage import GuardedWrites
 
 __all__ = ["StepArtifactWriter", "safe_name"]
 
 log = logging.getLogger(__name__)
+_ARTIFACT_DIR_ENV = option_env(RankwatchConfig, "artifact_dir")
 
 
 def safe_name(text: str) -> str:
@@ -37,22 +40,26 @@ def safe_name(text: str) -> str:
 class StepArtifactWriter:
     """Saves each step-time window of one group into a folder, keeping the newest N files."""
 
-    def __init__(self, directory: str | Path, group: str, retention: int) -> None:
+    def __init__(
+        self, directory: str | Path, group: str, retention: int, guard: GuardedWrites | None = None
+    ) -> None:
         if isinstance(retention, bool) or not isinstance(retention, int) or retention < 1:
             raise ValueError(f"retention: expected an int >= 1, got {retention!r}")
         self.directory = Path(directory)
         self.prefix = f"step-{safe_name(group)}-"
         self.retention = retention
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.guard = guard or GuardedWrites(
+            "step_windows", "step windows", _ARTIFACT_DIR_ENV, str(self.directory)
+        )
+        # A folder unusable from the start is said now, not at the first window (and retried
+        # on the guard's schedule, like a failure later in the run).
+        self.guard.check_folder(self.directory)
 
     @classmethod
     def from_config(cls, config: RankwatchConfig) -> StepArtifactWriter | None:
-        """A writer when the config asks for artifacts (a folder and retention >= 1), else None;
-        None with one warning, too, when the folder cannot be used (training goes on)."""
+        """A writer when the config asks for artifacts (a folder and retention >= 1), else
+        None. A folder that cannot be used is said once at once; training goes on."""
         if not config.artifact_dir or config.artifact_retention < 1:
-            return None
-        variable = option_env(RankwatchConfig, "artifact_dir")
-        if not usable_folder(config.artifact_dir, variable, "step windows are not saved"):
             return None
         return cls(config.artifact_dir, config.group_name, config.artifact_retention)
 
@@ -62,14 +69,16 @@ class StepArtifactWriter:
         per_rank: Mapping[int, np.ndarray | None],
         window: int,
     ) -> Path | None:
-        """Write the window behind ``report``; errors are logged, never raised (bg thread)."""
+        """Write the window behind ``report`` (and prune); None when it was not written:
+        storage faults follow :attr:`guard`, bad data is logged; never raised (bg thread)."""
         step = report.step_time
         if step is None:
             return None
         path = self.directory / (
             f"{self.prefix}{report.window_kind}-{report.window_index:08d}.json"
         )
-        try:
+
+        def write() -> Path:
             save_window(
                 path,
                 per_rank,
@@ -83,11 +92,14 @@ class StepArtifactWriter:
                 report=step,
                 mesh=step.mesh,
             )
-        except (OSError, ValueError, TypeError) as exc:
+            self.prune()
+            return path
+
+        try:
+            return self.guard.run(path, write, folder=self.directory)
+        except (ValueError, TypeError) as exc:
             log.warning("rankwatch: step window %d not written: %s", report.window_index, exc)
             return None
-        self.prune()
-        return path
 
     def prune(self) -> None:
         """Delete this group's oldest files beyond the retention (newest: latest written)."""

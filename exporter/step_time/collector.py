@@ -54,6 +54,7 @@ from rankwatch.exporter.step_time.messages import (
 )
 from rankwatch.exporter.step_time.timer import StepTimer
 from rankwatch.exporter.step_time.transport import GroupLayout, Transport
+from rankwatch.exporter.storage import GuardedWrites
 
 __all__ = ["WindowCollector", "root_tail_rows", "window_arrays"]
 
@@ -196,6 +197,10 @@ class WindowCollector:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def storage_guards(self) -> list[GuardedWrites]:
+        """The storage-fault guards of what this collector writes (the root's step windows)."""
+        return [] if self._artifacts is None else [self._artifacts.guard]
 
     def stop(self, timeout_seconds: float) -> bool:
         """Ship the rest, build the summary (root), join, and release the group once the

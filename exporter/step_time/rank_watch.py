@@ -485,7 +485,11 @@ class RankWatch:
         if recorder is None:
             return
         try:
-            text = end_of_run_text(recorder.summary(recorder.run), recorder.written)
+            guards = [] if recorder.guard is None else [recorder.guard]
+            if self._collector is not None:
+                guards += self._collector.storage_guards()
+            faults = [text for g in guards if (text := g.not_written()) is not None]
+            text = end_of_run_text(recorder.summary(recorder.run), recorder.written, faults)
             sys.stderr.write(text)
             sys.stderr.flush()
         except Exception:  # the end of a run must not fail because of its summary

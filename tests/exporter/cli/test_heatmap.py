@@ -242,6 +242,24 @@ def test_cli_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert list(tmp_path.glob("*.png")) == []
 
 
+@pytest.mark.parametrize("out", ["a file", "/dev/null"])
+def test_cli_an_unusable_out_folder_is_one_line_with_the_errno(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], out: str
+) -> None:
+    npz = save_window_artifact(tmp_path / "w.npz", _empty_window())
+    folder = tmp_path / "taken" if out == "a file" else Path(out)
+    if out == "a file":
+        folder.write_text("mine")
+    assert main(["--all", str(npz), "--out", str(folder), "--dpi", "20"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"rankwatch heatmap: error: --out {str(folder)!r}: ENOTDIR (exists and is not a folder) "
+        f"writing {folder / 'w-notify.png'}"
+    ]
+    if out == "a file":
+        assert folder.read_text() == "mine"
+
+
 def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     assert "usage: rankwatch heatmap" in capsys.readouterr().out

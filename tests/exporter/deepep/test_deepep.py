@@ -313,7 +313,7 @@ def test_an_unusable_log_path_warns_by_variable_and_diagnosis_goes_on(
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     folder = str(a_file) if kind == "a file" else str(a_file / "logs")
-    problem = "exists and is not a folder" if kind == "a file" else "is under a file, not a folder"
+    reason = "exists and is not a folder" if kind == "a file" else "Not a directory"
     root = DeepEPRoot(
         members=[RankInfo(r, "node-0", r) for r in range(2)],
         ranks_per_node=2,
@@ -326,14 +326,18 @@ def test_an_unusable_log_path_warns_by_variable_and_diagnosis_goes_on(
         group_name="ep",
         log_to_file=True,
     )
-    with caplog.at_level(logging.WARNING, logger="rankwatch.exporter.folders"):
+    with caplog.at_level(logging.WARNING, logger="rankwatch.storage"):
         root.start(0.0)
     try:
-        head = f"rankwatch: DEEPEP_DIAGNOSE_LOG_PATH={folder!r} {problem}; "
+        why = f"DEEPEP_DIAGNOSE_LOG_PATH={folder!r}: ENOTDIR ({reason})"
+        then = "retrying in 30 s, then at most every 600 s (counted in"
         assert caplog.messages == [
-            head + "DeepEP log lines go to the application's logging only",
-            head + "DeepEP NPZ windows are not saved",
+            f"rankwatch: DeepEP log lines not written: {why}; {then} "
+            'rankwatch_storage_errors_total{writer="deepep_log"})',
+            f"rankwatch: DeepEP NPZ windows not written: {why}; {then} "
+            'rankwatch_storage_errors_total{writer="deepep_npz"})',
         ]
-        assert root._log_handler is None and root._artifacts is None
+        assert root.log_guard is not None and root.log_guard.failing
+        assert root.npz_guard is not None and root.npz_guard.failing
     finally:
         root.stop(2.0)

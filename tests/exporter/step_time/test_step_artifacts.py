@@ -80,21 +80,25 @@ def test_no_folder_or_zero_retention_writes_nothing(tmp_path: Path) -> None:
 def test_an_unusable_folder_warns_by_variable_and_the_job_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A file, a device or a path under a file as RANKWATCH_ARTIFACT_DIR: no writer, one
-    warning naming the variable, the value and what is wrong (training is not stopped)."""
+    """A file, a device or a path under a file as RANKWATCH_ARTIFACT_DIR: one warning naming
+    the variable, the value and the errno, at once; the windows are not written (never raised:
+    training is not stopped)."""
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     cases = [
         (str(a_file), "exists and is not a folder"),
         ("/dev/null", "exists and is not a folder"),
-        (str(a_file / "under"), "is under a file, not a folder"),
+        (str(a_file / "under"), "Not a directory"),  # the system's words: mkdir under a file
     ]
-    for folder, problem in cases:
+    for folder, reason in cases:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="rankwatch.exporter.folders"):
-            assert StepArtifactWriter.from_config(config(tmp_path, artifact_dir=folder)) is None
+        with caplog.at_level(logging.WARNING, logger="rankwatch.storage"):
+            writer = StepArtifactWriter.from_config(config(tmp_path, artifact_dir=folder))
+        assert writer is not None and writer.guard.failing
         assert caplog.messages == [
-            f"rankwatch: RANKWATCH_ARTIFACT_DIR={folder!r} {problem}; step windows are not saved"
+            f"rankwatch: step windows not written: RANKWATCH_ARTIFACT_DIR={folder!r}: "
+            f"ENOTDIR ({reason}); retrying in 30 s, then at most every 600 s "
+            '(counted in rankwatch_storage_errors_total{writer="step_windows"})'
         ]
     # A folder that does not exist yet is created, as before.
     made = tmp_path / "new" / "deeper"
