@@ -32,9 +32,12 @@ your own ``RankWatch``) and watches what the Trainer trains with:
 
 Every collective the training thread waits in (FSDP2's, tensor parallel's, the pipeline's,
 the Trainer's token-count and loss all-reduces, the gradient-norm all-reduce) is timed as a
-wait by ``watch``. A checkpoint save runs after ``train_step``: it ends the training step
-before it starts (:meth:`RankWatch.end_step`) and its collectives are not timed, so a save,
-which every rank waits through together, is never part of a step.
+wait by ``watch``. The Trainer's ``loss_fn`` (its ``ChunkedLossWrapper`` computes the output
+projection after the model) is timed as the step's forward, and its backward as the step's
+backward (:mod:`rankwatch.exporter.step_time.loss`). A checkpoint save runs after
+``train_step``: it ends the training step before it starts (:meth:`RankWatch.end_step`) and
+its collectives are not timed, so a save, which every rank waits through together, is never
+part of a step.
 
 ``train_step`` calls :meth:`RankWatch.collect` after each step (sync mode ships rows every
 ``sync_step`` steps; in async mode it does nothing). ``close`` closes rankwatch (the root
@@ -51,6 +54,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
+from rankwatch.exporter.integrations import undo_in_reverse
+from rankwatch.exporter.step_time.loss import timed_loss
 from rankwatch.exporter.step_time.rank_watch import RankWatch
 
 __all__ = ["RankwatchTrainerMixin", "trainer_mesh"]
@@ -96,7 +101,7 @@ class RankwatchTrainerMixin:
     rankwatch_overrides: ClassVar[dict[str, Any]] = {}
     rankwatch_close_timeout_seconds: ClassVar[float] = 30.0
     rankwatch: RankWatch | None = None
-    _rankwatch_undo_save: Callable[[], None]
+    _rankwatch_undo: Callable[[], None]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -112,7 +117,9 @@ class RankwatchTrainerMixin:
         rw.watch(
             trainer.model_parts[0], trainer.optimizers, mesh=trainer_mesh(trainer.parallel_dims)
         )
-        self._rankwatch_undo_save = _save_between_steps(rw, trainer.checkpointer)
+        self._rankwatch_undo = undo_in_reverse(
+            [_save_between_steps(rw, trainer.checkpointer), _loss_in_step(rw, trainer)]
+        )
 
     def batch_generator(self, data_iterable: Iterable[Any]) -> Iterator[Any]:
         """The Trainer's batches, each fetch timed (the Trainer's own generator around the
@@ -137,7 +144,7 @@ class RankwatchTrainerMixin:
         """Close rankwatch (the summary window is published), then the Trainer."""
         rw = self.rankwatch
         if rw is not None:
-            self._rankwatch_undo_save()
+            self._rankwatch_undo()
             rw.close(type(self).rankwatch_close_timeout_seconds)
         parent: Any = super()
         parent.close()
@@ -161,5 +168,23 @@ def _save_between_steps(rw: RankWatch, checkpointer: Any) -> Callable[[], None]:
     def undo() -> None:
         if vars(checkpointer).get("save") is save_between_steps:
             del checkpointer.save
+
+    return undo
+
+
+def _loss_in_step(rw: RankWatch, trainer: Any) -> Callable[[], None]:
+    """Time the Trainer's loss function as the step's forward and backward (its
+    ``ChunkedLossWrapper`` runs the output projection after the model: without this, compute
+    read as residual); returns the undo. A pipeline schedule holds its own reference to the
+    loss, timed with the schedule's actions."""
+    loss_fn = getattr(trainer, "loss_fn", None)
+    if rw.timer is None or not callable(loss_fn):
+        return lambda: None
+    timed = timed_loss(rw.timer, loss_fn)
+    trainer.loss_fn = timed
+
+    def undo() -> None:
+        if getattr(trainer, "loss_fn", None) is timed:
+            trainer.loss_fn = loss_fn
 
     return undo
