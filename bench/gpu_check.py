@@ -403,8 +403,9 @@ def _accelerate_worker(rank: int, port: int, scenario: str, out: str) -> None:
         made.append(recording_rankwatch(f"gpu-check-accelerate-{scenario}"))
         return made[0][0]
 
-    with tempfile.TemporaryDirectory() as folder:
-        trainer_accelerate.run(os.path.join(folder, "model"), STEPS, delay_s, hook, factory)
+    # The cell's folder, which every rank sees: rank 0 saves the model there once.
+    model_folder = str(Path(out).parent / "tiny-llama")
+    trainer_accelerate.run(model_folder, STEPS, delay_s, hook, factory)
     recorded = made[0][1]()
     if recorded:
         summary = next(w for w in recorded["windows"] if w["window"] == "summary")
