@@ -10,7 +10,7 @@ closes. The ``RankWatch`` is the 3D matrix's (:func:`bench.accuracy_parallel.
 recording_rankwatch`: sync mode, a live window every 10 steps, the real publisher hub and its
 incidents), and a cell is right by the same rule (:class:`bench.accuracy_parallel.Cell`).
 
-Accelerate's ``ParallelismConfig`` rows do not run here: Accelerate 1.16 builds FSDP2 (and so
+Accelerate's ``ParallelismConfig`` row does not run here: Accelerate 1.16 builds FSDP2 (and so
 accepts a dp_shard x tp ``ParallelismConfig``) only for a multi-accelerator job; see
 :data:`NOT_RUN` and ``make gpu-check``.
 
@@ -72,6 +72,7 @@ class Row:
     description: str
     mesh: dict[str, int]
     slow_rank: int
+    places: tuple[str, ...]
 
 
 ROWS: dict[str, Row] = {
@@ -80,20 +81,20 @@ ROWS: dict[str, Row] = {
         "tensor_parallel_degree 2 (FSDP2 over DTensor tensor parallel, its parallelize_llama)",
         {"dp_shard": 2, "tp": 2},
         1,
+        ("data", "forward", "backward", "tp"),
+    ),
+    "torchtitan_pp_dp": Row(
+        "torchtitan 0.3.0, the same model, pipeline_parallel_degree 2 x "
+        "data_parallel_shard_degree 2 (its pipeline_llm: one stage per rank, Schedule1F1B, "
+        "2 microbatches; FSDP2 within each stage); the slow rank is on stage 1",
+        {"pp": 2, "dp_shard": 2},
+        2,
+        ("data", "forward", "backward"),
     ),
 }
 
 # Rows a trainer's users run that cannot run on this machine, and exactly why.
 NOT_RUN: dict[str, str] = {
-    "torchtitan_pp_dp": (
-        "pipeline_parallel_degree 2 x data_parallel_shard_degree 2: torchtitan 0.3.0 calls "
-        "`schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)` (microbatches split by "
-        "its Trainer), an API of a newer torch than 2.13: torch 2.13's "
-        "`PipelineScheduleSingle.step(*args, target=, losses=, **kwargs)` takes them as model "
-        "keyword arguments and fails its input check on the first step (`ValueError: "
-        "Expecting 2 arg_mbs but got 1`, `_check_inputs` in torch/distributed/pipelining/"
-        "schedules.py). Not a CPU limit: the same happens on GPUs with torch 2.13."
-    ),
     "accelerate_fsdp_tp": (
         "Accelerate 1.16 `ParallelismConfig(dp_shard_size=2, tp_size=2)` with an FSDP2 "
         "plugin: without an accelerator the state is `MULTI_CPU`, and Accelerate switches a "
@@ -111,7 +112,7 @@ NOT_RUN: dict[str, str] = {
 def cells_of(row: str) -> list[CellSpec]:
     """Every cell of ``row``: each place on its slow rank, then the no-fault control."""
     rank = ROWS[row].slow_rank
-    return [CellSpec(row, p, rank, STEPS) for p in PLACES] + [
+    return [CellSpec(row, p, rank, STEPS) for p in ROWS[row].places] + [
         CellSpec(row, NONE, None, CONTROL_STEPS)
     ]
 
@@ -261,7 +262,12 @@ NOTES = """### Reading the trainer matrix
   inner attention is torchtitan's `ScaledDotProductAttention` (causal). torchtitan turns
   FSDP's gradient division off and FSDP2 then reduce-scatters with `PREMUL_SUM(1.0)`, which
   Gloo refuses: `set_force_sum_reduction_for_comms(True)`. torch 2.13 names
-  `dist.set_timeout` `_set_pg_timeout` (torchtitan calls it after the first step). `import
+  `dist.set_timeout` `_set_pg_timeout` (torchtitan calls it after the first step), and its
+  pipeline schedule's `step` takes no pre-split microbatches: torchtitan 0.3.0 calls
+  `schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)`, which torch 2.13 passes to the
+  model as keyword arguments (`ValueError: Expecting 2 arg_mbs but got 1` on the first step,
+  on GPUs too); the job hands those lists to the schedule's own `_step_microbatches`, after
+  the reset `step` does. `import
   triton` is unconditional (the `triton` package is installed on the CPU too). The data is
   synthetic (the debug config's tokenizer and C4 sample live in torchtitan's repository, not
   its package). None of these touch rankwatch.
@@ -283,9 +289,9 @@ NOTES = """### Reading the trainer matrix
   checkpoint every 20 steps; 4 of its windows named a rank `STRAGGLER` (scores up to 0.14, on
   a machine at load 17 to 21 shared with other jobs: 4 ranks on 2 cores, real compute), which
   no incident followed. The checkpoint saves (steps 20, 40, ...) are in no step.
-- **Limits.** One row: 4 ranks, two sizes per dimension, a two-layer debug model on a CPU
-  shared with other jobs (real compute, so the machine's load is in every step). Pipeline
-  parallelism and Accelerate's N-D parallelism did not run (above); neither ran on GPUs."""
+- **Limits.** 4 ranks, two sizes per dimension, a two-layer debug model on a CPU
+  shared with other jobs (real compute, so the machine's load is in every step). Accelerate's
+  N-D parallelism did not run (above); nothing here ran on GPUs."""
 
 
 def main(argv: list[str] | None = None) -> int:

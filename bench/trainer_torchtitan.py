@@ -209,6 +209,42 @@ def sum_only_reductions(model_parts: list[Any]) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
+def split_microbatch_step(schedule: Any) -> None:
+    """Let torch 2.13's pipeline schedule take microbatches split by the caller: torchtitan
+    0.3.0 calls ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=, loss_kwargs=,
+    return_outputs=)``, an API of a newer torch; 2.13's ``step`` would pass them to the model
+    as keyword arguments. Its ``_step_microbatches`` takes exactly those lists, after the same
+    per-step reset ``step`` does (``has_backward``, ``clear_runtime_states``)."""
+    step = schedule.step
+
+    def step_microbatches(
+        *args: Any,
+        arg_mbs: Any = None,
+        kwarg_mbs: Any = None,
+        target_mbs: Any = None,
+        losses: Any = None,
+        return_outputs: bool = True,
+        loss_kwargs: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return step(
+                *args,
+                losses=losses,
+                return_outputs=return_outputs,
+                loss_kwargs=loss_kwargs,
+                **kwargs,
+            )
+        schedule._stage.has_backward = schedule._has_backward
+        schedule._stage.clear_runtime_states()
+        schedule._step_microbatches(
+            arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+        )
+        return None
+
+    schedule.step = step_microbatches
+
+
 def _sleep_hook(seconds: float) -> Any:
     def hook(*_: Any) -> None:
         time.sleep(seconds)
@@ -259,6 +295,8 @@ def run(
     cfg = debug_config(mesh, steps, faults.data_s, checkpoint_dir, checkpoint_every)
     trainer = WatchedTrainer(cfg)
     sum_only_reductions(trainer.model_parts)
+    if getattr(trainer, "pp_schedule", None) is not None:
+        split_microbatch_step(trainer.pp_schedule)
     calls = trainer.num_pipeline_parallel_microbatches * trainer.gradient_accumulation_steps
     for part in trainer.model_parts:
         _install_faults(part, faults, calls)
