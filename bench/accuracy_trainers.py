@@ -285,10 +285,11 @@ NOTES = """### Reading the trainer matrix
   right: every fault cell's verdict named rank 1 with the expected kind in every live window,
   but three of them and the control opened `residual_heavy` incidents on all four ranks, and
   every one of the control's 15 windows was `RESIDUAL_HEAVY`.
-- **Controls and load.** The control opened no incident over its 15 live windows, with a
-  checkpoint every 20 steps; 4 of its windows named a rank `STRAGGLER` (scores up to 0.14, on
-  a machine at load 17 to 21 shared with other jobs: 4 ranks on 2 cores, real compute), which
-  no incident followed. The checkpoint saves (steps 20, 40, ...) are in no step.
+- **Controls and load.** Neither control opened an incident over its 15 live windows, with a
+  checkpoint every 20 steps; one window of each named a rank `STRAGGLER` (scores 0.11 and
+  0.13, on a machine at load 17 to 26 shared with other jobs: 4 ranks on 2 cores, real
+  compute), which no incident followed (the previous run of the TP control: 4 such windows,
+  scores up to 0.14, no incident). The checkpoint saves (steps 20, 40, ...) are in no step.
 - **Limits.** 4 ranks, two sizes per dimension, a two-layer debug model on a CPU
   shared with other jobs (real compute, so the machine's load is in every step). Accelerate's
   N-D parallelism did not run (above); nothing here ran on GPUs."""
