@@ -11,7 +11,7 @@ STAMP    := $(VENV)/.installed
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
 .PHONY: venv backends demo test test-fast test-floors fuzz lint typecheck unit generate bench bench-scale accuracy \
-	accuracy-parallel accuracy-deepep reliability-matrix gpu-check clean
+	accuracy-parallel accuracy-trainers accuracy-deepep reliability-matrix gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 	# DeepSpeed (its integration test) ships as source only: build it against the torch above,
 	# which an isolated build would replace with a download of another torch.
 	$(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.19.8'
+	# torchtitan (the trainer matrix and its test): its requirements resolve against the torch
+	# above (it names no torch itself); it imports triton unconditionally, CPU or not.
+	$(PY) -m pip install -q 'torchtitan==0.3.0' 'triton>=3.5'
 	touch $(STAMP)
 
 # The dashboards are also checked against the schema of the oldest Grafana docs/grafana.md
@@ -121,6 +124,12 @@ accuracy: venv
 # parallel), live windows and incidents -> its section of docs/accuracy.md (about 15 minutes).
 accuracy-parallel: venv
 	$(PY) -m bench.accuracy_parallel --out docs/accuracy.md
+
+# The trainer matrix: torchtitan's own Trainer (FSDP2 x TP, its DCP checkpoints) with
+# rankwatch's mixin, 4 Gloo ranks, one slow rank per cell -> its section of docs/accuracy.md
+# (about 10 minutes). Accelerate's ParallelismConfig cannot run on a CPU: `make gpu-check`.
+accuracy-trainers: venv
+	$(PY) -m bench.accuracy_trainers --out docs/accuracy.md
 
 # Regenerates the DeepEP normal-mode accuracy matrix in docs/diagnosis-deepep.md.
 accuracy-deepep: venv

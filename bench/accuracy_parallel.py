@@ -431,34 +431,20 @@ class VerdictRecorder:
         return None
 
 
-def _run_cell(rank: int, spec: CellSpec) -> dict[str, Any]:
-    import torch
-
+def recording_rankwatch(run_id: str) -> tuple[Any, Callable[[], dict[str, Any]]]:
+    """A ``RankWatch`` over the world as the cells hold it (sync mode, a live window every
+    ``SYNC_STEP`` steps over the last ``LIVE_WINDOW_STEPS``, nothing exported), publishing to
+    the real publisher hub and a :class:`VerdictRecorder`; and the function returning what the
+    root recorded (windows and incident events; empty on the other ranks) once it is closed."""
     from rankwatch.diagnosis.config import DiagnosisConfig, StepTimeConfig
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.publish.hub import PublisherHub
     from rankwatch.exporter.step_time.rank_watch import RankWatch
 
-    slow_s = SLOW_S if spec.rank == rank else 0.0
-    row = ROWS[spec.row]
-    # Stage 1 of the pipeline computes more by design (ranks of the outermost "pp" half).
-    stage1 = row.mesh[0][0] == "pp" and rank >= WORLD // 2
-    compute_s = COMPUTE_S * (STAGE1_COST if stage1 else 1.0)
-    fault_forward_s = slow_s if spec.place == "forward" else 0.0
-    job = _build_job(spec.row, compute_s + fault_forward_s)
-    seed = _data_seed(spec.row, rank, job.mesh)
-
-    def batches() -> Iterator[tuple[Any, Any]]:
-        gen = torch.Generator().manual_seed(seed)
-        for _ in range(spec.steps):
-            if spec.place == "data":
-                time.sleep(slow_s)
-            yield torch.randn(BATCH, 32, generator=gen), torch.randn(BATCH, 32, generator=gen)
-
     diag = DiagnosisConfig(step_time=StepTimeConfig(live_window_steps=LIVE_WINDOW_STEPS))
     cfg = RankwatchConfig.from_env(
         env={},
-        run_id=f"accuracy-{spec.row}",
+        run_id=run_id,
         diagnosis=diag,
         async_mode=False,
         sync_step=SYNC_STEP,
@@ -486,6 +472,33 @@ def _run_cell(rank: int, spec: CellSpec) -> dict[str, Any]:
     recorder = VerdictRecorder()
     hub = PublisherHub(cfg, metrics=False, otlp=False, on_incident=on_incident)
     rw = RankWatch(config=cfg, publishers=[hub, recorder])
+
+    def recorded() -> dict[str, Any]:
+        return {"windows": recorder.windows, "incidents": incidents} if rw.is_root else {}
+
+    return rw, recorded
+
+
+def _run_cell(rank: int, spec: CellSpec) -> dict[str, Any]:
+    import torch
+
+    slow_s = SLOW_S if spec.rank == rank else 0.0
+    row = ROWS[spec.row]
+    # Stage 1 of the pipeline computes more by design (ranks of the outermost "pp" half).
+    stage1 = row.mesh[0][0] == "pp" and rank >= WORLD // 2
+    compute_s = COMPUTE_S * (STAGE1_COST if stage1 else 1.0)
+    fault_forward_s = slow_s if spec.place == "forward" else 0.0
+    job = _build_job(spec.row, compute_s + fault_forward_s)
+    seed = _data_seed(spec.row, rank, job.mesh)
+
+    def batches() -> Iterator[tuple[Any, Any]]:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(spec.steps):
+            if spec.place == "data":
+                time.sleep(slow_s)
+            yield torch.randn(BATCH, 32, generator=gen), torch.randn(BATCH, 32, generator=gen)
+
+    rw, recorded = recording_rankwatch(f"accuracy-{spec.row}")
     loader = rw.watch(job.model, job.optimizer, batches(), mesh=job.mesh)
     if job.forward_module is not None:
         # Compute first, then the fault: both before the forward's own work (per microbatch
@@ -504,7 +517,19 @@ def _run_cell(rank: int, spec: CellSpec) -> dict[str, Any]:
         job.train_step(x, y)
         rw.collect()
     rw.close(60.0)
-    return {"windows": recorder.windows, "incidents": incidents} if rw.is_root else {}
+    return recorded()
+
+
+def run_timed(result: dict[str, Any], spec: CellSpec, run: Callable[[], dict[str, Any]]) -> None:
+    """``result[spec.key]``: what ``run()`` returned and its seconds; on an exception its
+    traceback, and the exception raised again (the world's later cells would not line up)."""
+    start = time.monotonic()
+    try:
+        result[spec.key] = run()
+        result[spec.key]["seconds"] = time.monotonic() - start
+    except Exception:
+        result[spec.key] = {"error": traceback.format_exc()}
+        raise
 
 
 def _worker(rank: int, port: int, specs: list[CellSpec], out: str) -> None:
@@ -525,13 +550,7 @@ def _worker(rank: int, port: int, specs: list[CellSpec], out: str) -> None:
         )
         for spec in specs:
             dist.barrier()
-            start = time.monotonic()
-            try:
-                result[spec.key] = _run_cell(rank, spec)
-                result[spec.key]["seconds"] = time.monotonic() - start
-            except Exception:
-                result[spec.key] = {"error": traceback.format_exc()}
-                raise
+            run_timed(result, spec, lambda spec=spec: _run_cell(rank, spec))
         dist.destroy_process_group()
     except BaseException:
         result["error"] = traceback.format_exc()
@@ -569,6 +588,7 @@ class Cell:
     # the highest straggler score of a live window naming another rank (None: none did)
     other_score: float | None = None
     summary_means: dict[str, Any] | None = None  # rank -> the run's means (ms)
+    facts: dict[str, Any] = field(default_factory=dict)  # anything else the root returned
 
     @property
     def wrong_incidents(self) -> int:
@@ -588,8 +608,10 @@ class Cell:
         )
 
 
-def _cell_of(spec: CellSpec, per_rank: list[dict[str, Any]]) -> Cell:
-    want = expected(spec)
+def cell_of(spec: CellSpec, per_rank: list[dict[str, Any]], want: str | None = None) -> Cell:
+    """A cell's outcome from what its ranks returned (the root's windows and incidents);
+    ``want``: its expected verdict (default :func:`expected`)."""
+    want = want or expected(spec)
     root = per_rank[0].get(spec.key)
     errors = [
         res.get(spec.key, {}).get("error") or res.get("error")
@@ -641,6 +663,7 @@ def _cell_of(spec: CellSpec, per_rank: list[dict[str, Any]]) -> Cell:
         live_kinds=kinds,
         other_score=max(other_scores, default=None),
         summary_means=None if summary is None else summary["means"],
+        facts={k: v for k, v in root.items() if k not in ("windows", "incidents", "seconds")},
     )
 
 
@@ -657,7 +680,7 @@ def run_matrix(specs: list[CellSpec], *, one_world: bool = False) -> list[Cell]:
     for world_specs in worlds:
         per_rank = _run_world(world_specs)
         for spec in world_specs:
-            cell = results[spec.key] = _cell_of(spec, per_rank)
+            cell = results[spec.key] = cell_of(spec, per_rank)
             print(
                 f"{spec.key}: {cell.summary_kind} {cell.summary_culprit} "
                 f"{'right' if cell.right else 'WRONG'} ({cell.seconds:.0f} s)",
@@ -678,9 +701,9 @@ TITLES = {
 }
 
 
-def _marks(section: str) -> tuple[str, str]:
+def _marks(section: str, source: str) -> tuple[str, str]:
     return (
-        f"<!-- accuracy-parallel {section}: begin (generated by bench/accuracy_parallel.py) -->",
+        f"<!-- accuracy-parallel {section}: begin (generated by {source}) -->",
         f"<!-- accuracy-parallel {section}: end -->",
     )
 
@@ -692,11 +715,13 @@ def generated_tail(doc: str) -> str:
     return "" if at < 0 else doc[at:]
 
 
-def write_section(section: str, text: str, path: Path = DOC) -> None:
+def write_section(
+    section: str, text: str, path: Path = DOC, source: str = "bench/accuracy_parallel.py"
+) -> None:
     """Put ``text`` into ``path`` as ``section`` (between its markers): in place of the old
     one, else before the other sections of this module (the current matrix comes first),
     else at the end."""
-    begin, end = _marks(section)
+    begin, end = _marks(section, source)
     doc = path.read_text() if path.exists() else ""
     block = f"{begin}\n\n{text}\n{end}\n"
     if begin in doc and end in doc:
@@ -710,7 +735,8 @@ def write_section(section: str, text: str, path: Path = DOC) -> None:
     path.write_text(doc)
 
 
-def _commit() -> str:
+def commit_id() -> str:
+    """HEAD's short commit id (``unknown`` outside a git checkout)."""
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -719,46 +745,9 @@ def _commit() -> str:
         return "unknown"
 
 
-def render(cells: list[Cell], section: str = CURRENT, commit: str | None = None) -> str:
-    """The matrix as a Markdown section; ``commit``: the one the cells ran on (default HEAD)."""
-    right = sum(c.right for c in cells)
+def cells_table(cells: list[Cell]) -> list[str]:
+    """The cells as Markdown lines: the table, each cell's live-window verdicts, the errors."""
     lines = [
-        TITLES[section],
-        "",
-        "Generated by `make accuracy-parallel` (`python -m bench.accuracy_parallel`) on commit "
-        f"`{commit or _commit()}`; do not edit by hand.",
-        "",
-    ]
-    if section == BEFORE:
-        lines += [NOTES_BEFORE, ""]
-    lines += [
-        f"Every cell is a real run: {WORLD} processes under `torch.distributed` (Gloo, CPU) build "
-        'a device mesh (`init_device_mesh("cpu", ...)`), each holds one `RankWatch` over the '
-        "world with `watch()` installed as a user installs it, in sync mode with a live window "
-        f"every {SYNC_STEP} steps (over the last {LIVE_WINDOW_STEPS}); the root publishes to the "
-        "real publisher hub (its incident tracker, `on_incident` records the openings). Every "
-        f"rank's forward sleeps {COMPUTE_S * 1e3:.0f} ms per step (per pipeline stage: split "
-        f"over the {MICROBATCHES} microbatches, x{STAGE1_COST:g} on stage 1); the slow rank "
-        f"sleeps {SLOW_S * 1e3:.0f} ms more per step where the column says. Cells with a slow "
-        f"rank run {STEPS} steps; a control runs until it has had about its number of windows. "
-        "Every rank passes the mesh to `watch(..., mesh=)`. A cell is right when the run's "
-        "verdict (the summary window) is the expected kind and names the slow rank (not only "
-        "its pipeline replica), and no incident opened on any other rank (none at all in a "
-        "control); the live windows are counted by what their straggler findings name: the "
-        "slow rank, the pipeline replica holding it (when only the replica can be told), or "
-        f"another rank. Right: {right} of {len(cells)}.",
-        "",
-        "Rows:",
-        "",
-    ]
-    for name in dict.fromkeys(c.spec.row for c in cells):
-        row = ROWS[name]
-        where = ", ".join(f"rank {r} ({label})" for label, r in row.fault_ranks.items())
-        lines.append(f"- `{name}`: {row.description}; slow rank: {where}")
-    lines += ["", "Where the slow rank is slow:", ""]
-    lines += [f"- `{k}`: {v}" for k, v in PLACES.items()]
-    lines += [f"- `{NONE}`: no slow rank (the control)"]
-    lines += [
         "",
         "| row | slow in | slow rank | run verdict | culprit | live windows | named slow rank "
         "| named its replica | named another | incidents opened | expected | right |",
@@ -795,6 +784,49 @@ def render(cells: list[Cell], section: str = CURRENT, commit: str | None = None)
         for c in errors:
             tail = (c.error or "").strip().splitlines()[-1:]
             lines.append(f"- {c.spec.row}/{c.spec.place}: {' '.join(tail)}")
+    return lines
+
+
+def render(cells: list[Cell], section: str = CURRENT, commit: str | None = None) -> str:
+    """The matrix as a Markdown section; ``commit``: the one the cells ran on (default HEAD)."""
+    right = sum(c.right for c in cells)
+    lines = [
+        TITLES[section],
+        "",
+        "Generated by `make accuracy-parallel` (`python -m bench.accuracy_parallel`) on commit "
+        f"`{commit or commit_id()}`; do not edit by hand.",
+        "",
+    ]
+    if section == BEFORE:
+        lines += [NOTES_BEFORE, ""]
+    lines += [
+        f"Every cell is a real run: {WORLD} processes under `torch.distributed` (Gloo, CPU) build "
+        'a device mesh (`init_device_mesh("cpu", ...)`), each holds one `RankWatch` over the '
+        "world with `watch()` installed as a user installs it, in sync mode with a live window "
+        f"every {SYNC_STEP} steps (over the last {LIVE_WINDOW_STEPS}); the root publishes to the "
+        "real publisher hub (its incident tracker, `on_incident` records the openings). Every "
+        f"rank's forward sleeps {COMPUTE_S * 1e3:.0f} ms per step (per pipeline stage: split "
+        f"over the {MICROBATCHES} microbatches, x{STAGE1_COST:g} on stage 1); the slow rank "
+        f"sleeps {SLOW_S * 1e3:.0f} ms more per step where the column says. Cells with a slow "
+        f"rank run {STEPS} steps; a control runs until it has had about its number of windows. "
+        "Every rank passes the mesh to `watch(..., mesh=)`. A cell is right when the run's "
+        "verdict (the summary window) is the expected kind and names the slow rank (not only "
+        "its pipeline replica), and no incident opened on any other rank (none at all in a "
+        "control); the live windows are counted by what their straggler findings name: the "
+        "slow rank, the pipeline replica holding it (when only the replica can be told), or "
+        f"another rank. Right: {right} of {len(cells)}.",
+        "",
+        "Rows:",
+        "",
+    ]
+    for name in dict.fromkeys(c.spec.row for c in cells):
+        row = ROWS[name]
+        where = ", ".join(f"rank {r} ({label})" for label, r in row.fault_ranks.items())
+        lines.append(f"- `{name}`: {row.description}; slow rank: {where}")
+    lines += ["", "Where the slow rank is slow:", ""]
+    lines += [f"- `{k}`: {v}" for k, v in PLACES.items()]
+    lines += [f"- `{NONE}`: no slow rank (the control)"]
+    lines += cells_table(cells)
     if section == CURRENT:
         lines += ["", NOTES]
     return "\n".join(lines) + "\n"
@@ -863,7 +895,10 @@ NOTES = """### Reading the 3D-parallel matrix
 
 def save_run(cells: list[Cell], path: Path) -> None:
     """The cells of a run and the commit it ran on, as JSON (:func:`load_run` reads it)."""
-    data = {"commit": _commit(), "cells": [{**c.__dict__, "spec": c.spec.__dict__} for c in cells]}
+    data = {
+        "commit": commit_id(),
+        "cells": [{**c.__dict__, "spec": c.spec.__dict__} for c in cells],
+    }
     path.write_text(json.dumps(data, indent=1))
 
 
@@ -879,6 +914,18 @@ def load_run(path: Path) -> tuple[list[Cell], str]:
         fields["opened"] = tuple((c, k, tuple(r)) for c, k, r in item["opened"])
         cells.append(Cell(**fields))
     return cells, str(data["commit"])
+
+
+def names_of(
+    parser: argparse.ArgumentParser, option: str, value: str, allowed: Any, what: str
+) -> list[str]:
+    """A comma-separated option (``--rows``) as a list, each name checked against
+    ``allowed`` (an unknown one is a usage error naming the option, the name and ``what``)."""
+    names = [n for n in value.split(",") if n]
+    for n in names:
+        if n not in allowed:
+            parser.error(f"{option}: unknown {what} {n!r} (one of {', '.join(allowed)})")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -902,14 +949,8 @@ def main(argv: list[str] | None = None) -> int:
         "--from-json", default="", help="render the run saved here (--json) instead of running"
     )
     args = parser.parse_args(argv)
-    rows = [r for r in args.rows.split(",") if r]
-    places = [p for p in args.places.split(",") if p]
-    for r in rows:
-        if r not in ROWS:
-            parser.error(f"--rows: unknown row {r!r} (one of {', '.join(ROWS)})")
-    for p in places:
-        if p not in (*PLACES, NONE):
-            parser.error(f"--places: unknown place {p!r} (one of {', '.join([*PLACES, NONE])})")
+    rows = names_of(parser, "--rows", args.rows, ROWS, "row")
+    places = names_of(parser, "--places", args.places, [*PLACES, NONE], "place")
     if args.control_windows < 1:
         parser.error(f"--control-windows: must be >= 1, got {args.control_windows}")
     specs = [

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.accuracy_frameworks import FRAMEWORK_ROWS, run_cell, sleeper, torchrun_env
-from bench.accuracy_parallel import generated_tail
+from bench.accuracy_parallel import generated_tail, names_of
 
 WORLD = 3
 SLOW_RANK = 1
@@ -462,14 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows")
     parser.add_argument("--cols", default=",".join(COLUMNS), help="comma-separated columns")
     args = parser.parse_args(argv)
-    rows = [r for r in args.rows.split(",") if r]
-    cols = [c for c in args.cols.split(",") if c]
-    for r in rows:
-        if r not in ROWS:
-            parser.error(f"--rows: unknown row {r!r} (one of {', '.join(ROWS)})")
-    for c in cols:
-        if c not in COLUMNS:
-            parser.error(f"--cols: unknown column {c!r} (one of {', '.join(COLUMNS)})")
+    rows = names_of(parser, "--rows", args.rows, ROWS, "row")
+    cols = names_of(parser, "--cols", args.cols, COLUMNS, "column")
     start = time.monotonic()
     cells = run_matrix([(r, c) for r in rows for c in cols])
     out = Path(args.out)

@@ -18,7 +18,13 @@ failed; the others still run; about four minutes at most), and prints one table:
   which counts as right);
 * ``cost``: the same loop unwatched and watched (GPU timing on), the per-step wall time of
   each side by side; the watched loop may cost at most ``COST_LIMIT_SHARE`` more (plus
-  ``COST_LIMIT_MS``).
+  ``COST_LIMIT_MS``);
+* ``accelerate``: with four or more GPUs (else skipped, which counts as right), Accelerate's
+  N-D parallelism, which cannot run on a CPU: ``ParallelismConfig(dp_shard_size=2,
+  tp_size=2)``, FSDP2 over transformers' tensor parallel plan on a tiny Llama
+  (:mod:`bench.trainer_accelerate`), 4 NCCL ranks under rankwatch with the real publisher
+  hub. Per scenario (``ACCELERATE_SCENARIOS``) the run's verdict and the incidents opened:
+  the slow rank named, and no incident in the control.
 
 Exit 0 when every cell is right, 1 otherwise. Nothing is downloaded; seeds are fixed.
 """
@@ -52,8 +58,8 @@ CLOCK_TOLERANCE_MS = 0.5
 CLOCK_TOLERANCE_SHARE = 0.10
 COST_LIMIT_SHARE = 0.05
 COST_LIMIT_MS = 0.5
-# Hard limits per cell (seconds): the sum stays under four minutes.
-CELL_SECONDS = {"clock": 45.0, "gloo": 75.0, "nccl": 75.0, "cost": 40.0}
+# Hard limits per cell (seconds): the sum stays under six minutes.
+CELL_SECONDS = {"clock": 45.0, "gloo": 75.0, "nccl": 75.0, "cost": 40.0, "accelerate": 150.0}
 SCENARIOS = ("data", "forward", "backward", "control")
 EXPECTED = {
     "data": ("INPUT_STRAGGLER", SLOW_RANK),
@@ -62,6 +68,13 @@ EXPECTED = {
     "control": (None, None),  # no straggler kind
 }
 STRAGGLER_KINDS = ("STRAGGLER", "INPUT_STRAGGLER", "H2D_STRAGGLER", "COMPUTE_STRAGGLER")
+ACCELERATE_WORLD = 4
+# FSDP2 jobs: compute is never attributed (the step-time policy), a slow forward is STRAGGLER.
+ACCELERATE_SCENARIOS = {
+    "control": (None, None),
+    "data": ("INPUT_STRAGGLER", SLOW_RANK),
+    "forward": ("STRAGGLER", SLOW_RANK),
+}
 
 
 # --------------------------------------------------------------------------- table logic
@@ -140,6 +153,21 @@ def judge_cost(unwatched_ms: float, watched_ms: float) -> Check:
         f"unwatched {unwatched_ms:.3f}, watched {watched_ms:.3f} ms/step",
         watched_ms <= limit,
     )
+
+
+def judge_accelerate(scenario: str, result: dict[str, Any]) -> Check:
+    """An Accelerate N-D scenario: the run's verdict names the slow rank with the expected
+    kind and no incident opened on another rank (none in the control)."""
+    kind, rank = ACCELERATE_SCENARIOS[scenario]
+    others = [ranks for ranks in result["opened"] if ranks != [rank]]
+    if kind is None:
+        ok = result["kind"] not in STRAGGLER_KINDS and not result["opened"]
+        expected = "no straggler, no incident"
+    else:
+        ok = result["kind"] == kind and result["culprit"] == rank and not others
+        expected = f"{kind} rank {rank}, no incident on another rank"
+    got = f"{result['kind']} rank {result['culprit']}, incidents {result['opened']}"
+    return Check(f"accelerate {scenario}", expected, got, ok)
 
 
 def render(checks: Sequence[Check]) -> str:
@@ -289,25 +317,30 @@ def _ddp_worker(rank: int, world: int, port: int, backend: str, out: str) -> Non
     dist.destroy_process_group()
 
 
-def cell_ddp(out: Path, backend: str) -> None:
-    """Two ranks, four scenarios; writes each scenario's verdict."""
+def _run_ranks(target: Any, args_per_rank: list[tuple[Any, ...]], job: str) -> None:
+    """One spawned process per rank (``target(*args)``), joined; ``RuntimeError`` naming the
+    ranks that failed."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    parts = [str(out) + f".rank{r}" for r in range(2)]
     ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_ddp_worker, args=(r, 2, port, backend, parts[r])) for r in range(2)
-    ]
+    procs = [ctx.Process(target=target, args=args) for args in args_per_rank]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if failed:
-        raise RuntimeError(f"rank(s) {failed} of the {backend} job failed")
+        raise RuntimeError(f"rank(s) {failed} of the {job} job failed")
+
+
+def cell_ddp(out: Path, backend: str) -> None:
+    """Two ranks, four scenarios; writes each scenario's verdict."""
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parts = [str(out) + f".rank{r}" for r in range(2)]
+    _run_ranks(_ddp_worker, [(r, 2, port, backend, parts[r]) for r in range(2)], backend)
     per_rank = [json.loads(Path(p).read_text()) for p in parts]
     verdicts = {
         s: verdict_of({r: per_rank[r][s] for r in range(2)}, window=STEPS) for s in SCENARIOS
@@ -351,11 +384,57 @@ def cell_cost(out: Path) -> None:
     out.write_text(json.dumps(results))
 
 
+def _accelerate_worker(rank: int, port: int, scenario: str, out: str) -> None:
+    import torch
+
+    from bench import trainer_accelerate
+    from bench.accuracy_frameworks import torchrun_env
+    from bench.accuracy_parallel import recording_rankwatch
+
+    os.environ.update(torchrun_env(rank, ACCELERATE_WORLD, port))
+    torch.cuda.set_device(rank)
+    slow = rank == SLOW_RANK
+    cycles = int(FAULT_MS * sleep_cycles_per_ms())
+    hook = (lambda *_: torch.cuda._sleep(cycles)) if slow and scenario == "forward" else None
+    delay_s = FAULT_MS / 1e3 if slow and scenario == "data" else 0.0
+    made: list[Any] = []
+
+    def factory() -> Any:
+        made.append(recording_rankwatch(f"gpu-check-accelerate-{scenario}"))
+        return made[0][0]
+
+    # The cell's folder, which every rank sees: rank 0 saves the model there once.
+    model_folder = str(Path(out).parent / "tiny-llama")
+    trainer_accelerate.run(model_folder, STEPS, delay_s, hook, factory)
+    recorded = made[0][1]()
+    if recorded:
+        summary = next(w for w in recorded["windows"] if w["window"] == "summary")
+        opened = [i["ranks"] for i in recorded["incidents"] if i["action"] == "open"]
+        result = {"kind": summary["kind"], "culprit": summary["culprit"], "opened": opened}
+        Path(out).write_text(json.dumps(result))
+
+
+def cell_accelerate(out: Path) -> None:
+    """Four NCCL ranks per scenario (a world each); writes each scenario's verdict."""
+
+    results = {}
+    for scenario in ACCELERATE_SCENARIOS:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        part = f"{out}.{scenario}"
+        ranks = [(r, port, scenario, part) for r in range(ACCELERATE_WORLD)]
+        _run_ranks(_accelerate_worker, ranks, f"Accelerate {scenario}")
+        results[scenario] = json.loads(Path(part).read_text())
+    out.write_text(json.dumps(results))
+
+
 CELLS = {
     "clock": cell_clock,
     "gloo": lambda out: cell_ddp(out, "gloo"),
     "nccl": lambda out: cell_ddp(out, "nccl"),
     "cost": cell_cost,
+    "accelerate": cell_accelerate,
 }
 
 
@@ -392,6 +471,8 @@ def checks_of(name: str, result: Any, error: str) -> list[Check]:
         return [judge_clock(result["rankwatch"], result["own"])]
     if name == "cost":
         return [judge_cost(result["unwatched"], result["watched"])]
+    if name == "accelerate":
+        return [judge_accelerate(s, result[s]) for s in ACCELERATE_SCENARIOS]
     return [judge_verdict(name, s, result[s]) for s in SCENARIOS]
 
 
@@ -415,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in CELLS:
             if name == "nccl" and gpus < 2:
                 checks.append(Check("nccl", "2+ GPUs", f"skipped: {gpus} GPU", True))
+                continue
+            if name == "accelerate" and gpus < ACCELERATE_WORLD:
+                need = f"{ACCELERATE_WORLD}+ GPUs"
+                checks.append(Check("accelerate", need, f"skipped: {gpus} GPU(s)", True))
                 continue
             result, error = run_cell(name, Path(tmp))
             checks.extend(checks_of(name, result, error))

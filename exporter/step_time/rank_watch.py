@@ -327,6 +327,16 @@ class RankWatch:
             return _INERT
         return self.timer._untimed
 
+    def end_step(self) -> None:
+        """End the training step the hooks opened now that its optimizer has stepped: it ends
+        where the optimizer step ended, so what the loop does next (a checkpoint save, which
+        every rank waits through together) is in no step, and the next fetch or forward opens
+        the next one. A step whose optimizer has not stepped is discarded; nothing happens
+        when no step is open. (On the GPU clock the step is discarded: its end marker cannot
+        be placed in the past.)"""
+        if self.timer is not None:
+            self.timer.finish_open_step()
+
     def collect(self) -> None:
         """Mark one training step for collection; in sync mode every ``sync_step``-th call
         ships rows (and, on the root, builds a window) on the background thread."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.gpu_check import (
+    ACCELERATE_SCENARIOS,
     FAULT_MS,
     SCENARIOS,
     SLOW_RANK,
@@ -152,3 +153,23 @@ def test_a_cell_past_its_time_limit_is_killed_and_reported(
     monkeypatch.setitem(check.CELL_SECONDS, "cost", 0.05)  # killed while it imports torch
     result, error = run_cell("cost", tmp_path)
     assert result is None and error == "no result within 0 s"
+
+
+def test_the_accelerate_scenarios_are_judged_by_verdict_and_incidents() -> None:
+    """The Accelerate N-D cell (4+ GPUs): the slow rank named, no incident elsewhere, and a
+    quiet control."""
+    named = {"kind": "STRAGGLER", "culprit": SLOW_RANK, "opened": [[SLOW_RANK]]}
+    result = {
+        "control": {"kind": "COMPUTE_BOUND", "culprit": None, "opened": []},
+        "data": {**named, "kind": "INPUT_STRAGGLER"},
+        "forward": named,
+    }
+    rows = checks_of("accelerate", result, "")
+    assert [r.cell for r in rows] == [f"accelerate {s}" for s in ACCELERATE_SCENARIOS]
+    assert all(r.ok for r in rows), render(rows)
+    wrong = {
+        "control": {"kind": "COMPUTE_BOUND", "culprit": None, "opened": [[0, 1, 2, 3]]},
+        "data": {**named, "culprit": 0},
+        "forward": {**named, "opened": [[SLOW_RANK], [0]]},
+    }
+    assert not any(r.ok for r in checks_of("accelerate", wrong, ""))
