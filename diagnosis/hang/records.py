@@ -179,7 +179,8 @@ def _text(obj: Mapping[str, Any], name: str, where: str) -> str:
     value = obj.get(name, "")
     if not isinstance(value, str) or len(value) > MAX_TEXT:
         raise ValueError(
-            f"hang record: field {_where(where, name)}: value {str(value)[:80]!r} is not a text of at most {MAX_TEXT} characters"
+            f"hang record: field {_where(where, name)}: "
+            f"value {str(value)[:80]!r} is not a text of at most {MAX_TEXT} characters"
         )
     return value
 
@@ -240,18 +241,21 @@ def record_from_dict(obj: object, where: str = "") -> RankRecord:
     state = obj.get("state", ANSWERED)
     if state not in RANK_STATES:
         raise ValueError(
-            f"hang record: field {_where(where, 'state')}: value {state!r} is not one of {', '.join(RANK_STATES)}"
+            f"hang record: field {_where(where, 'state')}: "
+            f"value {state!r} is not one of {', '.join(RANK_STATES)}"
         )
     seqs = obj.get("group_seqs", {})
     if not isinstance(seqs, Mapping) or len(seqs) > MAX_GROUPS:
         raise ValueError(
-            f"hang record: field {_where(where, 'group_seqs')}: expected an object of at most {MAX_GROUPS} groups"
+            f"hang record: field {_where(where, 'group_seqs')}: "
+            f"expected an object of at most {MAX_GROUPS} groups"
         )
     group_seqs: dict[str, int] = {}
-    for name, value in seqs.items():
+    for name in seqs:
         if not isinstance(name, str) or len(name) > MAX_TEXT:
             raise ValueError(
-                f"hang record: field {_where(where, 'group_seqs')}: key {str(name)[:80]!r} is not a group name"
+                f"hang record: field {_where(where, 'group_seqs')}: "
+                f"key {str(name)[:80]!r} is not a group name"
             )
         group_seqs[name] = _int(seqs, name, _where(where, "group_seqs"))
     return RankRecord(

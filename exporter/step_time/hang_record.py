@@ -237,7 +237,7 @@ class GroupSeqs:
                 return None
             pg = dist.distributed_c10d._get_default_group() if group is None else group
             name = str(pg.group_name)
-            seq = int(pg._get_sequence_number_for_group())
+            seq = int(pg._get_sequence_number_for_group())  # type: ignore[union-attr]
         except Exception:  # a fake or torn-down group: no sequence number
             return None
         if name not in self._groups and len(self._groups) < self.MAX_GROUPS:

@@ -103,5 +103,5 @@ def test_rank_stuck_in_its_dataset(tmp_path: Path) -> None:
         assert part in line, line
     print(line)
     metrics = res["metrics"]
-    assert 'rankwatch_hang_active{' in metrics, metrics[-3000:]
+    assert "rankwatch_hang_active{" in metrics, metrics[-3000:]
     assert 'hang_class="stuck_alive"' in metrics
