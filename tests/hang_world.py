@@ -124,6 +124,9 @@ class HangRoot:
             self.finish()
 
     def finish(self, extra: dict[str, Any] | None = None) -> None:
+        # Every rank writes its hang record file within a poll of shipping its record, and
+        # the root may open on the record it read first: give the files that poll.
+        time.sleep(1.0)
         metrics = ""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:

@@ -295,3 +295,30 @@ def install_checkpoint_phases(timer: StepTimer, budget_seconds: float) -> list[A
                     )
                 )
     return shadows
+
+
+class DeviceWaitClock:
+    """How long the device has been inside a collective (the GPU clock: the host does not
+    block there). A sync wait whose start marker the device has passed and whose end marker it
+    has not is one it is inside; the clock starts when this watcher first sees it so (polled
+    with ``query()``, never synchronising). Background thread only."""
+
+    MAX_TRACKED = 256
+
+    def __init__(self) -> None:
+        self._since: dict[int, float] = {}
+
+    def seconds(self, markers: list[tuple[Any, Any]], now: float) -> float | None:
+        """Seconds the device has been inside its oldest unfinished wait, None when it is in
+        none (or a marker cannot be asked)."""
+        inside: dict[int, float] = {}
+        try:
+            for start, stop in markers[: self.MAX_TRACKED]:
+                if stop.query() or not start.query():
+                    continue
+                key = id(stop)
+                inside[key] = self._since.get(key, now)
+        except Exception:  # a device error: no answer from the device clock
+            return None
+        self._since = inside
+        return max((now - t for t in inside.values()), default=None)

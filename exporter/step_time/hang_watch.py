@@ -28,11 +28,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rankwatch.diagnosis.hang import RankRecord
+from rankwatch.diagnosis.hang import Collective, RankRecord
 from rankwatch.diagnosis.step_time.table import column
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.step_time.hang_file import HangFileWriter
 from rankwatch.exporter.step_time.hang_record import (
+    DeviceWaitClock,
     GroupSeqs,
     collective_in_frames,
     current_phase,
@@ -91,6 +92,7 @@ class HangWatcher:
         self.on_suspect = on_suspect
         self.file = file
         self.groups = GroupSeqs()
+        self.device_waits = DeviceWaitClock()
         self.pid = os.getpid()
         self.pidns = pid_namespace()
         self._beat = 0
@@ -225,6 +227,8 @@ class HangWatcher:
                 except Exception as exc:  # a frame's arguments unreadable: frames still go
                     note = f"collective unreadable: {type(exc).__name__}"
             del frame
+            if collective is None:
+                collective = self._device_collective(now_ns)
         self._beat += 1
         return RankRecord(
             rank=self.rank,
@@ -240,6 +244,19 @@ class HangWatcher:
             frames=tuple(top),
             frames_note=note,
         )
+
+    def _device_collective(self, now_ns: int) -> Collective | None:
+        """On the GPU clock: the collective the device has been inside for at least a third
+        of the budget (its group and op unseen from here: the default group's number)."""
+        gpu = self.timer.gpu
+        if gpu is None:
+            return None
+        seconds = self.device_waits.seconds(gpu.wait_markers(), now_ns / 1e9)
+        if seconds is None or seconds < self.budget_seconds(now_ns) * SUSPECT_FRACTION:
+            return None
+        found = self.groups.seq_of(None)
+        group, seq = found if found is not None else ("", 0)
+        return Collective(group=group, op="device_wait", seq=seq, seconds=round(seconds, 3))
 
     def _write(self, record: RankRecord) -> None:
         payload = record.to_dict()
