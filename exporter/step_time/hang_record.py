@@ -267,6 +267,7 @@ def _checkpoint_shadow(timer: StepTimer, budget_seconds: float, original: Any) -
 
     saving.__wrapped__ = original  # type: ignore[attr-defined]
     saving.__doc__ = getattr(original, "__doc__", None)
+    saving._rankwatch_checkpoint = True  # type: ignore[attr-defined]
     return saving
 
 
@@ -288,7 +289,7 @@ def install_checkpoint_phases(timer: StepTimer, budget_seconds: float) -> list[A
             continue
         for name in ("save", "async_save"):
             original = getattr(owner, name, None)
-            if callable(original) and not hasattr(original, "__wrapped__"):
+            if callable(original) and not getattr(original, "_rankwatch_checkpoint", False):
                 shadows.append(
                     AttributeShadow(
                         owner, name, _checkpoint_shadow(timer, budget_seconds, original)

@@ -163,3 +163,68 @@ def test_a_rank_in_a_declared_long_phase_holds_the_group_budget_up(store: Any) -
     store.set(record_key(1), json.dumps({**saving.to_dict(), "beat": 3}))
     root.tick(_me(10.0))
     assert reports == []
+
+
+def test_evaluation_forwards_and_an_epochs_first_batch_are_seen_by_the_watcher() -> None:
+    import torch
+
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
+
+    rw = RankWatch(config=RankwatchConfig.from_env({}, metrics_enabled=False))
+    try:
+        model = torch.nn.Linear(4, 1)
+        loader = rw.watch(model, None, [torch.ones(2, 4)] * 3)
+        assert rw.timer is not None
+        marks = rw.timer.marks
+        model.eval()
+        with torch.no_grad():
+            model(torch.ones(2, 4))  # evaluation: no step opens, but it is progress
+        assert rw.timer.marks == marks + 1
+        it = iter(loader)
+        assert rw.timer.first_fetch  # the loader's workers may be starting
+        next(it)
+        assert not rw.timer.first_fetch
+    finally:
+        rw.close(2.0)
+
+
+def test_a_torch_distributed_checkpoint_save_is_a_declared_long_phase(tmp_path: Any) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from rankwatch.exporter.step_time.hang_record import install_checkpoint_phases
+
+    timer = StepTimer(8)
+    shadows = install_checkpoint_phases(timer, 900.0)
+    try:
+        assert shadows and getattr(dcp.save, "_rankwatch_checkpoint", False)
+        marks = timer.marks
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "ckpt"))
+        assert timer.marks == marks + 1 and timer.declared == []
+        assert any((tmp_path / "ckpt").iterdir())
+    finally:
+        for shadow in shadows:
+            shadow.remove()
+    assert not getattr(dcp.save, "_rankwatch_checkpoint", False)
+
+
+def test_declared_phases_refuse_bad_names_and_budgets() -> None:
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
+
+    rw = RankWatch(config=RankwatchConfig.from_env({}, metrics_enabled=False))
+    try:
+        for name, budget, field in (
+            ("", 10.0, "name"),
+            ("x" * 65, 10.0, "name"),
+            ("save", 0.0, "budget_seconds"),
+            ("save", float("inf"), "budget_seconds"),
+            ("save", True, "budget_seconds"),
+        ):
+            with pytest.raises(ValueError, match=field):
+                rw.phase(name, budget_seconds=budget)
+        with rw.phase("save", budget_seconds=30):
+            assert rw.timer is not None and rw.timer.declared[-1][:2] == ("save", 30.0)
+        with rw.phase("forward", budget_seconds=30):  # a timed phase, timed as well
+            assert rw.timer is not None and rw.timer.phase_open(FORWARD)
+    finally:
+        rw.close(2.0)
