@@ -323,3 +323,25 @@ class DeviceWaitClock:
             return None
         self._since = inside
         return max((now - t for t in inside.values()), default=None)
+
+
+# Long work recognised in a suspect rank's frames (only read on suspicion, nothing on the hot
+# path): a checkpoint being written (``torch.save``, ``torch.distributed.checkpoint``) and
+# torch.compile compiling (a recompilation after the first steps). (path part, phase name).
+_LONG_WORK: tuple[tuple[str, str], ...] = (
+    ("torch/distributed/checkpoint/", "checkpoint"),
+    ("torch/serialization.py", "checkpoint"),
+    ("torch/_dynamo/", "compile"),
+    ("torch/_inductor/", "compile"),
+)
+
+
+def long_work_in_frames(frame: FrameType | None) -> str:
+    """``checkpoint`` or ``compile`` when the stack is inside such work (its innermost
+    frame of it), else ``""``."""
+    for f in _frames(frame):
+        path = f.f_code.co_filename.replace("\\", "/")
+        for part, name in _LONG_WORK:
+            if part in path:
+                return name
+    return ""

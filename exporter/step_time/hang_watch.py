@@ -38,6 +38,7 @@ from rankwatch.exporter.step_time.hang_record import (
     collective_in_frames,
     current_phase,
     frame_lines,
+    long_work_in_frames,
 )
 from rankwatch.exporter.step_time.timer import StepTimer
 
@@ -214,12 +215,24 @@ class HangWatcher:
         top: list[str] = []
         note = ""
         collective = None
+        budget = self.budget_seconds(now_ns)
         if frames:
             frame = sys._current_frames().get(self.training_thread)
             if frame is None:
                 note = "stack unavailable: the training thread has ended"
             else:
                 top = frame_lines(frame, self.config.hang_stack_frames)
+                # A checkpoint being written or a recompilation, seen in the frames: a long
+                # phase of its own, with its budget (the group's, through this record).
+                work = long_work_in_frames(frame)
+                if work and not timer.declared:
+                    phase = work
+                    budget = max(
+                        budget,
+                        self.config.hang_checkpoint_budget_seconds
+                        if work == "checkpoint"
+                        else self.config.hang_warmup_budget_seconds,
+                    )
                 wait_start = timer._sync_wait._start
                 entered = (now_ns - wait_start) / 1e9 if wait_start >= 0 else phase_seconds
                 try:
@@ -238,7 +251,7 @@ class HangWatcher:
             phase_seconds=round(phase_seconds, 3),
             stalled_seconds=round((now_ns - self._progress_ns) / 1e9, 3),
             steps=timer.written,
-            budget_seconds=self.budget_seconds(now_ns),
+            budget_seconds=budget,
             collective=collective,
             group_seqs=self.groups.read() if frames else {},
             frames=tuple(top),

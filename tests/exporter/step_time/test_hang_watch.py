@@ -228,3 +228,34 @@ def test_declared_phases_refuse_bad_names_and_budgets() -> None:
             assert rw.timer is not None and rw.timer.phase_open(FORWARD)
     finally:
         rw.close(2.0)
+
+
+def test_a_checkpoint_being_written_is_recognised_in_the_frames() -> None:
+    import sys
+    import threading
+
+    import torch
+
+    from rankwatch.exporter.step_time.hang_record import long_work_in_frames
+
+    inside, release = threading.Event(), threading.Event()
+
+    class SlowFile:
+        def write(self, data: bytes) -> int:
+            inside.set()
+            release.wait(10)
+            return len(data)
+
+        def flush(self) -> None:
+            pass
+
+    thread = threading.Thread(target=lambda: torch.save({"w": torch.ones(2)}, SlowFile()))
+    thread.start()
+    try:
+        assert inside.wait(10)
+        assert thread.ident is not None
+        assert long_work_in_frames(sys._current_frames()[thread.ident]) == "checkpoint"
+        assert long_work_in_frames(sys._getframe()) == ""
+    finally:
+        release.set()
+        thread.join(10)
