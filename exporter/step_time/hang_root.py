@@ -12,7 +12,7 @@ whose process is gone, or whose connection to rankwatch's group failed, is *dead
 The verdict opens when no rank progressed for the group's budget (the largest of the ranks'
 own: a declared long phase, warm-up or a slow job's step time on any rank raises it for the
 group), or earlier for a mismatch or a dead rank seen on two consecutive polls. It closes once
-every living rank has finished a step since it opened.
+every living rank has finished a step since it opened or progresses again.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ _MAX_RECORD_BYTES = 64 * 1024
 # A record that has not changed for this many polls (and at least this many seconds) is silent.
 _FRESH_POLLS = 4
 _FRESH_MIN_SECONDS = 2.0
+
+
+def _progressing(record: RankRecord) -> bool:
+    """The rank progressed within a third of its budget when it wrote this record."""
+    return record.stalled_seconds < record.budget_seconds * SUSPECT_FRACTION
 
 
 def process_state(pid: int) -> str:
@@ -125,7 +130,7 @@ class HangRoot:
             self._follow(records, now)
             return
         answered = [r for r in records if r.state == ANSWERED]
-        if any(r.stalled_seconds < r.budget_seconds * SUSPECT_FRACTION for r in answered):
+        if any(_progressing(r) for r in answered):
             self._pending = None
             return  # some rank progresses: no hang
         silent = [r for r in records if r.state == NO_ANSWER]
@@ -283,7 +288,9 @@ class HangRoot:
         it once every living rank finished a step since it opened."""
         assert self.open is not None
         for r in records:
-            if r.state == ANSWERED and r.steps > self._steps_at_open.get(r.rank, r.steps):
+            if r.state == ANSWERED and (
+                r.steps > self._steps_at_open.get(r.rank, r.steps) or _progressing(r)
+            ):
                 self._recovered.add(r.rank)
         living = {r.rank for r in records if r.state != DEAD}
         if living and living <= self._recovered:
@@ -297,8 +304,7 @@ class HangRoot:
             self.publish(HangReport(None, self._budget))
             return
         if living & self._recovered or any(
-            r.state == ANSWERED and r.stalled_seconds < r.budget_seconds * SUSPECT_FRACTION
-            for r in records
+            r.state == ANSWERED and _progressing(r) for r in records
         ):
             return  # moving on: leave the verdict as it was
         stalled = min(

@@ -52,6 +52,8 @@ SUSPECT_FRACTION = 1.0 / 3.0
 _STEP_COL = column("cpu", "step")
 _HISTORY_STEPS = 64  # the newest steps whose median raises the budget
 _HISTORY_EVERY_SECONDS = 5.0
+# Polls a rank that progresses again keeps writing when it finishes no step.
+_RECOVERY_POLLS = 20
 # A budget that moved by more than this factor since the last record is written at once.
 _BUDGET_CHANGE = 1.25
 
@@ -104,6 +106,7 @@ class HangWatcher:
         self._history_at = 0.0
         self.suspect = False  # this rank has shipped a suspect record and not yet recovered
         self._steps_at_suspect = 0
+        self._recovering = 0  # polls written since the rank progressed again
         self.latest: RankRecord | None = None
         self._budget_sent = 0.0  # the budget in the last record written
         self._thread = threading.Thread(
@@ -149,11 +152,14 @@ class HangWatcher:
             if not self.suspect:
                 self.suspect = True
                 self._steps_at_suspect = timer.written
+            self._recovering = 0
             record = self._record(now, frames=True)
         elif self.suspect:
-            # Progressing again: keep saying so until a step is finished, then stop.
+            # Progressing again: keep saying so until a step is finished (or for a bounded
+            # number of polls: an evaluation loop finishes no step), then stop.
             record = self._record(now, frames=False)
-            if timer.written > self._steps_at_suspect:
+            self._recovering += 1
+            if timer.written > self._steps_at_suspect or self._recovering > _RECOVERY_POLLS:
                 self.suspect = False
                 if self.file is not None:
                     self.file.remove()

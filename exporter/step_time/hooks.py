@@ -220,7 +220,9 @@ class _WatchedIterator:
     def __next__(self) -> Any:
         timer = self._timer
         if get_ident() != self._loader.training_thread:
-            return self._loader._untimed(self._it)
+            batch = self._loader._untimed(self._it)
+            timer.first_fetch = False  # the loader has started (a prefetching producer)
+            return batch
         timer.loader_steps = True
         # The previous batch's step ends where this fetch starts. A batch the loop skipped
         # (no forward) stays in the open step, as its input wait.
