@@ -134,12 +134,17 @@ def load_hang_file(path: str | Path) -> HangFile:
 
 
 def classify_files(files: Sequence[HangFile]) -> HangVerdict | None:
-    """One verdict from several ranks' files (each rank's own record; a rank without a file
-    is not judged), or None without files. The stall is the shortest any rank reported."""
+    """One verdict from several ranks' files: each rank's own record, and for a rank without a
+    file the record the root's file holds of it; None with fewer than two ranks (one rank
+    alone says where it is, not who hung: see its record). The stall is the shortest any
+    rank reported."""
     own: dict[int, RankRecord] = {}
     for f in sorted(files, key=lambda f: (f.rank, f.written_at_s)):
+        for record in f.records[1:]:
+            own.setdefault(record.rank, record)
+    for f in sorted(files, key=lambda f: (f.rank, f.written_at_s)):
         own[f.rank] = f.own
-    if not own:
+    if len(own) < 2:
         return None
     records = list(own.values())
     stalled = min(r.stalled_seconds for r in records)

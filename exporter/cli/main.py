@@ -620,7 +620,22 @@ def _diagnose_hang_files(files: list[Any]) -> tuple[dict[str, Any], str]:
     verdict = classify_files(files)
     group = files[0].group if files else ""
     if verdict is None:
-        return {"hang": None}, "no hang records"
+        # One rank alone: where it was, not who hung.
+        if not files:
+            return {"kind": "hang", "records": []}, "no hang records"
+        rec = files[0].own
+        where = (
+            f" in {rec.collective.op} #{rec.collective.seq} of group {rec.collective.group}"
+            if rec.collective
+            else ""
+        )
+        text = (
+            f"rank {rec.rank} (host {rec.host}, pid {rec.pid}): phase {rec.phase or '?'} for "
+            f"{rec.phase_seconds:.1f} s{where}; no progress for {rec.stalled_seconds:.1f} s; "
+            f"top frame: {rec.frames[0] if rec.frames else rec.frames_note or 'none'} "
+            "(one rank's record: give every rank's file for the verdict)"
+        )
+        return {"kind": "hang", "files": [f.path for f in files], "record": rec.to_dict()}, text
     budget = max(f.own.budget_seconds for f in files)
     text = hang_line(verdict, group=group, budget_seconds=budget)
     ranks = sorted({f.rank for f in files})
