@@ -188,6 +188,7 @@ def test_evaluation_forwards_and_an_epochs_first_batch_are_seen_by_the_watcher()
         rw.close(2.0)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_torch_distributed_checkpoint_save_is_a_declared_long_phase(tmp_path: Any) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
