@@ -266,8 +266,13 @@ def classify_hang(
         group, top, waiting = found
         per = seqs[group]
         behind = [r for r in answered if r.rank in per and per[r.rank] < top]
-        # Ranks that answered without ever using the group are not behind in it.
-        named = sorted([*behind, *silent], key=lambda r: r.rank)
+        # A rank behind but itself inside a collective waits too (a broadcast's root waiting
+        # for a receiver while the other receivers went on): it is named only when nobody
+        # else can be.
+        outside = [r for r in behind if r.collective is None]
+        named = sorted([*(outside or ([] if silent else behind)), *silent], key=lambda r: r.rank)
+        named_ranks = {r.rank for r in named}
+        waiting = [*waiting, *(r for r in behind if r.rank not in named_ranks)]
         coll = _waited_collective(waiting, group, top)
         if named:
             return verdict(STUCK_ALIVE, named, waiting, coll)

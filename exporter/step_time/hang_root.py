@@ -93,6 +93,7 @@ class HangRoot:
         broken: Callable[[], set[int]] = set,
         progress_age: Callable[[int], float | None] = lambda r: None,
         log_lines: bool = True,
+        warmup_steps: int = 0,
     ) -> None:
         self.ranks = tuple(ranks)
         self.rank = rank
@@ -101,6 +102,7 @@ class HangRoot:
         self.group, self.host, self.pidns = group, host, pidns
         self.broken, self.progress_age = broken, progress_age
         self.log_lines = log_lines
+        self.warmup_steps = warmup_steps
         self.fresh_seconds = max(_FRESH_POLLS * poll_seconds, _FRESH_MIN_SECONDS)
         self._known: set[str] = set()
         self._beats: dict[int, tuple[int, float]] = {}  # rank -> (beat, monotonic of change)
@@ -145,7 +147,7 @@ class HangRoot:
         )
         # Every rank's latest budget, answering or not: a rank in a declared long phase said
         # so when it entered it, and keeps the whole group's budget up while it lasts.
-        budget = max([own.budget_seconds, *(r.budget_seconds for r in self._last.values())])
+        budget = max([own.budget_seconds, *(self._budget_of(r, own) for r in self._last.values())])
         if stalled >= budget:
             verdict = classify_hang(records, stalled_seconds=stalled)
         else:
@@ -165,6 +167,15 @@ class HangRoot:
         self._steps_at_open = {r.rank: r.steps for r in records}
         self._recovered = set()
         self._open(verdict, budget, stalled)
+
+    def _budget_of(self, record: RankRecord, own: RankRecord) -> float:
+        """A rank's latest budget, unless it is the warm-up budget of a record written before
+        its first steps while the root is well past them (a rank stopped right after warm-up,
+        before its watcher's next poll, would otherwise hold the group's budget at the warm-up
+        one: the group steps together, so its warm-up is over too)."""
+        if record.steps < self.warmup_steps <= own.steps - 2 and not record.frames:
+            return own.budget_seconds
+        return record.budget_seconds
 
     # ---- records ---------------------------------------------------------------------------
 

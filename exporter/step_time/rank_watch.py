@@ -276,6 +276,7 @@ class RankWatch:
                 progress_age=collector.progress_age,
                 # The hub logs the incident's line; without one the hang loop logs it.
                 log_lines=not any(isinstance(p, PublisherHub) for p in self.publishers),
+                warmup_steps=config.hang_warmup_steps,
             )
         folder = config.artifact_dir
         if folder and not usable_folder(

@@ -268,3 +268,14 @@ def test_a_hang_file_that_is_not_a_regular_file_or_too_deep_is_refused(tmp_path:
     deep.write_text("[" * 10_000 + "]" * 10_000)
     with pytest.raises(ArtifactError):
         load_hang_file(deep)
+
+
+def test_a_broadcast_root_waiting_for_a_silent_receiver_is_not_named() -> None:
+    # Rank 0 broadcasts (#21) and waits for rank 2, which stopped; rank 1 received and went on
+    # into DDP's all-reduce (#22, issued in C++).
+    root = _waiting(0, collective=_coll(op="broadcast", seq=21), group_seqs={"0": 21})
+    ahead = _waiting(1, collective=None, group_seqs={"0": 22})
+    stopped = RankRecord(rank=2, state=NO_ANSWER, frames_note="stack unavailable: stopped")
+    v = classify_hang([root, ahead, stopped], stalled_seconds=STALL)
+    assert v is not None and v.hang_class == "STUCK_ALIVE" and v.ranks == (2,)
+    assert v.waiting_ranks == (0, 1)
