@@ -1,0 +1,230 @@
+"""Every rank's hang watcher: a background thread (``rankwatch-hang-<rank>``) that notices when
+its training thread stopped progressing and then says where it is.
+
+While the job progresses it costs a look at a few of the timer's attributes every
+``hang_poll_seconds`` and ships nothing. Once this rank has not progressed for a third of its
+budget (:data:`SUSPECT_FRACTION`) it builds its record (:mod:`.hang_record`: phase, the
+collective it is blocked in, group sequence numbers, the training thread's top frames) and
+writes it as JSON under ``hang/<rank>`` in the c10d store of rankwatch's own group, every poll,
+with a beat counter; the store is served by a thread of its own in the store host's process,
+so this works while every training thread waits in a collective of the job's own groups. Once
+the rank progresses again it keeps writing until it has finished a step, so the root sees the
+job move on. With ``artifact_dir`` set the same record (and its frames) is kept in
+``hang-rank<R>-<pid>.json`` while the rank is suspect, refreshed on SIGTERM
+(:mod:`.hang_file`), and removed when the rank progresses again.
+
+On the root the same thread runs the group's hang loop (:class:`.hang_root.HangRoot`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rankwatch.diagnosis.hang import RankRecord
+from rankwatch.diagnosis.step_time.table import column
+from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.step_time.hang_record import (
+    GroupSeqs,
+    collective_in_frames,
+    current_phase,
+    frame_lines,
+)
+from rankwatch.exporter.step_time.timer import StepTimer
+
+__all__ = ["SUSPECT_FRACTION", "HangWatcher", "record_key"]
+
+log = logging.getLogger(__name__)
+
+# A rank writes its record once it has not progressed for this share of its budget, so the
+# root has fresh records (and frames) when the budget runs out.
+SUSPECT_FRACTION = 1.0 / 3.0
+_STEP_COL = column("cpu", "step")
+_HISTORY_STEPS = 64  # the newest steps whose median raises the budget
+_HISTORY_EVERY_SECONDS = 5.0
+
+
+def record_key(rank: int) -> str:
+    """The store key of ``rank``'s hang record (under rankwatch's group prefix)."""
+    return f"hang/{rank}"
+
+
+def pid_namespace() -> int:
+    """An id of this process's pid namespace (0 when unknown): pids compare only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+class HangWatcher:
+    """The hang watcher of one rank (see the module docstring). ``store``: rankwatch's own
+    group's store (None: a group of one, nothing shipped). ``root``: the group's hang loop,
+    on the root only, called every poll with this rank's record."""
+
+    def __init__(
+        self,
+        rank: int,
+        timer: StepTimer,
+        config: RankwatchConfig,
+        store: Any,
+        host: str,
+        training_thread: int,
+        root: Any = None,
+        on_suspect: Callable[[RankRecord | None], None] | None = None,
+    ) -> None:
+        self.rank, self.timer, self.config, self.store = rank, timer, config, store
+        self.host = host
+        self.training_thread = training_thread
+        self.root = root
+        self.on_suspect = on_suspect
+        self.groups = GroupSeqs()
+        self.pid = os.getpid()
+        self.pidns = pid_namespace()
+        self._beat = 0
+        self._stop = threading.Event()
+        self._marks = -1
+        self._progress_ns = time.perf_counter_ns()
+        self._median_step_seconds = 0.0
+        self._history_at = 0.0
+        self.suspect = False  # this rank has shipped a suspect record and not yet recovered
+        self._steps_at_suspect = 0
+        self.latest: RankRecord | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"rankwatch-hang-{rank}", daemon=True
+        )
+        if store is not None:
+            self._write(self._record(time.perf_counter_ns(), frames=False))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_seconds: float) -> None:
+        """End the thread (bounded) and forget the job's groups."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(max(0.0, timeout_seconds))
+        self.groups.clear()
+
+    # ---- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poll = self.config.hang_poll_seconds
+        while not self._stop.wait(poll):
+            try:
+                self.tick()
+            except Exception:  # the watcher must never take training down with it
+                log.exception("rankwatch: rank %d hang watcher failed; it stops", self.rank)
+                return
+
+    def tick(self) -> None:
+        """One look: progress, suspicion, the record shipped, and on the root its loop."""
+        now = time.perf_counter_ns()
+        timer = self.timer
+        marks = timer.marks
+        if marks != self._marks:
+            self._marks, self._progress_ns = marks, now
+        stalled = (now - self._progress_ns) / 1e9
+        budget = self.budget_seconds(now)
+        record: RankRecord | None = None
+        if stalled >= budget * SUSPECT_FRACTION:
+            if not self.suspect:
+                self.suspect = True
+                self._steps_at_suspect = timer.written
+            record = self._record(now, frames=True)
+        elif self.suspect:
+            # Progressing again: keep saying so until a step is finished, then stop.
+            record = self._record(now, frames=False)
+            if timer.written > self._steps_at_suspect:
+                self.suspect = False
+        if record is not None:
+            self.latest = record
+            if self.store is not None:
+                self._write(record)
+            if self.on_suspect is not None:
+                self.on_suspect(record if self.suspect else None)
+        if self.root is not None:
+            self.root.tick(self._record(now, frames=False) if record is None else record)
+
+    def budget_seconds(self, now_ns: int) -> float:
+        """This rank's budget now: the configured one, raised to ``hang_step_multiple`` times
+        the median of its newest steps, to the warm-up budget before ``hang_warmup_steps``
+        steps and while an epoch's first batch is awaited, and to a declared phase's own."""
+        cfg, timer = self.config, self.timer
+        budget = cfg.hang_budget_seconds
+        mono = time.monotonic()
+        if mono - self._history_at >= _HISTORY_EVERY_SECONDS:
+            self._history_at = mono
+            self._median_step_seconds = _median_step_seconds(timer)
+        budget = max(budget, cfg.hang_step_multiple * self._median_step_seconds)
+        if timer.written < cfg.hang_warmup_steps or timer.first_fetch:
+            budget = max(budget, cfg.hang_warmup_budget_seconds)
+        for _, declared, _ in list(timer.declared):
+            budget = max(budget, declared)
+        return budget
+
+    def _record(self, now_ns: int, *, frames: bool) -> RankRecord:
+        timer = self.timer
+        phase, phase_seconds = current_phase(timer, now_ns, self._progress_ns)
+        top: list[str] = []
+        note = ""
+        collective = None
+        if frames:
+            frame = sys._current_frames().get(self.training_thread)
+            if frame is None:
+                note = "stack unavailable: the training thread has ended"
+            else:
+                top = frame_lines(frame, self.config.hang_stack_frames)
+                wait_start = timer._sync_wait._start
+                entered = (now_ns - wait_start) / 1e9 if wait_start >= 0 else phase_seconds
+                try:
+                    collective = collective_in_frames(frame, self.groups.seq_of, entered)
+                except Exception as exc:  # a frame's arguments unreadable: frames still go
+                    note = f"collective unreadable: {type(exc).__name__}"
+            del frame
+        self._beat += 1
+        return RankRecord(
+            rank=self.rank,
+            host=self.host,
+            pid=self.pid,
+            phase=phase,
+            phase_seconds=round(phase_seconds, 3),
+            stalled_seconds=round((now_ns - self._progress_ns) / 1e9, 3),
+            steps=timer.written,
+            budget_seconds=self.budget_seconds(now_ns),
+            collective=collective,
+            group_seqs=self.groups.read() if frames else {},
+            frames=tuple(top),
+            frames_note=note,
+        )
+
+    def _write(self, record: RankRecord) -> None:
+        payload = record.to_dict()
+        payload["beat"] = self._beat
+        payload["pidns"] = self.pidns
+        try:
+            self.store.set(record_key(self.rank), json.dumps(payload))
+        except Exception as exc:  # the store is gone: the root will name this rank silent
+            log.debug("rankwatch: rank %d cannot write its hang record: %s", self.rank, exc)
+
+
+def _median_step_seconds(timer: StepTimer) -> float:
+    """Median step time of the newest steps the timer wrote (0.0 before any)."""
+    written = timer.written
+    n = min(written, _HISTORY_STEPS, timer.capacity)
+    rows = timer._rows
+    values = []
+    for i in range(written - n, written):
+        row = rows[i % timer.capacity]
+        if row is not None:
+            ms = row[_STEP_COL]
+            if ms == ms:
+                values.append(ms)
+    return statistics.median(values) / 1e3 if values else 0.0
