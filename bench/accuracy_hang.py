@@ -597,6 +597,12 @@ class Cell:
     error: str | None = None
 
     @property
+    def in_time(self) -> bool:
+        """The incident, its log line and its gauge all came within ``BUDGET_S`` of the fault."""
+        times = (self.incident_s, self.log_s, self.metrics_s)
+        return all(t is not None and t <= BUDGET_S for t in times)
+
+    @property
     def right(self) -> bool:
         if self.error is not None or self.left_behind:
             return False
@@ -604,14 +610,20 @@ class Cell:
             return self.hang_opened == 0 and self.quiet_windows >= self.spec.quiet_windows
         if self.spec.mechanics:
             return self.outcome == "hung"
+        return self.verdict_right
+
+    @property
+    def verdict_right(self) -> bool:
+        """A fault cell's verdict: the class, ranks, phase and collective expected, in the
+        incident, the log line (naming the rank) and on /metrics, no hang before the fault."""
         return (
-            self.hang_before_fault == 0
+            self.error is None
+            and self.hang_before_fault == 0
             and self.cls == self.expected_cls
             and self.ranks == self.expected_ranks
             and (self.expected_phase is None or self.phase == self.expected_phase)
             and (not SCENARIOS[self.spec.scenario].collective or bool(self.collective))
             and self.incident_s is not None
-            and self.incident_s <= BUDGET_S
             and self.log_s is not None
             and self.log_names_rank
             and self.metrics_s is not None
@@ -832,15 +844,26 @@ def cells_of(shapes: list[str], scenarios: list[str], mechanics: bool = False) -
     return [CellSpec(sh, sc, mechanics) for sh in shapes for sc in scenarios]
 
 
-def run_matrix(specs: list[CellSpec], log: Callable[[str], None] | None = None) -> list[Cell]:
-    """Run ``specs``, one world each, in order."""
+def run_matrix(
+    specs: list[CellSpec], log: Callable[[str], None] | None = None, json_path: str = ""
+) -> list[Cell]:
+    """Run ``specs``, one world each, in order; with ``json_path``, the cells so far are saved
+    there after each one (a long run stopped half way keeps what it measured)."""
     cells = []
     for spec in specs:
         cell = run_cell(spec)
         cells.append(cell)
         if log is not None:
             log(_one_line(cell))
+        if json_path:
+            save_run(cells, Path(json_path), _machine())
     return cells
+
+
+def save_run(cells: list[Cell], path: Path, machine: str) -> None:
+    """The cells, the commit and the machine, as JSON (``--from-json`` renders it)."""
+    data = {"commit": _commit(), "machine": machine, "cells": [asdict(c) for c in cells]}
+    path.write_text(json.dumps(data, indent=1, default=str))
 
 
 def _one_line(c: Cell) -> str:
@@ -936,14 +959,17 @@ def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> s
         )
     if fault:
         right = sum(c.right for c in fault)
+        in_time = sum(c.in_time for c in fault)
         lines += [
             "",
-            f"### Fault cells: {right} of {len(fault)} right",
+            f"### Fault cells: {right} of {len(fault)} right; {in_time} of {len(fault)} with "
+            f"the incident, the log line and the gauge within {BUDGET_S:.0f} s of the fault",
             "",
             "| shape | scenario | expected | observed | ranks (expected) | phase (expected) "
             "| collective | culprit's collective | incident after | log line after "
-            "| /metrics after | top frame | other incidents | hang records | left | right |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| /metrics after | top frame | other incidents | hang records | left | right "
+            f"| <= {BUDGET_S:.0f} s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in fault:
             phase = c.phase or "-"
@@ -956,7 +982,8 @@ def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> s
                 f"| {_cellv(_coll(c.collective))} | {_cellv(_coll(c.culprit_collective))} "
                 f"| {_s(c.incident_s)} | {log} | {_s(c.metrics_s)} "
                 f"| {_cellv(_frame(c.frames))[:80]} | {_others(c)} "
-                f"| {c.hang_records} | {c.left_behind} | {'yes' if c.right else '**no**'} |"
+                f"| {c.hang_records} | {c.left_behind} | {'yes' if c.right else '**no**'} "
+                f"| {'yes' if c.in_time else '**no**'} |"
             )
     if quiet:
         lines += [
@@ -1007,25 +1034,29 @@ def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> s
     return "\n".join(lines) + "\n"
 
 
-EXPLAIN = f"""Every cell is a real run of {WORLD} processes under `torch.distributed` (Gloo, CPU)
-on one machine. Each rank starts rankwatch as a user does (`init(on_incident=...)`, `/metrics`
-on, the hang budget at its default of {BUDGET_S:.0f} s) and `watch()`es its model, optimizer
-and loader (a map-style dataset read in the training thread); every rank's forward sleeps
-{COMPUTE_S * 1e3:.0f} ms per step and every step ends with an `all_reduce` of a 2-float metric
-(a logged loss) on a group of all ranks made for it. At step {FAULT_STEP} the fault starts on the culprit rank
-(never rank 0, the root that classifies). The harness records the time the fault started (the
-last rank's, when all stall), then polls what a person sees: the first `hang` incident
+EXPLAIN = f"""Every cell is a real run of {
+    WORLD
+} processes under `torch.distributed` (Gloo, CPU) on one
+machine. Each rank starts rankwatch as a user does (`init(on_incident=...)`, `/metrics` on, the
+hang budget at its default of {BUDGET_S:.0f} s) and `watch()`es its model, optimizer and loader
+(a map-style dataset read in the training thread); every rank's forward sleeps {
+    COMPUTE_S
+    * 1e3:.0f} ms per step and every step ends with an `all_reduce` of a 2-float metric (a logged
+loss) on a group of all ranks made for it. At step {FAULT_STEP} the fault starts on the culprit
+rank (never rank 0, the root that classifies). The harness records the time the fault started
+(the last rank's, when all stall), then polls what a person sees: the first `hang` incident
 (`on_incident` on the root), the first WARNING line of a `rankwatch` logger about the hang (it
-must name the culprit rank), and `rankwatch_hang_active` at 1 on the root's `/metrics`; latencies
-are from the fault. It stops at all three or {CELL_TIMEOUT_S:.0f} s after the fault, sends
-SIGTERM (and SIGCONT) to every rank's process group, waits {TERM_GRACE_S:.0f} s, counts the hang
-records written, then SIGCONT and SIGKILL to every group, and counts the job's processes still
-alive afterwards ("left": 0 everywhere is the goal). A cell is right when class, named ranks,
-phase (where one is expected) and a collective (where one is expected) match, the incident came
-within {BUDGET_S:.0f} s of the fault and the log line (naming the rank) and the gauge were seen.
-A rank whose collective raised (Gloo refuses some mismatches, and a dead peer's closed socket
-fails the others' collectives) is kept alive by the harness, as a launcher's grace period
-would, so the root can still speak; the errors are listed below the table."""
+must name the culprit rank), and `rankwatch_hang_active` at 1 on the root's `/metrics`;
+latencies are from the fault. It stops at all three or {CELL_TIMEOUT_S:.0f} s after the fault,
+sends SIGTERM (and SIGCONT) to every rank's process group, waits {TERM_GRACE_S:.0f} s, counts
+the hang records written, then SIGCONT and SIGKILL to every group, and counts the job's
+processes still alive afterwards ("left": 0 everywhere is the goal). A cell is right when class,
+named ranks, phase (where one is expected) and a collective (where one is expected) match and
+the log line (naming the rank) and the gauge were seen, with no hang incident before the fault;
+the last column says whether all three came within {BUDGET_S:.0f} s of the fault. A rank whose
+collective raised (Gloo refuses some mismatches, and a dead peer's closed socket fails the
+others' collectives) is kept alive by the harness, as a launcher's grace period would, so the
+root can still speak; the errors are listed below the table."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1060,14 +1091,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         # the quiet rows last: the fault cells are what a short run is for
         specs.sort(key=lambda s: s.scenario == QUIET)
-        cells = run_matrix(specs, log=lambda line: print(line, file=sys.stderr, flush=True))
-        if args.json:
-            Path(args.json).write_text(
-                json.dumps(
-                    {"commit": _commit(), "machine": machine, "cells": [asdict(c) for c in cells]},
-                    indent=1,
-                )
-            )
+        cells = run_matrix(
+            specs, log=lambda line: print(line, file=sys.stderr, flush=True), json_path=args.json
+        )
     text = render(cells, commit, machine)
     if args.out == "-":
         print(text)
