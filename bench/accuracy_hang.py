@@ -784,8 +784,8 @@ def _watch_fault(cell: Cell, procs: list[Any], out: str, metrics_port: int) -> N
         if cell.log_s is None:
             for line in _lines(Path(out, "log.jsonl")):
                 msg = str(line.get("message", ""))
-                if "hang" in msg.lower() or "hang" in str(line.get("logger", "")):
-                    cell.log_s, cell.log_line = line["t"] - fault_t, msg[:300]
+                if line["t"] >= fault_t and _is_hang_line(msg):
+                    cell.log_s, cell.log_line = line["t"] - fault_t, msg[:600]
                     cell.log_names_rank = all(
                         re.search(rf"\brank[s]?\W{{0,3}}(\[[^\]]*\b)?{r}\b", msg) for r in culprits
                     )
@@ -798,6 +798,19 @@ def _watch_fault(cell: Cell, procs: list[Any], out: str, metrics_port: int) -> N
         cell.outcome = "progressed" if _progress(out) > fault_t else "not hung long enough"
     if cell.spec.mechanics:
         cell.alive_ranks = [r for r, p in enumerate(procs) if p.is_alive()]
+
+
+def _is_hang_line(msg: str) -> bool:
+    """A log line opening a hang: the incident's JSON line (its class ``hang``, opened) or the
+    hang watcher's own text line."""
+    try:
+        doc = json.loads(msg)
+    except ValueError:
+        return bool(re.search(r"\bhang\b", msg)) and "over:" not in msg
+    if not isinstance(doc, dict):
+        return False
+    classes = [v for k, v in doc.items() if k.endswith("class")]
+    return "hang" in classes and "close" not in str(doc.get("event", ""))
 
 
 def _read_incidents(cell: Cell, out: str) -> None:
@@ -813,6 +826,12 @@ def _read_incidents(cell: Cell, out: str) -> None:
             continue
         if fault_t is not None and inc["t"] < fault_t:
             cell.hang_before_fault += 1
+            ev = inc.get("evidence") or {}
+            cell.other_incidents.append(
+                f"hang/{inc['cause']} {inc['ranks']} {inc.get('probe') or ''} "
+                f"{fault_t - inc['t']:.0f} s before the fault, stalled "
+                f"{float(ev.get('stalled_seconds') or 0):.0f} s"
+            )
             continue
         cell.hang_opened += 1
         if first is None:
@@ -925,8 +944,7 @@ def _frame(frames: Any) -> str:
 
 def _others(c: Cell) -> str:
     """Incidents a cell opened besides its hang: other classes, and hangs before the fault."""
-    before = [f"hang before the fault x{c.hang_before_fault}"] if c.hang_before_fault else []
-    return "; ".join([*before, *c.other_incidents]) or "-"
+    return "; ".join(c.other_incidents) or "-"
 
 
 def _cellv(text: str) -> str:
