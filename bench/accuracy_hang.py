@@ -41,6 +41,7 @@ import time
 import traceback
 import urllib.request
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -575,6 +576,7 @@ class Cell:
     culprit_collective: Any = None
     frames: Any = None
     waiting_ranks: list[int] = field(default_factory=list)
+    stalled_s: float | None = None  # the incident's stalled_seconds (no progress for so long)
     incident_s: float | None = None  # fault -> incident opened
     log_s: float | None = None  # fault -> a WARNING line naming the hang
     log_names_rank: bool = False
@@ -847,6 +849,8 @@ def _read_incidents(cell: Cell, out: str) -> None:
     cell.culprit_collective = ev.get("culprit_collective")
     cell.frames = ev.get("frames")
     cell.waiting_ranks = list(ev.get("waiting_ranks") or [])
+    stalled = ev.get("stalled_seconds")
+    cell.stalled_s = None if stalled is None else float(stalled)
     if fault_t is not None:
         cell.incident_s = first["t"] - fault_t
 
@@ -877,6 +881,21 @@ def run_matrix(
         if json_path:
             save_run(cells, Path(json_path), _machine())
     return cells
+
+
+def load_runs(paths: list[str]) -> tuple[list[Cell], str, str]:
+    """The cells :func:`save_run` wrote to ``paths``, a later file's cell replacing an earlier
+    one of the same key (a cell run again), with the first file's commit and machine."""
+    by_key: dict[str, Cell] = {}
+    commit = machine = ""
+    for i, path in enumerate(paths):
+        data = json.loads(Path(path).read_text())
+        if i == 0:
+            commit, machine = str(data["commit"]), str(data.get("machine", ""))
+        for c in data["cells"]:
+            cell = Cell(**{**c, "spec": CellSpec(**c["spec"])})
+            by_key[cell.spec.key] = cell
+    return list(by_key.values()), commit, machine
 
 
 def save_run(cells: list[Cell], path: Path, machine: str) -> None:
@@ -944,7 +963,17 @@ def _frame(frames: Any) -> str:
 
 def _others(c: Cell) -> str:
     """Incidents a cell opened besides its hang: other classes, and hangs before the fault."""
-    return "; ".join(c.other_incidents) or "-"
+    before = [i for i in c.other_incidents if i.startswith("hang/")]
+    counts = Counter(i.split(" ")[0] for i in c.other_incidents if not i.startswith("hang/"))
+    rest = [f"{k} x{n}" if n > 1 else k for k, n in counts.items()]
+    return "; ".join([*before, *rest]) or "-"
+
+
+def _first_hang(c: Cell) -> str:
+    if not c.hang_opened:
+        return "-"
+    stalled = "" if c.stalled_s is None else f", no progress for {c.stalled_s:.0f} s"
+    return f"{c.cls} {c.ranks} in `{c.phase or '-'}`{stalled}: {_cellv(_frame(c.frames))[:80]}"
 
 
 def _cellv(text: str) -> str:
@@ -1008,14 +1037,14 @@ def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> s
             "",
             f"### Quiet rows: {sum(c.right for c in quiet)} of {len(quiet)} right",
             "",
-            "| shape | live windows | checkpoint save | hang incidents | other incidents "
-            "| left | right |",
-            "|---|---|---|---|---|---|---|",
+            "| shape | live windows | checkpoint save | hang incidents | the first hang "
+            "| other incidents | left | right |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for c in quiet:
             lines.append(
                 f"| {c.spec.shape} | {c.quiet_windows} | {c.quiet_checkpoint_s:.0f} s "
-                f"| {c.hang_opened} | {'; '.join(c.other_incidents) or 'none'} "
+                f"| {c.hang_opened} | {_first_hang(c)} | {_others(c)} "
                 f"| {c.left_behind} | {'yes' if c.right else '**no**'} |"
             )
     errors = [c for c in cells if c.error or c.rank_errors]
@@ -1086,7 +1115,12 @@ def main(argv: list[str] | None = None) -> int:
         "--mechanics", action="store_true", help="run the fault cells without rankwatch"
     )
     parser.add_argument("--json", default="", help="also write the cells as JSON here")
-    parser.add_argument("--from-json", default="", help="render the cells saved here (--json)")
+    parser.add_argument(
+        "--from-json",
+        default="",
+        help="render the cells saved here (--json; comma-separated: later files' cells replace "
+        "earlier ones of the same cell)",
+    )
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -1100,9 +1134,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = None
     machine = _machine()
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        commit, machine = data["commit"], data.get("machine", "")
-        cells = [Cell(**{**c, "spec": CellSpec(**c["spec"])}) for c in data["cells"]]
+        cells, commit, machine = load_runs(args.from_json.split(","))
     else:
         specs = cells_of(
             shapes, [s for s in scenarios if s != QUIET or not args.mechanics], args.mechanics
