@@ -1078,7 +1078,53 @@ def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> s
                 f"| {c.spec.shape} | {c.spec.scenario} | {c.outcome} | {c.alive_ranks} "
                 f"| {_cellv(errs)} | {c.left_behind} |"
             )
+    lines += ["", NOTES]
     return "\n".join(lines) + "\n"
+
+
+NOTES = """### Reading the hang matrix
+
+- **Expected verdicts were decided before any run**, from what each fault is, and are not
+  moved to fit the results: a wrong cell stays wrong. A stopped process (SIGSTOP) is expected
+  `STUCK_ALIVE`, not `RANK_DEAD`: it still exists, its sockets stay open and SIGCONT resumes
+  it; only a process that is gone is dead. An extra or mismatched collective is expected
+  `COLLECTIVE_MISMATCH` naming the odd rank even where Gloo lets the others finish their side.
+  `ALL_STALLED` names no rank and is not judged on phase.
+- **What the faults do on Gloo without rankwatch** (`--mechanics`: the same jobs, no
+  rankwatch; a job is hung when no rank finishes a step for 15 s with every rank alive). Run on
+  DDP (all nine) and FSDP2 (the first four) before the detector existed: a rank stuck in its
+  dataset, asleep or spinning in its forward, SIGSTOPped, and every rank blocked on a FIFO:
+  hung, every rank alive. An extra 1-float `all_reduce` on the world group paired on DDP with
+  DDP's own bucket all-reduce (4,192 floats): Gloo aborted the culprit
+  (`op.preamble.length <= op.nbytes`, SIGABRT) and the others' collectives raised
+  "Connection reset by peer"; on FSDP2 the same call hung. The metric therefore has a group of
+  its own, where an extra call pairs with the others' call of the same size and the job hangs.
+  A 3-float against a 2-float all-reduce (4 ranks) hangs: the three others finish their side
+  and go on, the culprit stays inside; 1 float against 2 completes silently on every rank.
+  float64 against float32 (same element count) makes a *receiving* rank abort with the same
+  size check (rank 1 here, not the culprit) and the others raise; int32 against float32
+  (same size) completes silently: on Gloo no dtype mismatch hangs, so that cell measures
+  what a user sees when the job dies of one. SIGKILL: the peers' next collective raises
+  "Connection reset by peer" within seconds (the job fails rather than hangs). In the matrix a
+  rank whose collective raised is kept alive by the harness, as a launcher's grace period
+  would, so the root can still speak.
+- **Latency.** The default budget is counted from the last step any rank finished, and the
+  root looks every 0.5 s: a budget-bound incident cannot come before 15 s after the fault. A
+  dead rank is seen from its closed connection, much sooner.
+- **Ending every job.** Each rank leads a process group of its own and dies with the harness
+  (`PR_SET_PDEATHSIG`); every cell ends with SIGTERM and SIGCONT to every group, a grace, then
+  SIGCONT and SIGKILL; "left" counts the job's processes still alive afterwards (read from
+  `/proc`), and `ps` after the whole run showed none of them.
+- **Quiet rows.** A live window every 0.5 s over the last 10 steps (smaller than the defaults,
+  as in the 3D matrix), until the root has had at least 200; the first step compiles a
+  function in the forward (`torch.compile`, inductor's C++ on CPU), after step 150 every rank
+  evaluates (100 batches of 0.2 s, no gradients: 20 s without a step), after step 300 every
+  rank saves a `torch.distributed.checkpoint` through a storage writer that takes 60 s (the
+  pipeline's stages save under keys of their own). The step-time incidents these rows open
+  (10-step windows on a shared 2-core machine) are counted, not judged here.
+- **Limits.** CPU and Gloo only, 4 ranks on one machine, the culprit never the root; NCCL
+  behaves differently on mismatches (it hangs where Gloo aborts or completes). Never run on
+  GPUs."""
 
 
 EXPLAIN = f"""Every cell is a real run of {
@@ -1114,6 +1160,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mechanics", action="store_true", help="run the fault cells without rankwatch"
     )
+    parser.add_argument(
+        "--by-scenario",
+        action="store_true",
+        help="run a scenario on every shape before the next (a run stopped early then covers "
+        "every shape)",
+    )
+    parser.add_argument(
+        "--skip", default="", help="comma-separated cells not to run (shape/scenario)"
+    )
     parser.add_argument("--json", default="", help="also write the cells as JSON here")
     parser.add_argument(
         "--from-json",
@@ -1139,6 +1194,9 @@ def main(argv: list[str] | None = None) -> int:
         specs = cells_of(
             shapes, [s for s in scenarios if s != QUIET or not args.mechanics], args.mechanics
         )
+        if args.by_scenario:
+            specs.sort(key=lambda s: scenarios.index(s.scenario))
+        specs = [s for s in specs if s.key not in args.skip.split(",")]
         cells = run_matrix(
             specs, log=lambda line: print(line, file=sys.stderr, flush=True), json_path=args.json
         )
