@@ -61,12 +61,22 @@ def run_hang_world(
                 p.kill()
         for p in procs:
             p.join(10)
-    assert result.exists(), f"the root wrote no result in {wait_s} s" + _stderr_tails(
-        out_dir, world
+    assert result.exists(), (
+        f"the root wrote no result in {wait_s} s"
+        + _hang_files(out_dir)
+        + _stderr_tails(out_dir, world)
     )
     out: dict[str, Any] = json.loads(result.read_text())
     out["exitcodes"] = [p.exitcode for p in procs]
     return out
+
+
+def _hang_files(out_dir: Path) -> str:
+    """The hang record files the ranks left (what each saw last), for a failure's message."""
+    parts = []
+    for f in sorted(out_dir.glob("**/hang-rank*.json")):
+        parts.append(f"\n--- {f.name} ---\n{f.read_text()[:4000]}")
+    return "".join(parts)
 
 
 class _Lines(logging.Handler):
@@ -114,6 +124,9 @@ class HangRoot:
             self.finish()
 
     def finish(self, extra: dict[str, Any] | None = None) -> None:
+        # Every rank writes its hang record file within a poll of shipping its record, and
+        # the root may open on the record it read first: give the files that poll.
+        time.sleep(1.0)
         metrics = ""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:

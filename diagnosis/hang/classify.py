@@ -254,6 +254,10 @@ def classify_hang(
                 else ""
             )
         )
+        # Every other rank waits too: those inside the other side's collective, and those
+        # that went past it (a broadcast's receivers) into a later one.
+        culprit_ranks = {r.rank for r in culprits}
+        others = [r for r in answered if r.rank not in culprit_ranks]
         return verdict(COLLECTIVE_MISMATCH, culprits, others, theirs, mine, detail)
     if mismatch_only:
         return None

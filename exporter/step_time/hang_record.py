@@ -267,6 +267,7 @@ def _checkpoint_shadow(timer: StepTimer, budget_seconds: float, original: Any) -
 
     saving.__wrapped__ = original  # type: ignore[attr-defined]
     saving.__doc__ = getattr(original, "__doc__", None)
+    saving._rankwatch_checkpoint = True  # type: ignore[attr-defined]
     return saving
 
 
@@ -288,10 +289,59 @@ def install_checkpoint_phases(timer: StepTimer, budget_seconds: float) -> list[A
             continue
         for name in ("save", "async_save"):
             original = getattr(owner, name, None)
-            if callable(original) and not hasattr(original, "__wrapped__"):
+            if callable(original) and not getattr(original, "_rankwatch_checkpoint", False):
                 shadows.append(
                     AttributeShadow(
                         owner, name, _checkpoint_shadow(timer, budget_seconds, original)
                     )
                 )
     return shadows
+
+
+class DeviceWaitClock:
+    """How long the device has been inside a collective (the GPU clock: the host does not
+    block there). A sync wait whose start marker the device has passed and whose end marker it
+    has not is one it is inside; the clock starts when this watcher first sees it so (polled
+    with ``query()``, never synchronising). Background thread only."""
+
+    MAX_TRACKED = 256
+
+    def __init__(self) -> None:
+        self._since: dict[int, float] = {}
+
+    def seconds(self, markers: list[tuple[Any, Any]], now: float) -> float | None:
+        """Seconds the device has been inside its oldest unfinished wait, None when it is in
+        none (or a marker cannot be asked)."""
+        inside: dict[int, float] = {}
+        try:
+            for start, stop in markers[: self.MAX_TRACKED]:
+                if stop.query() or not start.query():
+                    continue
+                key = id(stop)
+                inside[key] = self._since.get(key, now)
+        except Exception:  # a device error: no answer from the device clock
+            return None
+        self._since = inside
+        return max((now - t for t in inside.values()), default=None)
+
+
+# Long work recognised in a suspect rank's frames (only read on suspicion, nothing on the hot
+# path): a checkpoint being written (``torch.save``, ``torch.distributed.checkpoint``) and
+# torch.compile compiling (a recompilation after the first steps). (path part, phase name).
+_LONG_WORK: tuple[tuple[str, str], ...] = (
+    ("torch/distributed/checkpoint/", "checkpoint"),
+    ("torch/serialization.py", "checkpoint"),
+    ("torch/_dynamo/", "compile"),
+    ("torch/_inductor/", "compile"),
+)
+
+
+def long_work_in_frames(frame: FrameType | None) -> str:
+    """``checkpoint`` or ``compile`` when the stack is inside such work (its innermost
+    frame of it), else ``""``."""
+    for f in _frames(frame):
+        path = f.f_code.co_filename.replace("\\", "/")
+        for part, name in _LONG_WORK:
+            if part in path:
+                return name
+    return ""

@@ -26,7 +26,14 @@ from dataclasses import replace
 from typing import Any
 
 from rankwatch.diagnosis.hang import HangReport, HangVerdict, RankRecord, classify_hang
-from rankwatch.diagnosis.hang.records import ANSWERED, DEAD, NO_ANSWER, record_from_dict
+from rankwatch.diagnosis.hang.records import (
+    ANSWERED,
+    COLLECTIVE_MISMATCH,
+    DEAD,
+    NO_ANSWER,
+    RANK_DEAD,
+    record_from_dict,
+)
 from rankwatch.diagnosis.hang.words import hang_line
 from rankwatch.exporter.step_time.hang_watch import SUSPECT_FRACTION, record_key
 
@@ -100,6 +107,8 @@ class HangRoot:
         self._recovered: set[int] = set()
         self._pending: tuple[str, tuple[int, ...]] | None = None
         self.reads = 0  # store reads made (none while the job progresses)
+        self.seen: list[RankRecord] = []  # every rank's record at the last read (hang file)
+        self.open_evidence: dict[str, Any] | None = None
 
     # ---- one poll --------------------------------------------------------------------------
 
@@ -111,6 +120,7 @@ class HangRoot:
             return
         now = time.monotonic()
         records = self._records(own, now)
+        self.seen = records
         if self.open is not None:
             self._follow(records, now)
             return
@@ -128,10 +138,16 @@ class HangRoot:
             [r.stalled_seconds for r in answered] + [r.silent_seconds for r in silent]
             or [own.stalled_seconds]
         )
-        budget = max(r.budget_seconds for r in answered) if answered else own.budget_seconds
+        # Every rank's latest budget, answering or not: a rank in a declared long phase said
+        # so when it entered it, and keeps the whole group's budget up while it lasts.
+        budget = max([own.budget_seconds, *(r.budget_seconds for r in self._last.values())])
         if stalled >= budget:
             verdict = classify_hang(records, stalled_seconds=stalled)
         else:
+            # Early (a mismatch, a dead rank) only once every living rank answered: a side
+            # not heard yet would be left out of the verdict.
+            if any(r.state == NO_ANSWER for r in records):
+                return
             verdict = classify_hang(records, stalled_seconds=stalled, mismatch_only=True)
             if verdict is not None:
                 seen = (verdict.hang_class, verdict.ranks)
@@ -258,7 +274,9 @@ class HangRoot:
         line = hang_line(verdict, group=self.group, budget_seconds=budget)
         if self.log_lines:
             log.warning(line)
-        self.publish(HangReport(verdict, budget, detected_after_seconds=stalled, message=line))
+        report = HangReport(verdict, budget, detected_after_seconds=stalled, message=line)
+        self.open_evidence = report.evidence()
+        self.publish(report)
 
     def _follow(self, records: list[RankRecord], now: float) -> None:
         """An open hang: refine it while it lasts (a rank dying, a mismatch seen later), close
@@ -270,6 +288,7 @@ class HangRoot:
         living = {r.rank for r in records if r.state != DEAD}
         if living and living <= self._recovered:
             self.open = None
+            self.open_evidence = None
             self._pending = None
             if self.log_lines:
                 log.warning(
@@ -277,14 +296,20 @@ class HangRoot:
                 )
             self.publish(HangReport(None, self._budget))
             return
-        if living & self._recovered:
+        if living & self._recovered or any(
+            r.state == ANSWERED and r.stalled_seconds < r.budget_seconds * SUSPECT_FRACTION
+            for r in records
+        ):
             return  # moving on: leave the verdict as it was
         stalled = min(
             [r.stalled_seconds for r in records if r.state == ANSWERED]
             + [r.silent_seconds for r in records if r.state == NO_ANSWER]
             or [0.0]
         )
+        # Refined only by what is worse than a stuck rank: a death or a mismatch seen later.
         verdict = classify_hang(records, stalled_seconds=stalled)
+        if verdict is not None and verdict.hang_class not in (RANK_DEAD, COLLECTIVE_MISMATCH):
+            return
         if verdict is not None and (verdict.hang_class, verdict.ranks) != (
             self.open.hang_class,
             self.open.ranks,

@@ -28,14 +28,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rankwatch.diagnosis.hang import RankRecord
+from rankwatch.diagnosis.hang import Collective, RankRecord
 from rankwatch.diagnosis.step_time.table import column
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.step_time.hang_file import HangFileWriter
 from rankwatch.exporter.step_time.hang_record import (
+    DeviceWaitClock,
     GroupSeqs,
     collective_in_frames,
     current_phase,
     frame_lines,
+    long_work_in_frames,
 )
 from rankwatch.exporter.step_time.timer import StepTimer
 
@@ -49,6 +52,8 @@ SUSPECT_FRACTION = 1.0 / 3.0
 _STEP_COL = column("cpu", "step")
 _HISTORY_STEPS = 64  # the newest steps whose median raises the budget
 _HISTORY_EVERY_SECONDS = 5.0
+# A budget that moved by more than this factor since the last record is written at once.
+_BUDGET_CHANGE = 1.25
 
 
 def record_key(rank: int) -> str:
@@ -79,13 +84,16 @@ class HangWatcher:
         training_thread: int,
         root: Any = None,
         on_suspect: Callable[[RankRecord | None], None] | None = None,
+        file: HangFileWriter | None = None,
     ) -> None:
         self.rank, self.timer, self.config, self.store = rank, timer, config, store
         self.host = host
         self.training_thread = training_thread
         self.root = root
         self.on_suspect = on_suspect
+        self.file = file
         self.groups = GroupSeqs()
+        self.device_waits = DeviceWaitClock()
         self.pid = os.getpid()
         self.pidns = pid_namespace()
         self._beat = 0
@@ -97,11 +105,14 @@ class HangWatcher:
         self.suspect = False  # this rank has shipped a suspect record and not yet recovered
         self._steps_at_suspect = 0
         self.latest: RankRecord | None = None
+        self._budget_sent = 0.0  # the budget in the last record written
         self._thread = threading.Thread(
             target=self._run, name=f"rankwatch-hang-{rank}", daemon=True
         )
         if store is not None:
-            self._write(self._record(time.perf_counter_ns(), frames=False))
+            first = self._record(time.perf_counter_ns(), frames=False)
+            self._budget_sent = first.budget_seconds
+            self._write(first)
 
     def start(self) -> None:
         self._thread.start()
@@ -144,7 +155,16 @@ class HangWatcher:
             record = self._record(now, frames=False)
             if timer.written > self._steps_at_suspect:
                 self.suspect = False
+                if self.file is not None:
+                    self.file.remove()
+        elif not (
+            self._budget_sent / _BUDGET_CHANGE <= budget <= self._budget_sent * _BUDGET_CHANGE
+        ):
+            # The budget moved (a declared long phase, warm-up over, an epoch's first batch):
+            # the root judges the group by every rank's budget, so it must know.
+            record = self._record(now, frames=False)
         if record is not None:
+            self._budget_sent = record.budget_seconds
             self.latest = record
             if self.store is not None:
                 self._write(record)
@@ -152,6 +172,25 @@ class HangWatcher:
                 self.on_suspect(record if self.suspect else None)
         if self.root is not None:
             self.root.tick(self._record(now, frames=False) if record is None else record)
+        if self.suspect and record is not None and self.file is not None:
+            self.write_file("suspect", force=False)
+
+    def write_file(self, reason: str, *, force: bool) -> None:
+        """This rank's hang record file (its record first; on the root, every rank's as last
+        seen and the open verdict)."""
+        if self.file is None or self.latest is None:
+            return
+        records = [self.latest]
+        verdict = None
+        if self.root is not None:
+            records += [r for r in self.root.seen if r.rank != self.rank]
+            verdict = self.root.open_evidence
+        self.file.write(records, verdict, reason, force=force)
+
+    def on_sigterm(self) -> None:
+        """SIGTERM: refresh the file of a suspect rank (the handler's job, main thread)."""
+        if self.suspect:
+            self.write_file("sigterm", force=True)
 
     def budget_seconds(self, now_ns: int) -> float:
         """This rank's budget now: the configured one, raised to ``hang_step_multiple`` times
@@ -176,12 +215,24 @@ class HangWatcher:
         top: list[str] = []
         note = ""
         collective = None
+        budget = self.budget_seconds(now_ns)
         if frames:
             frame = sys._current_frames().get(self.training_thread)
             if frame is None:
                 note = "stack unavailable: the training thread has ended"
             else:
                 top = frame_lines(frame, self.config.hang_stack_frames)
+                # A checkpoint being written or a recompilation, seen in the frames: a long
+                # phase of its own, with its budget (the group's, through this record).
+                work = long_work_in_frames(frame)
+                if work and not timer.declared:
+                    phase = work
+                    budget = max(
+                        budget,
+                        self.config.hang_checkpoint_budget_seconds
+                        if work == "checkpoint"
+                        else self.config.hang_warmup_budget_seconds,
+                    )
                 wait_start = timer._sync_wait._start
                 entered = (now_ns - wait_start) / 1e9 if wait_start >= 0 else phase_seconds
                 try:
@@ -189,6 +240,8 @@ class HangWatcher:
                 except Exception as exc:  # a frame's arguments unreadable: frames still go
                     note = f"collective unreadable: {type(exc).__name__}"
             del frame
+            if collective is None:
+                collective = self._device_collective(now_ns)
         self._beat += 1
         return RankRecord(
             rank=self.rank,
@@ -198,12 +251,25 @@ class HangWatcher:
             phase_seconds=round(phase_seconds, 3),
             stalled_seconds=round((now_ns - self._progress_ns) / 1e9, 3),
             steps=timer.written,
-            budget_seconds=self.budget_seconds(now_ns),
+            budget_seconds=budget,
             collective=collective,
             group_seqs=self.groups.read() if frames else {},
             frames=tuple(top),
             frames_note=note,
         )
+
+    def _device_collective(self, now_ns: int) -> Collective | None:
+        """On the GPU clock: the collective the device has been inside for at least a third
+        of the budget (its group and op unseen from here: the default group's number)."""
+        gpu = self.timer.gpu
+        if gpu is None:
+            return None
+        seconds = self.device_waits.seconds(gpu.wait_markers(), now_ns / 1e9)
+        if seconds is None or seconds < self.budget_seconds(now_ns) * SUSPECT_FRACTION:
+            return None
+        found = self.groups.seq_of(None)
+        group, seq = found if found is not None else ("", 0)
+        return Collective(group=group, op="device_wait", seq=seq, seconds=round(seconds, 3))
 
     def _write(self, record: RankRecord) -> None:
         payload = record.to_dict()

@@ -26,9 +26,11 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rankwatch.diagnosis.config import option_env
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time import normalize_strategy
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.folders import usable_folder
 from rankwatch.exporter.gloo import create_gloo_group, dedicated_store, group_timeout
 from rankwatch.exporter.identity import local_identity
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
@@ -44,6 +46,7 @@ from rankwatch.exporter.step_time.gpu_events import (
     cuda_event_factory,
     cuda_stream_of,
 )
+from rankwatch.exporter.step_time.hang_file import HangFileWriter, install_sigterm
 from rankwatch.exporter.step_time.hang_record import DeclaredPhase, install_checkpoint_phases
 from rankwatch.exporter.step_time.hang_root import HangRoot
 from rankwatch.exporter.step_time.hang_watch import HangWatcher, pid_namespace
@@ -204,6 +207,7 @@ class RankWatch:
         self._closed = False
         self._collector: WindowCollector | None = None
         self._hang: HangWatcher | None = None
+        self._undo_sigterm: Any = None
         self._layout: GroupLayout | None = None
         self.timer: StepTimer | None = None
         if not config.enabled:
@@ -273,9 +277,28 @@ class RankWatch:
                 # The hub logs the incident's line; without one the hang loop logs it.
                 log_lines=not any(isinstance(p, PublisherHub) for p in self.publishers),
             )
-        self._hang = HangWatcher(
-            layout.rank, timer, config, store, host, threading.get_ident(), root=root
+        folder = config.artifact_dir
+        if folder and not usable_folder(
+            folder, option_env(RankwatchConfig, "artifact_dir"), "hang records are not kept"
+        ):
+            folder = ""
+        writer = (
+            HangFileWriter(
+                folder,
+                layout.rank,
+                host,
+                config.run_id,
+                config.group_name,
+                config.hang_stack_frames,
+            )
+            if folder
+            else None
         )
+        self._hang = HangWatcher(
+            layout.rank, timer, config, store, host, threading.get_ident(), root=root, file=writer
+        )
+        if writer is not None:
+            self._undo_sigterm = install_sigterm(self._hang.on_sigterm)
         self._hang.start()
 
     # ---- properties ----------------------------------------------------------------------
@@ -531,6 +554,8 @@ class RankWatch:
             self.timer.drain_gpu(min(1.0, 0.2 * timeout_seconds))
         if self._hang is not None:
             self._hang.stop(min(1.0, max(0.0, deadline - time.monotonic())))
+            if self._undo_sigterm is not None:
+                self._undo_sigterm()
         if self._collector is not None:
             self._collector.stop(max(0.0, deadline - time.monotonic()))
         for pub in self.publishers:

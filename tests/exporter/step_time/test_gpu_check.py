@@ -152,3 +152,15 @@ def test_a_cell_past_its_time_limit_is_killed_and_reported(
     monkeypatch.setitem(check.CELL_SECONDS, "cost", 0.05)  # killed while it imports torch
     result, error = run_cell("cost", tmp_path)
     assert result is None and error == "no result within 0 s"
+
+
+def test_the_hang_cells_are_judged_by_class_and_named_rank() -> None:
+    from bench.gpu_check import HANG_SCENARIOS, checks_of, judge_hang
+
+    right = {"cause": "stuck_alive", "ranks": [1]}
+    assert judge_hang("sleep", right).ok
+    assert not judge_hang("sleep", {"cause": "all_stalled", "ranks": []}).ok
+    assert not judge_hang("mismatch", None).ok
+    rows = checks_of("hang", {"sleep": right, "mismatch": None}, "")
+    assert [r.cell for r in rows] == [f"hang/{s}" for s in HANG_SCENARIOS]
+    assert [r.ok for r in rows] == [True, False]
