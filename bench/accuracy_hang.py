@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -695,8 +696,10 @@ def _progress(out: str) -> float:
     return last
 
 
-def run_cell(spec: CellSpec) -> Cell:
-    """Run one cell in a world of its own, end the world, and say what happened."""
+def run_cell(spec: CellSpec, keep: Path | None = None) -> Cell:
+    """Run one cell in a world of its own, end the world, and say what happened; with
+    ``keep``, its files (hang records, log lines, incidents, the ranks' stderr) are copied to
+    ``keep/<shape>-<scenario>``."""
     want_cls, want_ranks, want_phase = expected_of(spec)
     cell = Cell(spec, want_cls, want_ranks, want_phase)
     start = time.monotonic()
@@ -730,6 +733,13 @@ def run_cell(spec: CellSpec) -> Cell:
             kill_world(procs, grace)
             cell.hang_records = len(list(Path(out, "artifacts").glob("**/hang-rank*.json")))
             _read_incidents(cell, out)
+            if keep is not None:
+                shutil.copytree(
+                    out,
+                    keep / f"{spec.shape}-{spec.scenario}",
+                    ignore=shutil.ignore_patterns("shared.fifo", "ckpt"),
+                    dirs_exist_ok=True,
+                )
     time.sleep(0.5)
     cell.left_behind = len(_group_members(pgids))
     cell.seconds = time.monotonic() - start
@@ -868,13 +878,16 @@ def cells_of(shapes: list[str], scenarios: list[str], mechanics: bool = False) -
 
 
 def run_matrix(
-    specs: list[CellSpec], log: Callable[[str], None] | None = None, json_path: str = ""
+    specs: list[CellSpec],
+    log: Callable[[str], None] | None = None,
+    json_path: str = "",
+    keep: Path | None = None,
 ) -> list[Cell]:
     """Run ``specs``, one world each, in order; with ``json_path``, the cells so far are saved
     there after each one (a long run stopped half way keeps what it measured)."""
     cells = []
     for spec in specs:
-        cell = run_cell(spec)
+        cell = run_cell(spec, keep)
         cells.append(cell)
         if log is not None:
             log(_one_line(cell))
@@ -1047,6 +1060,12 @@ def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> s
                 f"| {c.hang_opened} | {_first_hang(c)} | {_others(c)} "
                 f"| {c.left_behind} | {'yes' if c.right else '**no**'} |"
             )
+    ran = {c.spec.key for c in cells}
+    missing = [
+        f"{sh}/{sc}" for sh in SHAPES for sc in [*SCENARIOS, QUIET] if f"{sh}/{sc}" not in ran
+    ]
+    if fault and missing:
+        lines += ["", f"Not run in this run: {', '.join(f'`{m}`' for m in missing)}."]
     errors = [c for c in cells if c.error or c.rank_errors]
     if errors:
         lines += ["", "Errors seen by ranks (a collective that raised, a harness error):", ""]
@@ -1169,6 +1188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip", default="", help="comma-separated cells not to run (shape/scenario)"
     )
+    parser.add_argument(
+        "--keep", default="", help="copy each cell's files (hang records, logs) into this folder"
+    )
     parser.add_argument("--json", default="", help="also write the cells as JSON here")
     parser.add_argument(
         "--from-json",
@@ -1198,7 +1220,10 @@ def main(argv: list[str] | None = None) -> int:
             specs.sort(key=lambda s: scenarios.index(s.scenario))
         specs = [s for s in specs if s.key not in args.skip.split(",")]
         cells = run_matrix(
-            specs, log=lambda line: print(line, file=sys.stderr, flush=True), json_path=args.json
+            specs,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+            json_path=args.json,
+            keep=Path(args.keep) if args.keep else None,
         )
     text = render(cells, commit, machine)
     if args.out == "-":

@@ -45,12 +45,6 @@ def test_a_rank_stuck_in_its_dataset_is_named_in_the_incident_log_and_metrics(
     assert cell.metrics_s is not None and 'culprit_rank="2"' in cell.metrics_labels, table
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the hang watcher does not recognise torch.distributed.checkpoint.save (its shadow "
-    "is skipped for functions with __wrapped__, which torch's decorated save has, and is only "
-    "installed when the module was imported before watch()): the save opens all_stalled",
-)
 def test_compile_evaluation_and_a_checkpoint_save_open_no_hang(stuck_after_pauses: Cell) -> None:
     cell = stuck_after_pauses
     assert cell.error is None, cell.error
