@@ -982,6 +982,20 @@ def _others(c: Cell) -> str:
     return "; ".join([*before, *rest]) or "-"
 
 
+def _rank_errors(c: Cell) -> dict[str, str]:
+    """What each rank that failed said (a rank that ended cleanly is left out; a rank killed
+    by a signal without a word is said to be)."""
+    out = {}
+    for r, text in c.rank_errors.items():
+        code = c.exit_codes.get(r)
+        if code == 0:
+            continue
+        if code is not None and code < 0 and text == "(nothing on stderr)":
+            text = f"killed by signal {-code}"
+        out[r] = text
+    return out
+
+
 def _first_hang(c: Cell) -> str:
     if not c.hang_opened:
         return "-"
@@ -1066,12 +1080,12 @@ def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> s
     ]
     if fault and missing:
         lines += ["", f"Not run in this run: {', '.join(f'`{m}`' for m in missing)}."]
-    errors = [c for c in cells if c.error or c.rank_errors]
+    errors = [c for c in cells if c.error or _rank_errors(c)]
     if errors:
         lines += ["", "Errors seen by ranks (a collective that raised, a harness error):", ""]
         for c in errors:
             text = (c.error or "").strip().splitlines()[-1:] + [
-                f"rank {r}: {e}" for r, e in c.rank_errors.items()
+                f"rank {r}: {e}" for r, e in _rank_errors(c).items()
             ]
             lines.append(f"- {c.spec.key}: {_cellv('; '.join(text))}")
     if mech:
@@ -1141,6 +1155,20 @@ NOTES = """### Reading the hang matrix
   rank saves a `torch.distributed.checkpoint` through a storage writer that takes 60 s (the
   pipeline's stages save under keys of their own). The step-time incidents these rows open
   (10-step windows on a shared 2-core machine) are counted, not judged here.
+- **What this run found** (the detector as of the hang watcher's fifth commit; the cells not
+  reached before the deadline are listed above). Right: a rank stuck in DDP (its phase, its
+  frames, the others' group and sequence number; the op is `unknown` because DDP's bucket
+  all-reduce is issued in C++), a SIGKILLed rank on DDP and on the pipeline (`RANK_DEAD` in
+  about 6 s), the quiet rows (the 60 s `torch.distributed.checkpoint` save, the 20 s
+  evaluation and the compiling first step opened no hang; an earlier detector opened
+  `ALL_STALLED` during the save). Wrong: on FSDP2 (`fsdp`, `tp_dp`) no incident at all within
+  60 s, not even for a killed rank: FSDP2 runs its hooks through `torch._dynamo.disable`, so a
+  rank waiting in FSDP2's all-gather has a `torch/_dynamo` frame on its stack and is taken to be
+  compiling (the warm-up budget, 300 s); the FSDP2 quiet rows are therefore no evidence yet. On
+  the pipeline the stage-0 ranks waiting in their p2p receives are named with (or instead of)
+  the stuck rank. An extra or mismatched all-reduce on one rank is named (the right rank) as
+  `STUCK_ALIVE` in `outside_step`, not `COLLECTIVE_MISMATCH`. Every budget-bound incident
+  came 15.3 to 16.1 s after the fault: the Done-when's 15 s is not met with a 15 s budget.
 - **Limits.** CPU and Gloo only, 4 ranks on one machine, the culprit never the root; NCCL
   behaves differently on mismatches (it hangs where Gloo aborts or completes). Never run on
   GPUs."""
