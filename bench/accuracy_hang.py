@@ -1155,20 +1155,25 @@ NOTES = """### Reading the hang matrix
   rank saves a `torch.distributed.checkpoint` through a storage writer that takes 60 s (the
   pipeline's stages save under keys of their own). The step-time incidents these rows open
   (10-step windows on a shared 2-core machine) are counted, not judged here.
-- **What this run found** (the detector as of the hang watcher's fifth commit; the cells not
-  reached before the deadline are listed above). Right: a rank stuck in DDP (its phase, its
-  frames, the others' group and sequence number; the op is `unknown` because DDP's bucket
-  all-reduce is issued in C++), a SIGKILLed rank on DDP and on the pipeline (`RANK_DEAD` in
-  about 6 s), the quiet rows (the 60 s `torch.distributed.checkpoint` save, the 20 s
-  evaluation and the compiling first step opened no hang; an earlier detector opened
-  `ALL_STALLED` during the save). Wrong: on FSDP2 (`fsdp`, `tp_dp`) no incident at all within
-  60 s, not even for a killed rank: FSDP2 runs its hooks through `torch._dynamo.disable`, so a
-  rank waiting in FSDP2's all-gather has a `torch/_dynamo` frame on its stack and is taken to be
-  compiling (the warm-up budget, 300 s); the FSDP2 quiet rows are therefore no evidence yet. On
-  the pipeline the stage-0 ranks waiting in their p2p receives are named with (or instead of)
-  the stuck rank. An extra or mismatched all-reduce on one rank is named (the right rank) as
-  `STUCK_ALIVE` in `outside_step`, not `COLLECTIVE_MISMATCH`. Every budget-bound incident
-  came 15.3 to 16.1 s after the fault: the Done-when's 15 s is not met with a 15 s budget.
+- **What this run found** (the detector as of the hang watcher's fifth commit). Right: every
+  `all_stalled` cell (`ALL_STALLED`, no rank named); on DDP a rank stuck in its dataset, asleep
+  or spinning in its forward (its phase, its frames, the others' group and sequence number;
+  their op is `unknown`: DDP's bucket all-reduce is issued in C++); a SIGKILLed rank on DDP
+  and on the pipeline (`RANK_DEAD` in about 6 s); the four quiet rows (the 60 s
+  `torch.distributed.checkpoint` save, the 20 s evaluation and the compiling first step opened
+  no hang; an earlier detector opened `ALL_STALLED` during the save). Wrong: on FSDP2 (`fsdp`,
+  `tp_dp`) no incident at all within 60 s in 15 of 18 cells, a killed rank included: FSDP2
+  runs its hooks through `torch._dynamo.disable`, so a rank waiting in FSDP2's all-gather has a
+  `torch/_dynamo` frame on its stack and is taken to be compiling (the warm-up budget, 300 s);
+  the FSDP2 quiet rows are therefore no evidence yet. On the pipeline the stage-0 ranks
+  waiting in their p2p receives are named with (or instead of) the stuck rank. An extra or
+  mismatched all-reduce is named (the right rank) as `STUCK_ALIVE` in `outside_step` on DDP,
+  not `COLLECTIVE_MISMATCH`; the pipeline's shape mismatch is a `COLLECTIVE_MISMATCH` naming
+  the innocent rank 3 (a one-against-one tie). A dtype mismatch aborts a receiving rank in
+  Gloo, which is then named `RANK_DEAD` (rank 1, not the culprit). A SIGSTOPped rank is named
+  (`stack unavailable: ... the process is stopped`) without the phase it stopped in. Every
+  budget-bound incident came 15.3 to 16.1 s after the fault: the Done-when's 15 s is not met
+  with a 15 s budget.
 - **Limits.** CPU and Gloo only, 4 ranks on one machine, the culprit never the root; NCCL
   behaves differently on mismatches (it hangs where Gloo aborts or completes). Never run on
   GPUs."""
