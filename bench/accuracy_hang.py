@@ -886,13 +886,14 @@ def run_matrix(
     """Run ``specs``, one world each, in order; with ``json_path``, the cells so far are saved
     there after each one (a long run stopped half way keeps what it measured)."""
     cells = []
+    machine = _machine()
     for spec in specs:
         cell = run_cell(spec, keep)
         cells.append(cell)
         if log is not None:
             log(_one_line(cell))
         if json_path:
-            save_run(cells, Path(json_path), _machine())
+            save_run(cells, Path(json_path), machine)
     return cells
 
 
@@ -1182,16 +1183,16 @@ NOTES = """### Reading the hang matrix
 EXPLAIN = f"""Every cell is a real run of {
     WORLD
 } processes under `torch.distributed` (Gloo, CPU) on one
-machine. Each rank starts rankwatch as a user does (`init(on_incident=...)`, `/metrics` on, the
-hang budget at its default of {BUDGET_S:.0f} s) and `watch()`es its model, optimizer and loader
-(a map-style dataset read in the training thread); every rank's forward sleeps {
-    COMPUTE_S
-    * 1e3:.0f} ms per step and every step ends with an `all_reduce` of a 2-float metric (a logged
-loss) on a group of all ranks made for it. At step {FAULT_STEP} the fault starts on the culprit
-rank (never rank 0, the root that classifies). The harness records the time the fault started
-(the last rank's, when all stall), then polls what a person sees: the first `hang` incident
-(`on_incident` on the root), the first WARNING line of a `rankwatch` logger about the hang (it
-must name the culprit rank), and `rankwatch_hang_active` at 1 on the root's `/metrics`;
+machine. Each rank starts rankwatch with the publishers `init(on_incident=...)` builds
+(`RankWatch` over `default_publishers`, plus a counter of the root's live windows; `/metrics`
+on, the hang budget at its default of {BUDGET_S:.0f} s) and `watch()`es its model, optimizer and
+loader (a map-style dataset read in the training thread); every rank's forward sleeps {
+    COMPUTE_S * 1e3:.0f} ms per step and every step ends with an `all_reduce` of a 2-float metric (a
+logged loss) on a group of all ranks made for it. At step {FAULT_STEP} the fault starts on the
+culprit rank (never rank 0, the root that classifies). The harness records the time the fault
+started (the last rank's, when all stall), then polls what a person sees: the first `hang`
+incident (`on_incident` on the root), the first WARNING line of a `rankwatch` logger about the
+hang (it must name the culprit rank), and `rankwatch_hang_active` at 1 on the root's `/metrics`;
 latencies are from the fault. It stops at all three or {CELL_TIMEOUT_S:.0f} s after the fault,
 sends SIGTERM (and SIGCONT) to every rank's process group, waits {TERM_GRACE_S:.0f} s, counts
 the hang records written, then SIGCONT and SIGKILL to every group, and counts the job's
