@@ -1156,7 +1156,7 @@ NOTES = """### Reading the hang matrix
   rank saves a `torch.distributed.checkpoint` through a storage writer that takes 60 s (the
   pipeline's stages save under keys of their own). The step-time incidents these rows open
   (10-step windows on a shared 2-core machine) are counted, not judged here.
-- **What this run found** (the detector as of the hang watcher's fifth commit). Right: every
+- **What this run found** (the hang watcher as merged into the commit above). Right: every
   `all_stalled` cell (`ALL_STALLED`, no rank named); on DDP a rank stuck in its dataset, asleep
   or spinning in its forward (its phase, its frames, the others' group and sequence number;
   their op is `unknown`: DDP's bucket all-reduce is issued in C++); a SIGKILLed rank on DDP
