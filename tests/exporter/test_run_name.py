@@ -123,9 +123,12 @@ def test_rankwatch_config_shows_the_name_and_its_source(monkeypatch, capsys):
 
 _PRINT_RUN = textwrap.dedent(
     """
-    import json, os
+    import json, os, sys
+    from pathlib import Path
     from rankwatch.exporter.config import RankwatchConfig
-    print(json.dumps([os.environ["RANK"], RankwatchConfig.from_env().run_id]))
+    # A file per rank: the ranks share torchrun's stdout, where two lines can run together.
+    out = Path(sys.argv[1], "rank-" + os.environ["RANK"] + ".json")
+    out.write_text(json.dumps([os.environ["RANK"], RankwatchConfig.from_env().run_id]))
     """
 )
 
@@ -147,10 +150,15 @@ def test_a_real_torchrun_launch_names_every_rank_alike(tmp_path: Path, args, wan
     if args:
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", *args]
     proc = subprocess.run(
-        [*cmd, str(script)], env=env, capture_output=True, text=True, timeout=240, check=False
+        [*cmd, str(script), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
     assert sorted(rank for rank, _ in rows) == ["0", "1"]
     names = {name for _, name in rows}
     assert len(names) == 1 and "" not in names and "none" not in names
@@ -199,7 +207,8 @@ def test_the_source_of_every_name_is_said():
 
 _PLAIN_TORCHRUN_JOB = textwrap.dedent(
     """
-    import json, os
+    import json, os, sys
+    from pathlib import Path
     import torch.distributed as dist
     from rankwatch import exporter
 
@@ -211,7 +220,8 @@ _PLAIN_TORCHRUN_JOB = textwrap.dedent(
         rw.collect()
     name = rw.config.run_id
     rw.close(10.0)
-    print(json.dumps([os.environ["RANK"], name]), flush=True)
+    out = Path(sys.argv[1], "rank-" + os.environ["RANK"] + ".json")  # a file per rank (see above)
+    out.write_text(json.dumps([os.environ["RANK"], name]))
     dist.destroy_process_group()
     """
 )
@@ -233,10 +243,10 @@ def test_plain_torchrun_without_a_run_id_shares_one_readable_name(tmp_path: Path
         if not k.startswith(("SLURM_", "TORCHELASTIC_", "RANKWATCH_", "KUBERNETES_", "JOBSET_"))
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), str(script)]
+    cmd += ["--master-port", str(free_port()), str(script), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
     assert sorted(rank for rank, _ in rows) == ["0", "1"], proc.stdout
     (name,) = {name for _, name in rows}
     host = socket.gethostname().lower()
