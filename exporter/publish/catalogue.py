@@ -339,8 +339,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "",
         ("writer",),
         "Failed writes of rankwatch's files in this process, by writer (step_windows, summary, "
-        "hang_records, deepep_npz, deepep_log, deepxtrace_log); each kind of error is also "
-        "logged once per "
+        "deepep_npz, deepep_log, deepxtrace_log); each kind of error is also logged once per "
         "writer, naming the setting, the path and the errno.",
     ),
     _m(
