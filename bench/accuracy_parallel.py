@@ -681,12 +681,7 @@ def run_matrix(specs: list[CellSpec], *, one_world: bool = False) -> list[Cell]:
         per_rank = _run_world(world_specs)
         for spec in world_specs:
             cell = results[spec.key] = cell_of(spec, per_rank)
-            print(
-                f"{spec.key}: {cell.summary_kind} {cell.summary_culprit} "
-                f"{'right' if cell.right else 'WRONG'} ({cell.seconds:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+            say_cell(spec.key, cell)
     return [results[s.key] for s in specs]
 
 
@@ -713,6 +708,16 @@ def generated_tail(doc: str) -> str:
     one): the single-dimension matrix rewrites the file above it and keeps this."""
     at = doc.find("<!-- accuracy-parallel ")
     return "" if at < 0 else doc[at:]
+
+
+def say_cell(key: str, cell: Cell) -> None:
+    """One finished cell's progress line on stderr (a matrix run takes many minutes)."""
+    print(
+        f"{key}: {cell.summary_kind} {cell.summary_culprit} "
+        f"{'right' if cell.right else 'WRONG'} ({cell.seconds:.0f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def write_section(

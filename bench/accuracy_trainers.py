@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -44,6 +43,7 @@ from bench.accuracy_parallel import (
     names_of,
     recording_rankwatch,
     run_timed,
+    say_cell,
     write_section,
 )
 
@@ -205,12 +205,7 @@ def run_matrix(specs: list[CellSpec]) -> list[Cell]:
         per_rank = spawn_world(_worker, WORLD, world_specs, JOIN_TIMEOUT_S)
         for spec in world_specs:
             cell = results[spec.key] = cell_of(spec, per_rank, expected(spec))
-            print(
-                f"{spec.key}: {cell.summary_kind} {cell.summary_culprit} "
-                f"{'right' if cell.right else 'WRONG'} ({cell.seconds:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+            say_cell(spec.key, cell)
     return [results[s.key] for s in specs]
 
 
