@@ -627,6 +627,11 @@ class OtlpPublisher:
         closer = threading.Thread(target=shutdown, name=f"{WORKER_NAME}-close", daemon=True)
         closer.start()
         closer.join(max(0.0, deadline - time.monotonic()))
+        # The closer's own kill comes only after its wait for the child ends, a moment after
+        # this join gives up: kill the child here so that nothing of ours outlives close().
+        child = self._process
+        if child is not None:
+            child.kill()
 
     # -- worker side ------------------------------------------------------------------------
 

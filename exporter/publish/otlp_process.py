@@ -117,6 +117,14 @@ class MetricsProcess:
         self._proc = None
         _reap(proc)  # a worker still reading sees the pipe fail, quietly
 
+    def kill(self) -> None:
+        """End the child at once and reap it, whatever :meth:`close` (maybe still waiting on
+        another thread) has got to. Safe to call when the child is already gone."""
+        self._closing = True
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _reap(proc)
+
     def _send(self, message: object) -> bool:
         proc = self._proc
         if proc is None or proc.stdin is None:
