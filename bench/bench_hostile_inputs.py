@@ -12,6 +12,10 @@ from the same rounds:
 - **Oversized headers**: an artifact whose member header declares a size far beyond what the
   EP size allows (the fuzz test's 12 cases, up to 800 GB declared) is refused from the header;
   ms per refusal, baseline the intact load measured after each refusal.
+- **Bad DeepEP readings**: 1,000 cumulative counter readings of a simulated EP-16 group fed to
+  the root's window builder (and the good windows to the diagnoser), every other one bad (NaN,
+  wrapped counter, stale, wrong shape), as in the fault test; readings/s, baseline: 1,000 good
+  readings, in the same rounds.
 - **Scrape with idle and half-sent connections**: a TLS + basic-auth scrape (a new connection
   per scrape, as Prometheus does after an idle spell) with 100 silent TCP connections and 20 TLS
   ones stopped halfway through a request open; baseline: the same scrape with none open,
@@ -52,6 +56,7 @@ from tests.diagnosis.deepep.test_fuzz_artifacts import (
     members,
     write_zip,
 )
+from tests.e2e.test_faults_deepep_windows import Feeder, feed_readings
 from tests.exporter.publish.test_publish_failures import black_hole_port, publish_timed
 from tests.exporter.publish.test_security_metrics import (
     PASSWORD,
@@ -70,6 +75,7 @@ DAMAGED = 800  # as many as the fuzz test, split over the rounds
 REFUSALS = 4  # loads of each oversized case per round
 SCRAPES = 10  # per block
 FLOOD = 140
+READINGS = 1000  # DeepEP counter readings per round, as in the fault test
 PUBLISHES = 200  # publish() calls per block, as in the failure test
 
 
@@ -279,12 +285,35 @@ def publishing() -> list[dict[str, Any]]:
     return rows
 
 
+def readings() -> list[dict[str, Any]]:
+    """DeepEP counter readings through the root's window builder and the diagnoser, every
+    other one bad, beside the same number of good readings, in alternating rounds."""
+    rates: list[list[float]] = []
+    base: list[list[float]] = []
+    for _ in range(ROUNDS):
+        for bad, into in ((True, rates), (False, base)):
+            feeder = Feeder(seed=11)
+            t0 = time.perf_counter()
+            feed_readings(feeder, READINGS, bad=bad)
+            into.append([READINGS / (time.perf_counter() - t0)])
+    return [
+        row(
+            f"DeepEP EP-16 counter readings, every other one bad ({READINGS // 2} rejected, "
+            f"{READINGS // 2} diagnosed; baseline: all {READINGS} good)",
+            "readings/s",
+            rates,
+            base,
+            target=READINGS / 60,  # the fault test's former bound: 1,000 readings within 60 s
+        )
+    ]
+
+
 def run() -> list[dict[str, Any]]:
     """The artifact rows, the scrape rows, and the machine's load average at start and end."""
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        rows = artifacts(folder) + scrapes(folder) + publishing()
+        rows = artifacts(folder) + readings() + scrapes(folder) + publishing()
     rows.append(
         {
             "name": "machine load average, start of the run / end",
