@@ -63,6 +63,9 @@ class MetricsProcess:
             stdout=subprocess.PIPE,
             close_fds=True,
         )
+        # Kept after ``_proc`` is let go of (by close() or a failed pipe, on other threads,
+        # before they reap it): kill() reaps it whatever those have got to.
+        self._child = self._proc
         self._buffer = b""
         self._generation = 0
         self._closing = False
@@ -121,9 +124,8 @@ class MetricsProcess:
         """End the child at once and reap it, whatever :meth:`close` (maybe still waiting on
         another thread) has got to. Safe to call when the child is already gone."""
         self._closing = True
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            _reap(proc)
+        self._proc = None
+        _reap(self._child)
 
     def _send(self, message: object) -> bool:
         proc = self._proc
