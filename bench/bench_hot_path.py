@@ -24,6 +24,8 @@ import statistics
 import time
 from typing import Any
 
+from bench.run_all import row
+
 REPEATS = 9
 MARKS = 50_000
 STEPS = 10_000
@@ -262,16 +264,8 @@ def _training_blocks(hooked_rw: Any, explicit_rw: Any) -> dict[str, list[float]]
 def _row(
     name: str, target: float | None, values: list[float], unit: str, baselines: list[float]
 ) -> dict[str, Any]:
-    med, base = statistics.median(values), statistics.median(baselines)
-    return {
-        "name": name,
-        "target": target,
-        "median": med,
-        "spread": max(values) - min(values),
-        "unit": unit,
-        "baseline": base,
-        "ratio": med / base if base else None,
-    }
+    # Each value is one round's figure.
+    return row(name, unit, [[v] for v in values], [[b] for b in baselines], target)
 
 
 def run() -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,29 @@ def _fmt(value: Any) -> str:
             return f"{value:.2f}"
         return f"{value:.3g}"
     return str(value)
+
+
+def row(
+    name: str,
+    unit: str,
+    rounds: list[list[float]],
+    baseline_rounds: list[list[float]],
+    target: float | None = None,
+) -> dict[str, Any]:
+    """A result row from figures measured in rounds, the baseline's in the same rounds: the
+    median over all figures, the spread max - min of the round medians."""
+    median = statistics.median(x for r in rounds for x in r)
+    baseline = statistics.median(x for r in baseline_rounds for x in r)
+    per_round = [statistics.median(r) for r in rounds]
+    return {
+        "name": name,
+        "target": target,
+        "median": median,
+        "spread": max(per_round) - min(per_round),
+        "unit": unit,
+        "baseline": baseline,
+        "ratio": median / baseline if baseline else None,
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -494,6 +494,9 @@ class OtlpPublisher:
         self._own: OwnMetrics | None = None
         self._metric_failures: _FailureLog | None = None
         self._process: MetricsProcess | None = None
+        # The child as started, kept after the worker lets go of it: close() ends it whatever
+        # the worker has got to.
+        self._started_process: MetricsProcess | None = None
         self._process_allowed = False
         # The application's global providers, when configured to use them and they are set:
         # rankwatch then only adds instruments / emits records; their exporters, schedule and
@@ -627,6 +630,11 @@ class OtlpPublisher:
         closer = threading.Thread(target=shutdown, name=f"{WORKER_NAME}-close", daemon=True)
         closer.start()
         closer.join(max(0.0, deadline - time.monotonic()))
+        # The closer's own kill comes only after its wait for the child ends, a moment after
+        # this join gives up: kill the child here so that nothing of ours outlives close().
+        child = self._started_process
+        if child is not None:
+            child.kill()
 
     # -- worker side ------------------------------------------------------------------------
 
@@ -666,7 +674,7 @@ class OtlpPublisher:
     def _start_process(self, points: int) -> None:
         self._process_allowed = False  # one child for the life of the publisher
         try:
-            self._process = MetricsProcess(
+            self._process = self._started_process = MetricsProcess(
                 dict(self.resource.attributes),
                 self.resource.schema_url,
                 self.settings.metrics_protocol,

@@ -63,6 +63,9 @@ class MetricsProcess:
             stdout=subprocess.PIPE,
             close_fds=True,
         )
+        # Kept after ``_proc`` is let go of (by close() or a failed pipe, on other threads,
+        # before they reap it): kill() reaps it whatever those have got to.
+        self._child = self._proc
         self._buffer = b""
         self._generation = 0
         self._closing = False
@@ -116,6 +119,13 @@ class MetricsProcess:
             proc.wait(timeout_seconds)
         self._proc = None
         _reap(proc)  # a worker still reading sees the pipe fail, quietly
+
+    def kill(self) -> None:
+        """End the child at once and reap it, whatever :meth:`close` (maybe still waiting on
+        another thread) has got to. Safe to call when the child is already gone."""
+        self._closing = True
+        self._proc = None
+        _reap(self._child)
 
     def _send(self, message: object) -> bool:
         proc = self._proc

@@ -22,6 +22,7 @@ import hmac
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -321,6 +322,7 @@ class MetricsServer:
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + timeout_seconds
         done = threading.Event()
 
         def stop() -> None:
@@ -330,7 +332,7 @@ class MetricsServer:
         threading.Thread(target=stop, daemon=True).start()
         done.wait(timeout_seconds)
         self._server.server_close()
-        self._thread.join(max(0.0, timeout_seconds))
+        self._thread.join(max(0.0, deadline - time.monotonic()))  # one budget, not two
 
 
 def start_metrics_server(

@@ -1,13 +1,15 @@
 """A broken OTLP collector during a running training loop: refusing, black-holing, answering
-slowly, answering 500 and answering 503. Training step time stays where it was, the failures are
-counted in ``rankwatch_export_failures_total``, memory stays bounded and shutdown keeps its bound.
+slowly, answering 500 and answering 503. Training runs every step, nothing raises into it, the
+export never runs on the training thread, the failures are counted in
+``rankwatch_export_failures_total``, memory stays bounded and shutdown keeps its bound.
 
 The training loop is real: a small MLP trained for a fixed number of steps inside a real
 ``RankWatch`` (a group of one, asynchronous windows every 0.2 s) whose root publishes through a
 real ``PublisherHub`` with OTLP metrics and logs exporting every 0.2 s. The collectors are small
 real HTTP servers written here, one per way of failing; the healthy case is the test receiver
-that decodes OTLP. The median step time of each case is compared with the same loop without
-OTLP, measured before and after in the same process.
+that decodes OTLP. What the training thread runs is recorded with a profile hook on that thread
+alone. How long a step takes under each collector is a speed claim, measured side by side by
+``bench/bench_otlp_faults.py``, not here.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import gc
 import logging
 import os
 import socket
-import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,19 +36,23 @@ from rankwatch.exporter.publish.hub import PublisherHub
 from rankwatch.exporter.publish.otlp import EVENTS_PER_TURN, MAX_PENDING_EVENTS
 from rankwatch.exporter.step_time.rank_watch import RankWatch
 from tests.exporter.publish.test_otlp import OTEL_VARS
+from tests.exporter.publish.test_otlp_process import _gone
 from tests.otlp_receiver import HttpReceiver
 from tests.publish_reports import step_report, window
 from tests.servers import free_port, http_get, wait_until
 
 STEPS = 120
-# A fault may cost the training loop at most this factor on the median step (the OTLP worker
-# does its I/O on its own thread; a shared 2-core machine makes anything tighter flaky).
-# Each fault's median step against a fault-free run just before it: the OTLP worker does its
-# I/O on its own thread, so only CPU contention could show; a shared 2-core machine moves
-# medians by +-20% between runs, so the bound is generous. A training thread that waited on the
-# network would instead show steps as long as the exporter's timeout (1 s here).
-STEP_FACTOR = 1.5
-MAX_STEP_S = 0.5
+FAULTS = ("refused", "black_hole", "slow", "status500", "status503")
+# Where the export's work lives: the OTLP exporters and the HTTP stack under them, and the
+# publisher's own export entry points. None of it may run on the training thread.
+EXPORT_CODE = (
+    "/opentelemetry/exporter/",
+    "/opentelemetry/sdk/",
+    "/urllib3/",
+    "/requests/",
+    "/http/client.py",
+    "/exporter/publish/otlp",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -144,6 +150,23 @@ def endpoint(kind: str) -> Iterator[tuple[str | None, Any]]:
 # ---- the training loop -----------------------------------------------------------------------
 
 
+@contextmanager
+def code_run_on_this_thread() -> Iterator[set[str]]:
+    """``file:function`` of every Python function called on this thread meanwhile (a profile hook on
+    this thread only: other threads run untouched)."""
+    seen: set[str] = set()
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            seen.add(f"{frame.f_code.co_filename}:{frame.f_code.co_qualname}")
+
+    sys.setprofile(hook)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(None)
+
+
 def train(rw: RankWatch, steps: int) -> list[float]:
     """Seconds per training step (a 256-1024-256 MLP on a 256-sample batch, SGD: a few ms)."""
     import torch
@@ -188,8 +211,16 @@ def incident_reports(start: int, count: int) -> list[WindowReport]:
     return out
 
 
-def run_case(kind: str, monkeypatch: pytest.MonkeyPatch, **config: Any) -> dict[str, Any]:
-    """Train under one kind of collector; return step times, failures, close time."""
+def run_case(
+    kind: str,
+    monkeypatch: pytest.MonkeyPatch,
+    steps: int = STEPS,
+    record_training_thread: bool = True,
+    **config: Any,
+) -> dict[str, Any]:
+    """Train under one kind of collector, then publish incident windows and wait until the
+    failed exports are counted; return the step times, what the training thread ran, the
+    failures counted and the collector's request count."""
     import torch
 
     torch.set_num_threads(1)
@@ -207,8 +238,16 @@ def run_case(kind: str, monkeypatch: pytest.MonkeyPatch, **config: Any) -> dict[
         )
         hub = PublisherHub(cfg, hostname="trainer-0")
         rw = RankWatch(config=cfg, publishers=[hub], gpu_timing=False)
+        ran: set[str] = set()
+        # The earlier cases' exporters are garbage: their HTTP pools' finalizers would run on
+        # whichever thread the collector happens to run on, the training thread included.
+        gc.collect()
         try:
-            took = train(rw, STEPS)
+            if record_training_thread:
+                with code_run_on_this_thread() as ran:
+                    took = train(rw, steps)
+            else:
+                took = train(rw, steps)
             # Incidents open and close while the collector is down: log records to export.
             for report in incident_reports(10_000, 12):
                 hub.publish(report)
@@ -228,51 +267,44 @@ def run_case(kind: str, monkeypatch: pytest.MonkeyPatch, **config: Any) -> dict[
             counted = failures(hub.metrics_url or "")
             reports = rw.latest_report
         finally:
-            t0 = time.perf_counter()
-            rw.close()  # closes the hub too, within the same default 5 s budget
-            close_s = time.perf_counter() - t0
+            rw.close()  # closes the hub too, within the default 5 s budget
         requests = getattr(server, "requests", None)
+        if kind == "healthy":
+            requests = len(server.received.metric_requests)
     return {
-        "median": statistics.median(took),
-        "p95": sorted(took)[int(0.95 * len(took))],
-        "max": max(took),
+        "took": took,
+        "ran": ran,
         "failures": counted,
-        "close_s": close_s,
         "requests": requests,
         "windows": None if reports is None else reports.window_index + 1,
     }
 
 
-def test_training_step_time_is_unchanged_whatever_the_collector_does(
+def test_training_runs_every_step_and_never_exports_whatever_the_collector_does(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Every step runs, nothing raises into training, the exports run off the training thread
+    and fail where they must (counted), and close() returns."""
     caplog.set_level(logging.WARNING)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")  # seconds: keeps each case short
-    results: dict[str, dict[str, Any]] = {}
-    ratios: dict[str, float] = {}
-    for kind in ("healthy", "refused", "black_hole", "slow", "status500", "status503"):
-        # A fault-free run right before each case: the machine's drift shows in both.
-        results[f"off/{kind}"] = base = run_case("off", monkeypatch)
-        results[kind] = r = run_case(kind, monkeypatch)
-        ratios[kind] = r["median"] / base["median"]
+    results = {kind: run_case(kind, monkeypatch) for kind in ("off", "healthy", *FAULTS)}
     for kind, r in results.items():
-        ratio = f" (x{ratios[kind]:.2f} of the run before)" if kind in ratios else ""
         print(
-            f"{kind:>15}: median step {r['median'] * 1e3:.2f} ms{ratio}, "
-            f"p95 {r['p95'] * 1e3:.2f} ms, max {r['max'] * 1e3:.1f} ms, "
-            f"close {r['close_s']:.2f} s, windows {r['windows']}, "
+            f"{kind:>10}: {len(r['took'])} steps, windows {r['windows']}, "
             f"collector requests {r['requests']}, failures {r['failures']}"
         )
     for kind, r in results.items():
-        assert r["max"] <= MAX_STEP_S, (kind, r)
-        assert r["close_s"] <= 5.0 + 0.25, (kind, r)
-        assert r["windows"] is not None and r["windows"] >= 2, (kind, r)
-    for kind, ratio in ratios.items():
-        assert ratio <= STEP_FACTOR, (kind, ratio, results[kind])
-    for kind in ("refused", "black_hole", "slow", "status500", "status503"):
+        assert len(r["took"]) == STEPS, kind
+        assert r["windows"] is not None and r["windows"] >= 2, (kind, r["windows"])
+        # The training thread ran rankwatch's per-step work (the hook saw it), never an export.
+        assert any("/step_time/rank_watch.py:RankWatch.collect" in f for f in r["ran"]), kind
+        on_training_thread = sorted(f for f in r["ran"] if any(c in f for c in EXPORT_CODE))
+        assert on_training_thread == [], (kind, on_training_thread)
+    for kind in FAULTS:
         assert results[kind]["failures"].get("otlp_metrics", 0) >= 2, (kind, results[kind])
         assert results[kind]["failures"].get("otlp_logs", 0) >= 1, (kind, results[kind])
     assert results["healthy"]["failures"] == {"otlp_logs": 0, "otlp_metrics": 0, "publish_queue": 0}
+    assert results["healthy"]["requests"] >= 1  # the healthy collector really received metrics
     # The servers were really asked (and really failed); the 503 one was retried.
     for kind in ("slow", "status500", "status503"):
         assert results[kind]["requests"] >= 3, (kind, results[kind])
@@ -416,16 +448,28 @@ def test_close_keeps_the_default_bound_while_an_export_hangs(
         wait_until(lambda: srv.requests >= 1, 30, what="the export to reach the collector")
         child = hub.otlp.export_process_pid
         assert (child is not None) is in_child
+        # Whether the child is gone the moment the OTLP side's close() returns: the hub's
+        # closing of its HTTP server afterwards would otherwise give a late kill time to land.
+        otlp_close, child_left = hub.otlp.close, []
+
+        def close_then_look(timeout_seconds: float | None = None) -> None:
+            otlp_close(timeout_seconds)
+            child_left.append(child is not None and not _gone(child))
+
+        monkeypatch.setattr(hub.otlp, "close", close_then_look)
         t0 = time.perf_counter()
         hub.close()
         close_s = time.perf_counter() - t0
     finally:
         srv.stop()
     print(f"close with an export hanging on a 60 s collector: {close_s:.2f} s (bound 5 s)")
+    assert child_left == [False], f"the export child {child} outlived close()"
+    # close() keeps its bound by deadlines, not sleeps, and leaves the last 0.3 s of it to the
+    # HTTP server's shutdown (polled every 0.1 s): what can pass the bound is only the wake-up
+    # after the last timed wait, milliseconds even on a loaded machine (4.7-4.8 s measured with
+    # two and three busy loops on the two cores). A close() that waited for the exporter's own
+    # 10 s timeout, or spent a part of its budget twice, would pass 5 s by a second or more.
     assert close_s <= 5.0 + 0.25
-    if child is not None:
-        with pytest.raises(ProcessLookupError):
-            os.kill(child, 0)
 
 
 def test_close_honours_the_configured_shutdown_timeout(monkeypatch: pytest.MonkeyPatch) -> None:

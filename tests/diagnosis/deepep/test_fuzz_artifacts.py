@@ -12,10 +12,9 @@ from __future__ import annotations
 import io
 import pickle
 import random
-import time
 import tracemalloc
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +54,17 @@ class Marker:
         return (open, (str(self.path), "w"))
 
 
-@pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, NormalWindow]:
+def good_artifact(folder: Path) -> tuple[Path, NormalWindow]:
+    """A valid EP-4 window artifact saved in ``folder``, and its window."""
     sim = NormalSimulator(EP, 2, seed=1, slow_rank=1)
     window = sim.window("pre_dispatch_delay", 0)
     report = NormalDiagnoser().diagnose(window)
-    path = save_window_artifact(tmp_path_factory.mktemp("good"), window, report)
-    return path, window
+    return save_window_artifact(folder, window, report), window
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, NormalWindow]:
+    return good_artifact(tmp_path_factory.mktemp("good"))
 
 
 def members(path: Path) -> dict[str, bytes]:
@@ -140,6 +143,13 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
     return bytes(b)
 
 
+def damaged_copies(data: bytes, count: int, seed: int = 7) -> Iterator[bytes]:
+    """``count`` damaged copies of ``data``, the same ones for the same seed."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        yield mutate(data, rng)
+
+
 @settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -163,17 +173,16 @@ def test_randomly_damaged_files_are_rejected_or_read_back_unchanged(
 def test_eight_hundred_damaged_files_give_only_artifact_errors(
     good: tuple[Path, NormalWindow], tmp_path: Path
 ) -> None:
-    """A deterministic sweep (fixed seeds) with an outcome count; no other exception type."""
+    """A deterministic sweep (fixed seeds) with an outcome count; no other exception type.
+    How many damaged files a second are loaded is measured by ``bench/bench_hostile_inputs.py``."""
     path, window = good
     data = path.read_bytes()
-    rng = random.Random(7)
     outcomes = {"rejected": 0, "unchanged": 0}
     bad = tmp_path / "damaged.npz"
     tracemalloc.start()
-    t0 = time.perf_counter()
     try:
-        for _ in range(800):
-            bad.write_bytes(mutate(data, rng))
+        for damaged in damaged_copies(data, 800):
+            bad.write_bytes(damaged)
             try:
                 got, _, _ = load_window_artifact(bad)
             except ArtifactError:
@@ -184,11 +193,9 @@ def test_eight_hundred_damaged_files_give_only_artifact_errors(
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    took = time.perf_counter() - t0
-    print(f"800 damaged files in {took:.1f} s: {outcomes}, peak {peak / 2**20:.2f} MiB")
+    print(f"800 damaged files: {outcomes}, peak {peak / 2**20:.2f} MiB")
     assert outcomes["rejected"] >= 600, outcomes
     assert peak < PEAK_BYTES, peak
-    assert took < 60, took
 
 
 # ---- pickles ---------------------------------------------------------------------------------
@@ -265,18 +272,16 @@ def test_sizes_beyond_what_the_ep_size_allows_are_refused_from_the_header(
     parts[key + ".npy"] = member
     bad = write_zip(tmp_path / "oversized.npz", parts)
     tracemalloc.start()
-    t0 = time.perf_counter()
     try:
         message = rejected(bad)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    took = time.perf_counter() - t0
     assert repr(key) in message
     # The members hold 64 bytes of data: a loader that believed the header would have failed
     # reading, or allocated the declared size first (up to 800 GB here). It read nothing.
+    # (What a refusal costs is measured by bench/bench_hostile_inputs.py.)
     assert peak < PEAK_BYTES, f"{key}: peak {peak} bytes"
-    assert took < 1.0, took
 
 
 def test_a_huge_npy_header_is_refused(good: tuple[Path, NormalWindow], tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
-from rankwatch.exporter.publish.prometheus import start_metrics_server
+from rankwatch.exporter.publish.prometheus import MetricsServer, start_metrics_server
 from tests.publish_reports import rank_infos, step_report, window
 from tests.servers import self_signed_cert
 
@@ -33,6 +34,10 @@ from tests.servers import self_signed_cert
 pytestmark = pytest.mark.slow
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+# How long a scrape may go unanswered before it counts as left waiting: half the 10 s after
+# which the server drops a silent connection, so a scrape served only once the silent ones
+# were dropped fails. A time-out against a hang, not a speed target (those are benchmarks).
+WAITED_S = 5.0
 USER, PASSWORD = "prometheus", "pä:ss wörd"
 
 
@@ -42,11 +47,18 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return self_signed_cert(tmp_path_factory.mktemp("tls"))
 
 
-@pytest.fixture(scope="module")
-def hub() -> Iterator[PublisherHub]:
+def published_hub() -> PublisherHub:
+    """A hub (no server of its own, no OTLP) holding one 4-rank straggler window."""
     h = PublisherHub(RankwatchConfig(metrics_enabled=False), otlp=False, hostname="trainer-0")
     h.publish(window(0, n=4, step_time=step_report(4, culprit=2)))
-    assert h.flush(10)
+    if not h.flush(10):
+        raise RuntimeError("the hub did not publish the window")
+    return h
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[PublisherHub]:
+    h = published_hub()
     yield h
     h.close(2)
 
@@ -57,12 +69,13 @@ def request(
     path: str = "/metrics",
     headers: dict[str, str] | None = None,
     context: ssl.SSLContext | None = None,
+    timeout: float = 10.0,
 ) -> tuple[int, bytes]:
     conn: http.client.HTTPConnection
     if context is None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     else:
-        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=context)
+        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout, context=context)
     try:
         conn.request(method, path, headers=headers or {})
         resp = conn.getresponse()
@@ -104,9 +117,8 @@ def test_the_default_bind_address_is_loopback_only(hub: PublisherHub) -> None:
 # ---- basic auth over TLS, on every path and method -------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def guarded(tls: tuple[str, str], hub: PublisherHub) -> Iterator[tuple[int, ssl.SSLContext]]:
-    cert, key = tls
+def guarded_server(cert: str, key: str, hub: PublisherHub) -> tuple[MetricsServer, ssl.SSLContext]:
+    """``hub``'s series served behind TLS and basic auth, and a client context trusting it."""
     config = RankwatchConfig(
         metrics_port=0,
         metrics_tls_cert_file=cert,
@@ -115,7 +127,13 @@ def guarded(tls: tuple[str, str], hub: PublisherHub) -> Iterator[tuple[int, ssl.
         metrics_basic_auth_password=PASSWORD,
     )
     server = start_metrics_server(config, 0, hub.state.parts)
-    yield server.port, ssl.create_default_context(cafile=cert)
+    return server, ssl.create_default_context(cafile=cert)
+
+
+@pytest.fixture(scope="module")
+def guarded(tls: tuple[str, str], hub: PublisherHub) -> Iterator[tuple[int, ssl.SSLContext]]:
+    server, ctx = guarded_server(*tls, hub)
+    yield server.port, ctx
     server.close(2)
 
 
@@ -171,70 +189,77 @@ def test_plain_http_on_the_tls_port_gets_nothing(guarded: tuple[int, ssl.SSLCont
     assert request(port, headers=basic(USER, PASSWORD), context=ctx)[0] == 200
 
 
+@contextmanager
+def idle_and_half_sent(
+    port: int, ctx: ssl.SSLContext, idle: int = 100, half: int = 20
+) -> Iterator[None]:
+    """``idle`` TCP connections that never speak and ``half`` TLS ones stopped halfway through
+    a request's headers, open for the ``with`` block."""
+    held: list[socket.socket] = []
+    try:
+        held += [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(idle)]
+        for _ in range(half):
+            tls = ctx.wrap_socket(
+                socket.create_connection(("127.0.0.1", port), timeout=5),
+                server_hostname="127.0.0.1",
+            )
+            held.append(tls)
+            tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never ends the headers
+        yield
+    finally:
+        for conn in held:
+            conn.close()
+
+
 def test_idle_and_half_open_connections_do_not_starve_scrapes(
     guarded: tuple[int, ssl.SSLContext],
 ) -> None:
     """100 TCP connections that never speak plus 20 that stop halfway through a request (below
     the server's 128-connection cap): each holds only its own thread, dropped after 10 s of
-    silence, and a scrape is still answered at once."""
+    silence, and a scrape is still answered. How fast, beside a scrape with none open, is
+    measured by ``bench/bench_hostile_inputs.py`` (docs/benchmarks.md)."""
     port, ctx = guarded
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(100)]
-    half = []
-    try:
-        for _ in range(20):
-            s = ctx.wrap_socket(
-                socket.create_connection(("127.0.0.1", port), timeout=5),
-                server_hostname="127.0.0.1",
-            )
-            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never ends the headers
-            half.append(s)
-        t0 = time.perf_counter()
-        status, body = request(port, headers=basic(USER, PASSWORD), context=ctx)
-        took = time.perf_counter() - t0
-    finally:
-        for s in idle + half:
-            s.close()
-    print(f"scrape with 100 idle and 20 half-sent connections open: {took * 1e3:.1f} ms")
+    with idle_and_half_sent(port, ctx):
+        status, body = request(port, headers=basic(USER, PASSWORD), context=ctx, timeout=WAITED_S)
     assert status == 200 and b"rankwatch_exporter_up" in body
-    assert took < 2.0, took
+
+
+def scrape_outcome(port: int, ctx: ssl.SSLContext) -> str:
+    """``answered <status>``, ``closed (<error>)``, or ``left waiting`` when no answer and no
+    close came within ``WAITED_S``."""
+    try:
+        status = request(port, headers=basic(USER, PASSWORD), context=ctx, timeout=WAITED_S)[0]
+    except TimeoutError:
+        return "left waiting"
+    except (OSError, http.client.HTTPException) as exc:
+        return f"closed ({type(exc).__name__})"
+    return f"answered {status}"
 
 
 def test_a_connection_flood_never_leaves_a_scrape_hanging(
     guarded: tuple[int, ssl.SSLContext],
 ) -> None:
-    """Past the cap (140 silent connections), a new scrape is answered or closed at once,
-    never left waiting; once the flood goes, scraping works again within a second."""
+    """Past the cap (140 silent connections), a new scrape is answered or closed, never left
+    waiting; once the flood goes, scraping works again without waiting for the silent ones to
+    be dropped. How fast both happen is measured by ``bench/bench_hostile_inputs.py``."""
     port, ctx = guarded
     flood = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(140)]
     try:
         time.sleep(0.3)  # let the server take them
-        t0 = time.perf_counter()
-        try:
-            status = request(port, headers=basic(USER, PASSWORD), context=ctx)[0]
-            outcome = f"answered {status}"
-        except (OSError, http.client.HTTPException) as exc:
-            outcome = f"closed ({type(exc).__name__})"
-        during = time.perf_counter() - t0
+        during = scrape_outcome(port, ctx)
     finally:
         for s in flood:
             s.close()
-    t1 = time.perf_counter()
-    deadline = t1 + 3.0
-    recovered = None
-    while time.perf_counter() < deadline:
-        try:
-            if request(port, headers=basic(USER, PASSWORD), context=ctx)[0] == 200:
-                recovered = time.perf_counter() - t1
-                break
-        except (OSError, http.client.HTTPException):
-            time.sleep(0.05)
-    shown = "never" if recovered is None else f"{recovered * 1e3:.1f} ms"
-    print(
-        f"scrape during a 140-connection flood: {outcome} in {during * 1e3:.1f} ms; "
-        f"scraping again {shown} after the flood closed"
-    )
-    assert during < 1.0, during
-    assert recovered is not None and recovered < 1.0, recovered
+    # The flood's threads end on EOF; a server that freed them only when it dropped silent
+    # connections (10 s) would still refuse scrapes when this gives up.
+    given_up = time.monotonic() + WAITED_S
+    after = [scrape_outcome(port, ctx)]
+    while after[-1] != "answered 200" and time.monotonic() < given_up:
+        time.sleep(0.05)
+        after.append(scrape_outcome(port, ctx))
+    print(f"scrape during a 140-connection flood: {during}; after it: {after}")
+    assert during != "left waiting"
+    assert after[-1] == "answered 200", after
 
 
 # ---- label values from hostnames and user configuration -------------------------------------
