@@ -431,6 +431,16 @@ def cell_accelerate(out: Path) -> None:
 
     results = {}
     for scenario in ACCELERATE_SCENARIOS:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        part = f"{out}.{scenario}"
+        ranks = [(r, port, scenario, part) for r in range(ACCELERATE_WORLD)]
+        _run_ranks(_accelerate_worker, ranks, f"Accelerate {scenario}")
+        results[scenario] = json.loads(Path(part).read_text())
+    out.write_text(json.dumps(results))
+
+
 HANG_BUDGET_S = 3.0
 HANG_SCENARIOS = ("sleep", "mismatch")
 HANG_EXPECTED = {
@@ -496,12 +506,6 @@ def cell_hang(out: Path) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         part = f"{out}.{scenario}"
-        ranks = [(r, port, scenario, part) for r in range(ACCELERATE_WORLD)]
-        _run_ranks(_accelerate_worker, ranks, f"Accelerate {scenario}")
-        results[scenario] = json.loads(Path(part).read_text())
-    out.write_text(json.dumps(results))
-
-
         procs = [
             ctx.Process(target=_hang_worker, args=(r, 2, port, scenario, part)) for r in range(2)
         ]
