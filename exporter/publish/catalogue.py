@@ -339,7 +339,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "",
         ("writer",),
         "Failed writes of rankwatch's files in this process, by writer (step_windows, summary, "
-        "deepep_npz, deepep_log, deepxtrace_log); each kind of error is also logged once per "
+        "hang_records, deepep_npz, deepep_log, deepxtrace_log); each kind of error is also "
+        "logged once per "
         "writer, naming the setting, the path and the errno.",
     ),
     _m(

@@ -29,6 +29,7 @@ from typing import Any
 from rankwatch.diagnosis.hang import RankRecord
 from rankwatch.diagnosis.hang.artifact import FORMAT, VERSION, hang_file_name
 from rankwatch.exporter.step_time.hang_record import frame_lines
+from rankwatch.exporter.storage import GuardedWrites, atomic_write
 
 __all__ = ["WRITE_EVERY_SECONDS", "HangFileWriter", "install_sigterm"]
 
@@ -51,13 +52,20 @@ class HangFileWriter:
     """Writes and removes one rank's hang record file."""
 
     def __init__(
-        self, folder: str, rank: int, host: str, run: str, group: str, frames: int
+        self,
+        folder: str,
+        rank: int,
+        host: str,
+        run: str,
+        group: str,
+        frames: int,
+        guard: GuardedWrites,
     ) -> None:
+        self.folder, self.guard = folder, guard
         self.path = Path(folder, hang_file_name(rank, os.getpid()))
         self.rank, self.host, self.run, self.group, self.frames = rank, host, run, group, frames
         self.written_at = -float("inf")
         self.exists = False
-        self.failed = False
 
     def write(
         self,
@@ -69,7 +77,7 @@ class HangFileWriter:
     ) -> None:
         """Write the file (at most every ``WRITE_EVERY_SECONDS`` unless ``force``)."""
         now = time.monotonic()
-        if self.failed or (not force and now - self.written_at < WRITE_EVERY_SECONDS):
+        if not force and now - self.written_at < WRITE_EVERY_SECONDS:
             return
         self.written_at = now
         body = {
@@ -86,14 +94,17 @@ class HangFileWriter:
             "stacks": thread_stacks(self.frames),
             "verdict": verdict,
         }
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        try:
-            tmp.write_text(json.dumps(body, default=str))
-            os.replace(tmp, self.path)
+        text = json.dumps(body, default=str)
+
+        def write() -> bool:
+            # Not the Path: this writer removes its own file when the rank moves on, which the
+            # policy would otherwise read as the folder removed under it.
+            atomic_write(self.path, text)
+            return True
+
+        # A storage fault is said once, counted and never raised (exporter/storage.py).
+        if self.guard.run(self.path, write, self.folder):
             self.exists = True
-        except OSError as exc:  # the folder is gone or full: training goes on without it
-            self.failed = True
-            log.warning("rankwatch: cannot write the hang record %s: %s", self.path, exc)
 
     def remove(self) -> None:
         """The rank moved on: the file would name a hang that is over."""

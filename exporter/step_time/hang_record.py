@@ -331,8 +331,12 @@ class DeviceWaitClock:
 _LONG_WORK: tuple[tuple[str, str], ...] = (
     ("torch/distributed/checkpoint/", "checkpoint"),
     ("torch/serialization.py", "checkpoint"),
-    ("torch/_dynamo/", "compile"),
-    ("torch/_inductor/", "compile"),
+    # Compiling, not running compiled code: every Dynamo compile enters through
+    # convert_frame.py and every Inductor one (the lazy backward's too) through compile_fx.py.
+    # Any torch/_dynamo/ frame would not do: FSDP2's hooks run under torch._dynamo.disable
+    # (eval_frame.py), so every rank waiting in its all-gather would read as compiling.
+    ("torch/_dynamo/convert_frame.py", "compile"),
+    ("torch/_inductor/compile_fx.py", "compile"),
 )
 
 

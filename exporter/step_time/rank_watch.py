@@ -31,7 +31,6 @@ from rankwatch.diagnosis.config import option_env
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time import normalize_strategy
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.folders import usable_folder
 from rankwatch.exporter.gloo import create_gloo_group, dedicated_store, group_timeout
 from rankwatch.exporter.identity import local_identity
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
@@ -68,6 +67,7 @@ from rankwatch.exporter.step_time.timer import (
     StepTimer,
 )
 from rankwatch.exporter.step_time.transport import GroupLayout, Transport
+from rankwatch.exporter.storage import GuardedWrites
 
 __all__ = ["RankWatch"]
 
@@ -286,22 +286,25 @@ class RankWatch:
                 warmup_steps=config.hang_warmup_steps,
             )
         folder = config.artifact_dir
-        if folder and not usable_folder(
-            folder, option_env(RankwatchConfig, "artifact_dir"), "hang records are not kept"
-        ):
-            folder = ""
-        writer = (
-            HangFileWriter(
+        writer = None
+        if folder:
+            # The storage-fault policy of every writer: a fault is said once, counted, retried.
+            guard = GuardedWrites(
+                "hang_records",
+                "hang records",
+                option_env(RankwatchConfig, "artifact_dir"),
+                folder,
+            )
+            guard.check_folder(folder)
+            writer = HangFileWriter(
                 folder,
                 layout.rank,
                 host,
                 config.run_id,
                 config.group_name,
                 config.hang_stack_frames,
+                guard,
             )
-            if folder
-            else None
-        )
         self._hang = HangWatcher(
             layout.rank, timer, config, store, host, threading.get_ident(), root=root, file=writer
         )

@@ -260,3 +260,23 @@ def test_a_checkpoint_being_written_is_recognised_in_the_frames() -> None:
     finally:
         release.set()
         thread.join(10)
+
+
+def test_code_run_under_dynamo_disable_is_not_compiling() -> None:
+    """FSDP2's hooks run under ``torch._dynamo.disable``: a rank waiting in its all-gather has
+    Dynamo's eval_frame.py on its stack and must keep its hang budget; a compile (Dynamo's
+    convert_frame.py) is long work."""
+    from rankwatch.exporter.step_time.hang_record import long_work_in_frames
+
+    def frame_in(filename: str) -> Any:
+        space: dict[str, Any] = {"sys": sys}
+        exec(compile("def here():\n    return sys._getframe()\n", filename, "exec"), space)
+        return space["here"]()
+
+    disabled = frame_in("/site-packages/torch/_dynamo/eval_frame.py")
+    assert long_work_in_frames(disabled) == ""
+    compiling = frame_in("/site-packages/torch/_dynamo/convert_frame.py")
+    assert long_work_in_frames(compiling) == "compile"
+    assert long_work_in_frames(frame_in("/site-packages/torch/_inductor/compile_fx.py")) == (
+        "compile"
+    )
