@@ -4,13 +4,18 @@ The root calls :func:`classify_hang` with one record per rank once no rank progr
 budget (or earlier, when a mismatch or a dead rank is already visible: ``mismatch_only``). The
 rules, in order:
 
+Who waits on whom comes from :mod:`.waits` (sequence numbers, point-to-point peers, silent
+ranks). The rules, in order:
+
 1. ``RANK_DEAD``: some process is gone. Named: the dead ranks.
-2. ``COLLECTIVE_MISMATCH``: two ranks inside the same group at the same sequence number with a
-   different op, shapes or dtypes, or inside the same group at different sequence numbers.
-   Named: the smaller side (on a tie, the side without the lowest rank).
-3. ``STUCK_ALIVE``: in some group, ranks are ahead (they issued a collective: their sequence
-   number is the group's highest, the collective they wait in) while others are behind it or
-   do not answer. Named: the ranks behind and the silent ones, with their phase.
+2. ``COLLECTIVE_MISMATCH``: ranks inside the same call (group and sequence number) with a
+   different op, shapes or dtypes; or ranks left inside a call the rest of their group went
+   past; or (at the budget) waiting ranks that only wait on each other, a cycle no rank can
+   leave (an extra collective on one rank, collectives in another order). Named: the smaller
+   side (sides that tie for smallest all, unless every side ties: then the side without the
+   lowest rank).
+3. ``STUCK_ALIVE``: the ranks the waiting ones wait on, directly or through others, that are
+   outside every collective (stuck in a phase) or silent. Named with their phase.
 4. ``STALLED_IN_COLLECTIVE``: every rank is inside the same collective and none finishes.
    Named: the rank that entered it last.
 5. ``ALL_STALLED``: nobody is in a collective and nobody progresses. Nobody named.
@@ -19,8 +24,8 @@ rules, in order:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 from rankwatch.diagnosis.hang.records import (
     ALL_STALLED,
@@ -34,6 +39,7 @@ from rankwatch.diagnosis.hang.records import (
     Collective,
     RankRecord,
 )
+from rankwatch.diagnosis.hang.waits import WaitGraph, wait_graph
 
 __all__ = ["HangReport", "HangVerdict", "classify_hang"]
 
@@ -87,10 +93,6 @@ class HangVerdict:
         }
 
 
-def _side_key(c: Collective) -> tuple[Any, ...]:
-    return (c.op, c.shapes, c.dtypes)
-
-
 def _agree(a: Collective, b: Collective) -> bool:
     """Same op, shapes and dtypes where both are known."""
     if "unknown" not in (a.op, b.op) and a.op != b.op:
@@ -101,12 +103,15 @@ def _agree(a: Collective, b: Collective) -> bool:
 
 
 def _minority(sides: Sequence[list[RankRecord]]) -> tuple[list[RankRecord], list[RankRecord]]:
-    """(the culprit side, the rest): the smaller side; on a tie the side without the lowest
-    rank."""
-    lowest = min(r.rank for side in sides for r in side)
-    ordered = sorted(sides, key=lambda s: (len(s), any(r.rank == lowest for r in s)))
-    culprit = ordered[0]
-    rest = [r for side in ordered[1:] for r in side]
+    """(the culprit side, the rest): the smallest side; where sides tie for smallest, all of
+    them (which call is the odd one cannot be told)."""
+    smallest = min(len(s) for s in sides)
+    culprit = sorted(
+        (r for side in sides if len(side) == smallest for r in side), key=lambda r: r.rank
+    )
+    if len(culprit) == sum(len(s) for s in sides):
+        culprit = sorted(sides, key=lambda s: min(r.rank for r in s))[-1]
+    rest = [r for side in sides for r in side if r not in culprit]
     return culprit, rest
 
 
@@ -119,21 +124,23 @@ def _frames(records: Sequence[RankRecord]) -> list[str] | str:
 
 
 def _mismatch(answered: Sequence[RankRecord]) -> tuple[list[RankRecord], list[RankRecord]] | None:
-    """(culprit side, other side) of the first group where ranks inside a collective disagree."""
-    by_group: dict[str, list[RankRecord]] = {}
+    """(culprit side, other side) of the first call (group and sequence number) whose ranks
+    inside it disagree on op, shapes or dtypes."""
+    by_group: dict[tuple[str, int], list[RankRecord]] = {}
     for r in answered:
-        if r.collective is not None and r.collective.op != "unknown":
-            by_group.setdefault(r.collective.group, []).append(r)
+        c = _call_of(r)
+        if c is not None and c.op != "unknown" and not c.peers:
+            by_group.setdefault((c.group, c.seq), []).append(r)
     for group in sorted(by_group):
         inside = by_group[group]
         sides: list[list[RankRecord]] = []
         for r in inside:
-            c = r.collective
+            c = _call_of(r)
             assert c is not None
             for side in sides:
-                first = side[0].collective
+                first = _call_of(side[0])
                 assert first is not None
-                if first.seq == c.seq and _agree(first, c):
+                if _agree(first, c):
                     side.append(r)
                     break
             else:
@@ -141,30 +148,6 @@ def _mismatch(answered: Sequence[RankRecord]) -> tuple[list[RankRecord], list[Ra
         if len(sides) > 1:
             return _minority(sides)
     return None
-
-
-def _group_seqs(answered: Sequence[RankRecord]) -> dict[str, dict[int, int]]:
-    """Per group: each answering rank's sequence number (from its collective or its seqs)."""
-    out: dict[str, dict[int, int]] = {}
-    for r in answered:
-        for group, seq in r.group_seqs.items():
-            out.setdefault(group, {})[r.rank] = seq
-        if r.collective is not None:
-            out.setdefault(r.collective.group, {})[r.rank] = r.collective.seq
-    return out
-
-
-def _waited_collective(waiting: Sequence[RankRecord], group: str, seq: int) -> Collective:
-    """The collective the waiting ranks are in: one of theirs when seen (the one entered
-    first), else the group and sequence number with the op unknown (issued in C++)."""
-    seen = [
-        r.collective
-        for r in waiting
-        if r.collective is not None and r.collective.group == group and r.collective.seq == seq
-    ]
-    if seen:
-        return max(seen, key=lambda c: c.seconds if c.seconds is not None else -1.0)
-    return Collective(group=group, op="unknown", seq=seq)
 
 
 def classify_hang(
@@ -216,83 +199,69 @@ def classify_hang(
             records=recs,
         )
 
-    seqs = _group_seqs(answered)
+    graph = wait_graph(answered, [r.rank for r in silent])
+    by_rank = {r.rank: r for r in recs}
 
-    def ahead(group_filter: Sequence[RankRecord]) -> tuple[str, int, list[RankRecord]] | None:
-        """The group where some answering ranks are ahead of others (or of silent ranks):
-        (group, the highest seq, the ranks at it)."""
-        best: tuple[int, str, int, list[RankRecord]] | None = None
-        for group in sorted(seqs):
-            per = seqs[group]
-            top = max(per.values())
-            at_top = [r for r in group_filter if per.get(r.rank) == top]
-            behind = [r for r in group_filter if r.rank in per and per[r.rank] < top]
-            if not at_top or (not behind and not silent and not dead):
-                continue
-            if best is None or len(at_top) > best[0]:
-                best = (len(at_top), group, top, at_top)
-        return None if best is None else (best[1], best[2], best[3])
+    def collective_of(
+        named: Sequence[RankRecord], waiting: Sequence[RankRecord]
+    ) -> Collective | None:
+        """What the waiting ranks wait in for the named ones: the most common reason (None:
+        nobody is seen waiting in anything)."""
+        named_ranks = {r.rank for r in named}
+        reasons = [
+            graph.why[(w.rank, n)]
+            for w in waiting
+            for n in sorted(graph.edges.get(w.rank, ()))
+            if n in named_ranks and (w.rank, n) in graph.why
+        ]
+        if not reasons:
+            reasons = [w.collective for w in waiting if w.collective is not None]
+        if not reasons:
+            return None
+        return max(reasons, key=lambda c: (sum(x.ident() == c.ident() for x in reasons), -c.seq))
 
     if dead:
-        found = ahead(answered)
-        coll = _waited_collective(found[2], found[0], found[1]) if found else None
-        waiting = found[2] if found else answered
-        return verdict(RANK_DEAD, dead, waiting, coll, detail="the process is gone")
-    mismatch = _mismatch(answered)
-    if mismatch is not None:
-        culprits, others = mismatch
-        theirs = others[0].collective if others else None
-        mine = culprits[0].collective
-        assert mine is not None
-        detail = (
-            f"rank(s) {', '.join(str(r.rank) for r in culprits)} in {mine.op} #{mine.seq} of group "
-            f"{mine.group} {_sig(mine)} at {mine.site or '?'}; "
-            + (
-                f"rank(s) {', '.join(str(r.rank) for r in others)} in {theirs.op} #{theirs.seq} "
-                f"{_sig(theirs)} at {theirs.site or '?'}"
-                if theirs is not None
-                else ""
+        # A call the ranks disagreed on explains a death (Gloo aborts a rank that receives more
+        # bytes than it posted): the mismatch is named, the death said.
+        mismatch = _mismatch(answered)
+        if mismatch is not None:
+            gone = ", ".join(str(r.rank) for r in dead)
+            return _mismatch_verdict(
+                verdict, *mismatch, answered, note=f"rank(s) {gone}: the process is gone"
             )
-        )
-        # Every other rank waits too: those inside the other side's collective, and those
-        # that went past it (a broadcast's receivers) into a later one.
-        culprit_ranks = {r.rank for r in culprits}
-        others = [r for r in answered if r.rank not in culprit_ranks]
-        return verdict(COLLECTIVE_MISMATCH, culprits, others, theirs, mine, detail)
+        waiting = [r for r in answered if graph.edges.get(r.rank) or r.collective is not None]
+        coll = collective_of(dead, waiting) if waiting else None
+        return verdict(RANK_DEAD, dead, waiting or answered, coll, detail="the process is gone")
+    mismatch = _mismatch(answered) or _left_behind(graph, by_rank)
+    if mismatch is not None:
+        return _mismatch_verdict(verdict, *mismatch, answered)
     if mismatch_only:
         return None
-    found = ahead(answered)
-    if found is not None:
-        group, top, waiting = found
-        per = seqs[group]
-        behind = [r for r in answered if r.rank in per and per[r.rank] < top]
-        # A rank behind but itself inside a collective waits too (a broadcast's root waiting
-        # for a receiver while the other receivers went on): it is named only when nobody
-        # else can be.
-        outside = [r for r in behind if r.collective is None]
-        named = sorted([*(outside or ([] if silent else behind)), *silent], key=lambda r: r.rank)
-        named_ranks = {r.rank for r in named}
-        waiting = [*waiting, *(r for r in behind if r.rank not in named_ranks)]
-        coll = _waited_collective(waiting, group, top)
-        if named:
-            return verdict(STUCK_ALIVE, named, waiting, coll)
+    waiting = [by_rank[r] for r in graph.waiting()]
+    if waiting:
+        blocked = graph.reachable([r.rank for r in waiting])
+        ends = [by_rank[r] for r in sorted(blocked) if not graph.edges.get(r)]
+        # Waited on and waiting on nobody: outside every collective (stuck in a phase), or
+        # silent. Those inside one the whole group is in are stalled there (below).
+        stuck = [r for r in ends if r.state != ANSWERED or r.collective is None]
+        if stuck:
+            others = [r for r in answered if r.rank not in {x.rank for x in stuck}]
+            return verdict(STUCK_ALIVE, stuck, others, collective_of(stuck, waiting))
+        if not ends:
+            # Every waiting rank waits on another waiting one: a cycle no rank can leave.
+            return _deadlock_verdict(verdict, graph, waiting, answered)
     if silent:
-        # Nobody ahead anywhere, yet some ranks do not answer: they are the ones to look at.
-        waiting = [r for r in answered if r.collective is not None]
-        coll = waiting[0].collective if waiting else None
-        return verdict(STUCK_ALIVE, silent, waiting, coll)
+        # Nobody waits on a known rank, yet some ranks do not answer: they are the ones to look at.
+        inside = [r for r in answered if r.collective is not None]
+        return verdict(STUCK_ALIVE, silent, answered, inside[0].collective if inside else None)
     inside = [r for r in answered if r.collective is not None]
-    if inside and len(inside) == len(answered):
+    if inside:
         first = inside[0].collective
         assert first is not None
-        if all(
-            r.collective is not None
-            and r.collective.group == first.group
-            and r.collective.seq == first.seq
-            for r in inside
-        ):
+        same = [r for r in inside if _same_call(r.collective, first)]
+        if len(same) == len(inside):
             last = min(inside, key=lambda r: _seconds(r.collective))
-            others = [r for r in inside if r is not last]
+            others = [r for r in answered if r is not last]
             return verdict(
                 STALLED_IN_COLLECTIVE,
                 [last],
@@ -300,15 +269,105 @@ def classify_hang(
                 last.collective,
                 detail="every rank is inside it; none finishes",
             )
-    if inside:
-        # Some inside a collective, some not, at the same sequence numbers: the ones outside
+        # Some inside a collective, some not, and nobody ahead of anybody: the ones outside
         # never reached it.
         outside = [r for r in answered if r.collective is None]
-        coll = inside[0].collective
-        return verdict(STUCK_ALIVE, outside, inside, coll)
+        if outside:
+            return verdict(STUCK_ALIVE, outside, inside, first)
     return verdict(
         ALL_STALLED, [], [], None, detail="no rank is in a collective and none progresses"
     )
+
+
+def _call_of(r: RankRecord) -> Collective | None:
+    """The call a rank is inside, else the one that last raised on it."""
+    return r.collective if r.collective is not None else r.failed_collective
+
+
+def _same_call(c: Collective | None, first: Collective) -> bool:
+    return c is not None and c.group == first.group and c.seq == first.seq
+
+
+def _mismatch_verdict(
+    verdict: Any,
+    culprits: Sequence[RankRecord],
+    others: Sequence[RankRecord],
+    answered: Sequence[RankRecord],
+    note: str = "",
+) -> HangVerdict:
+    theirs = next((c for c in map(_call_of, others) if c is not None), None)
+    mine = _call_of(culprits[0])
+    if mine is None:
+        raise AssertionError("a mismatch side without a collective")
+    ranks_of = lambda side: ", ".join(str(r.rank) for r in side)  # noqa: E731
+    detail = (
+        f"rank(s) {ranks_of(culprits)} in {mine.op} #{mine.seq} of group {mine.group} "
+        f"{_sig(mine)} at {mine.site or '?'}"
+    )
+    if theirs is not None:
+        detail += (
+            f"; rank(s) {ranks_of(others)} in {theirs.op} #{theirs.seq} of group "
+            f"{theirs.group} {_sig(theirs)} at {theirs.site or '?'}"
+        )
+    if note:
+        detail += f"; {note}"
+    # Every other rank waits too: those inside the other side's collective, and those that
+    # went past it (a broadcast's receivers) into a later one.
+    culprit_ranks = {r.rank for r in culprits}
+    rest = [r for r in answered if r.rank not in culprit_ranks]
+    return cast(HangVerdict, verdict(COLLECTIVE_MISMATCH, culprits, rest, theirs, mine, detail))
+
+
+def _left_behind(
+    graph: WaitGraph, by_rank: Mapping[int, RankRecord]
+) -> tuple[list[RankRecord], list[RankRecord]] | None:
+    """Ranks left inside a collective the rest of its group went past, against those ranks:
+    the smaller side is named (both on a tie)."""
+    if not graph.left_behind:
+        return None
+    behind = sorted(graph.left_behind)
+    past = sorted({r for ranks in graph.left_behind.values() for r in ranks})
+    call = _call_of(by_rank[behind[0]])
+    assert call is not None  # a rank is left behind inside a call
+    # A rank gone past and outside every call is described by where it is in that group.
+    gone = [
+        by_rank[r]
+        if _call_of(by_rank[r]) is not None
+        else replace(
+            by_rank[r], collective=Collective(call.group, "unknown", graph.seqs[call.group][r])
+        )
+        for r in past
+    ]
+    return _minority([[by_rank[r] for r in behind], gone])
+
+
+def _deadlock_verdict(
+    verdict: Any,
+    graph: WaitGraph,
+    waiting: Sequence[RankRecord],
+    answered: Sequence[RankRecord],
+) -> HangVerdict:
+    """Every waiting rank waits on another: calls that do not pair (an extra collective on one
+    rank, collectives in another order). The sides are the calls the ranks are ahead in; the
+    smaller side made the odd call (both on a tie)."""
+    sides: dict[tuple[str, int], list[RankRecord]] = {}
+    for r in waiting:
+        reasons = [graph.why[(r.rank, n)] for n in sorted(graph.edges[r.rank])]
+        own = r.collective if r.collective is not None and not r.collective.peers else None
+        key = (own.group, own.seq) if own is not None else (reasons[0].group, reasons[0].seq)
+        sides.setdefault(key, []).append(r)
+    groups = list(sides.values())
+    others: list[RankRecord] = []
+    if len(groups) < 2:
+        culprits = groups[0]
+    else:
+        culprits, others = _minority(groups)
+    if culprits[0].collective is None:
+        # Ahead without being inside its call (issued in C++): named by that call.
+        first = culprits[0]
+        reason = graph.why[(first.rank, sorted(graph.edges[first.rank])[0])]
+        culprits = [replace(r, collective=reason) for r in culprits]
+    return _mismatch_verdict(verdict, culprits, others, answered)
 
 
 def _seconds(c: Collective | None) -> float:

@@ -57,6 +57,7 @@ MAX_TEXT = 512
 MAX_SHAPES = 16
 MAX_DIMS = 8
 MAX_GROUPS = 64
+MAX_PEERS = 64
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Collective:
     dtypes: tuple[str, ...] = ()
     site: str = ""
     seconds: float | None = None
+    # Point-to-point (a pipeline stage's send or receive): the global ranks it waits on.
+    peers: tuple[int, ...] = ()
 
     def ident(self) -> dict[str, Any]:
         """``{"group", "op", "seq"}``: what the incident names."""
@@ -88,6 +91,7 @@ class Collective:
             "dtypes": list(self.dtypes),
             "site": self.site,
             "seconds": self.seconds,
+            "peers": list(self.peers),
         }
 
 
@@ -97,10 +101,13 @@ class RankRecord:
 
     ``phase``: ``input``, ``h2d``, ``forward``, ``backward``, ``optimizer``, ``outside_step`` or
     a phase the user declared; ``phase_seconds`` in it. ``stalled_seconds``: since the rank's
-    training thread last progressed (a phase left, a collective finished, a step written).
+    training thread last progressed (a phase left, a collective finished, a step written);
+    ``since_step_seconds``: since it last finished a step (since it started, before any).
     ``budget_seconds``: the rank's own budget now (raised in a declared long phase, before the
-    first steps). ``collective``: the one it is inside, or None. ``group_seqs``: each process
-    group's sequence number (collectives issued so far, C++ ones included). ``frames``: the
+    first steps). ``collective``: the one it is inside, or None; ``failed_collective``: the
+    last one that raised on it in this step (a peer gone, a size refused). ``group_seqs``: each
+    process group's sequence number (collectives issued so far, C++ ones included) and
+    ``group_sizes`` its number of ranks. ``frames``: the
     training thread's top frames (innermost first) or empty with ``frames_note`` saying why.
     ``state``: :data:`ANSWERED`, :data:`NO_ANSWER` or :data:`DEAD`; ``silent_seconds``: how
     long it has not answered.
@@ -113,10 +120,13 @@ class RankRecord:
     phase: str = ""
     phase_seconds: float = 0.0
     stalled_seconds: float = 0.0
+    since_step_seconds: float = 0.0
     steps: int = 0
     budget_seconds: float = 15.0
     collective: Collective | None = None
+    failed_collective: Collective | None = None
     group_seqs: Mapping[str, int] = field(default_factory=dict)
+    group_sizes: Mapping[str, int] = field(default_factory=dict)
     frames: tuple[str, ...] = ()
     frames_note: str = ""
     silent_seconds: float = 0.0
@@ -136,10 +146,15 @@ class RankRecord:
             "phase": self.phase,
             "phase_seconds": self.phase_seconds,
             "stalled_seconds": self.stalled_seconds,
+            "since_step_seconds": self.since_step_seconds,
             "steps": self.steps,
             "budget_seconds": self.budget_seconds,
             "collective": None if self.collective is None else self.collective.to_dict(),
+            "failed_collective": (
+                None if self.failed_collective is None else self.failed_collective.to_dict()
+            ),
             "group_seqs": dict(self.group_seqs),
+            "group_sizes": dict(self.group_sizes),
             "frames": list(self.frames),
             "frames_note": self.frames_note,
             "silent_seconds": self.silent_seconds,
@@ -222,6 +237,18 @@ def collective_from_dict(obj: object, where: str = "collective") -> Collective |
             )
         shapes.append(tuple(shape))
     seconds = _float(obj, "seconds", where, optional=True)
+    peers_raw = obj.get("peers", [])
+    if (
+        not isinstance(peers_raw, list)
+        or len(peers_raw) > MAX_PEERS
+        or any(
+            isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < 2**31 for p in peers_raw
+        )
+    ):
+        raise ValueError(
+            f"hang record: field {where}.peers: value {str(peers_raw)[:80]!r} is not a list of "
+            f"at most {MAX_PEERS} ranks"
+        )
     return Collective(
         group=_text(obj, "group", where),
         op=_text(obj, "op", where),
@@ -230,7 +257,27 @@ def collective_from_dict(obj: object, where: str = "collective") -> Collective |
         dtypes=_texts(obj, "dtypes", where, MAX_SHAPES),
         site=_text(obj, "site", where),
         seconds=None if math.isnan(seconds) else seconds,
+        peers=tuple(peers_raw),
     )
+
+
+def _group_map(obj: Mapping[str, Any], name: str, where: str) -> dict[str, int]:
+    """A ``{group name: int}`` field of a record (sequence numbers, sizes), checked."""
+    raw = obj.get(name, {})
+    if not isinstance(raw, Mapping) or len(raw) > MAX_GROUPS:
+        raise ValueError(
+            f"hang record: field {_where(where, name)}: "
+            f"expected an object of at most {MAX_GROUPS} groups"
+        )
+    out: dict[str, int] = {}
+    for key in raw:
+        if not isinstance(key, str) or len(key) > MAX_TEXT:
+            raise ValueError(
+                f"hang record: field {_where(where, name)}: "
+                f"key {str(key)[:80]!r} is not a group name"
+            )
+        out[key] = _int(raw, key, _where(where, name))
+    return out
 
 
 def record_from_dict(obj: object, where: str = "") -> RankRecord:
@@ -244,20 +291,8 @@ def record_from_dict(obj: object, where: str = "") -> RankRecord:
             f"hang record: field {_where(where, 'state')}: "
             f"value {state!r} is not one of {', '.join(RANK_STATES)}"
         )
-    seqs = obj.get("group_seqs", {})
-    if not isinstance(seqs, Mapping) or len(seqs) > MAX_GROUPS:
-        raise ValueError(
-            f"hang record: field {_where(where, 'group_seqs')}: "
-            f"expected an object of at most {MAX_GROUPS} groups"
-        )
-    group_seqs: dict[str, int] = {}
-    for name in seqs:
-        if not isinstance(name, str) or len(name) > MAX_TEXT:
-            raise ValueError(
-                f"hang record: field {_where(where, 'group_seqs')}: "
-                f"key {str(name)[:80]!r} is not a group name"
-            )
-        group_seqs[name] = _int(seqs, name, _where(where, "group_seqs"))
+    group_seqs = _group_map(obj, "group_seqs", where)
+    group_sizes = _group_map(obj, "group_sizes", where)
     return RankRecord(
         rank=_int(obj, "rank", where, 0, 2**31),
         state=state,
@@ -266,10 +301,15 @@ def record_from_dict(obj: object, where: str = "") -> RankRecord:
         phase=_text(obj, "phase", where),
         phase_seconds=_float(obj, "phase_seconds", where),
         stalled_seconds=_float(obj, "stalled_seconds", where),
+        since_step_seconds=_float(obj, "since_step_seconds", where),
         steps=_int(obj, "steps", where),
         budget_seconds=_float(obj, "budget_seconds", where),
         collective=collective_from_dict(obj.get("collective"), _where(where, "collective")),
+        failed_collective=collective_from_dict(
+            obj.get("failed_collective"), _where(where, "failed_collective")
+        ),
         group_seqs=group_seqs,
+        group_sizes=group_sizes,
         frames=_texts(obj, "frames", where, MAX_FRAMES),
         frames_note=_text(obj, "frames_note", where),
         silent_seconds=_float(obj, "silent_seconds", where),

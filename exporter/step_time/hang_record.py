@@ -23,6 +23,8 @@ from types import FrameType
 from typing import Any
 
 from rankwatch.diagnosis.hang import Collective
+from rankwatch.diagnosis.hang.records import MAX_SHAPES
+from rankwatch.exporter.gloo import own_group_names
 from rankwatch.exporter.step_time.timer import PHASES, StepTimer
 
 __all__ = [
@@ -78,6 +80,10 @@ _TENSOR_ARGS = (
     "scatter_list",
     "object_list",
 )
+_PIPELINE_SCHEDULES = os.path.join("pipelining", "schedules.py")
+# Locals of a pipeline schedule's frame scanned for the P2POps it waits on, and their length.
+_P2P_LOCALS = 64
+_P2P_OPS = 64
 _RANKWATCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_MARK = os.sep + "torch" + os.sep
 
@@ -182,6 +188,9 @@ def collective_in_frames(
         code = f.f_code
         name = code.co_name
         file = code.co_filename
+        if name == "_wait_batch_p2p" and file.endswith(_PIPELINE_SCHEDULES):
+            caller = frames[i + 1] if i + 1 < len(frames) else None
+            return _pipeline_wait(caller, seq_of, entered_seconds)
         if name == "wait_tensor" and file.endswith("_functional_collectives.py"):
             op, local_vars = "wait_tensor", f.f_locals
         elif name in _C10D_OPS and file.endswith("distributed_c10d.py"):
@@ -199,13 +208,7 @@ def collective_in_frames(
                 s, d = _describe(local_vars[arg])
                 shapes += s
                 dtypes += d
-        site = ""
-        for caller in frames[i + 1 :]:
-            cfile = caller.f_code.co_filename
-            if _TORCH_MARK in cfile or cfile.startswith(_RANKWATCH_DIR):
-                continue
-            site = f"{_short(cfile)}:{caller.f_lineno} {caller.f_code.co_name}"
-            break
+        site = _site(frames[i + 1] if i + 1 < len(frames) else None)
         return Collective(
             group=group,
             op=op,
@@ -219,45 +222,49 @@ def collective_in_frames(
 
 
 class GroupSeqs:
-    """The process groups this rank's hang records report sequence numbers of: the default
-    group and every group a collective was seen blocked in (bounded). Background thread only."""
+    """The process groups this rank's hang records report: each group's sequence number and
+    size, for every group this process belongs to (``torch.distributed``'s own table of them,
+    read on suspicion only; bounded), rankwatch's own groups left out. Background thread
+    only, but for :meth:`seq_of`."""
 
-    MAX_GROUPS = 16
-
-    def __init__(self) -> None:
-        self._groups: dict[str, Any] = {}
+    MAX_GROUPS = 64
 
     def seq_of(self, group: Any) -> tuple[str, int] | None:
-        """(name, sequence number) of ``group`` (None: the default group), remembered for
-        :meth:`read`; None when torch.distributed is not initialised or the group cannot say."""
+        """(name, sequence number) of ``group`` (None: the default group); None when
+        torch.distributed is not initialised or the group cannot say."""
         try:
             import torch.distributed as dist
 
             if not dist.is_initialized():
                 return None
             pg = dist.distributed_c10d._get_default_group() if group is None else group
-            name = str(pg.group_name)
-            seq = int(pg._get_sequence_number_for_group())  # type: ignore[union-attr]
+            return str(pg.group_name), int(pg._get_sequence_number_for_group())  # type: ignore[union-attr]
         except Exception:  # a fake or torn-down group: no sequence number
             return None
-        if name not in self._groups and len(self._groups) < self.MAX_GROUPS:
-            self._groups[name] = pg
-        return name, seq
 
-    def read(self) -> dict[str, int]:
-        """Every remembered group's sequence number now (the default group's always)."""
-        self.seq_of(None)
-        out: dict[str, int] = {}
-        for name, pg in list(self._groups.items()):
+    def read(self) -> tuple[dict[str, int], dict[str, int]]:
+        """``(sequence numbers, sizes)`` of every group of this process, by group name."""
+        seqs: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        try:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                return seqs, sizes
+            # A copy first: the training thread may be creating a group right now.
+            groups = list(dist.distributed_c10d._world.pg_names.items())
+        except Exception:  # torn down, or a torch without the table: nothing to report
+            return seqs, sizes
+        own = own_group_names()
+        for pg, name in groups:
+            if name in own or len(seqs) >= self.MAX_GROUPS:
+                continue
             try:
-                out[name] = int(pg._get_sequence_number_for_group())
-            except Exception:  # destroyed since: forget it
-                del self._groups[name]
-        return out
-
-    def clear(self) -> None:
-        """Forget every group (the watcher stops: hold no reference to the job's groups)."""
-        self._groups.clear()
+                seqs[name] = int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
+                sizes[name] = int(pg.size())
+            except Exception:  # destroyed since: left out
+                seqs.pop(name, None)
+        return seqs, sizes
 
 
 def _checkpoint_shadow(timer: StepTimer, budget_seconds: float, original: Any) -> Any:
@@ -348,4 +355,66 @@ def long_work_in_frames(frame: FrameType | None) -> str:
         for part, name in _LONG_WORK:
             if part in path:
                 return name
+    return ""
+
+
+def _is_p2p_op(value: Any) -> bool:
+    return (
+        hasattr(value, "peer") and hasattr(value, "group") and callable(getattr(value, "op", None))
+    )
+
+
+def _pipeline_wait(
+    caller: FrameType | None,
+    seq_of: Callable[[Any], tuple[str, int] | None],
+    entered_seconds: float | None,
+) -> Collective:
+    """A pipeline stage waiting on its peers (``schedules._wait_batch_p2p``): the P2POps of
+    the batch it waits on, read from the schedule's frame (the lists of ops it built; where it
+    waits per peer, ``works[peer]``, that peer's only). The peers are what the hang rules
+    follow; with no ops in sight (popped already) the op is ``p2p_wait`` and no peer is known."""
+    ops: list[Any] = []
+    if caller is not None:
+        local_vars = caller.f_locals
+        for value in list(local_vars.values())[:_P2P_LOCALS]:
+            items = value if isinstance(value, (list, tuple)) else [value]
+            ops += [v for v in items[:_P2P_OPS] if _is_p2p_op(v)]
+        works, work = local_vars.get("works"), local_vars.get("work")
+        if isinstance(works, dict) and work is not None:
+            peers_waited = [peer for peer, w in works.items() if w is work]
+            ops = [o for o in ops if o.peer in peers_waited]
+    if not ops:
+        found = seq_of(None)
+        group, seq = found if found is not None else ("", 0)
+        return Collective(group=group, op="p2p_wait", seq=seq, seconds=entered_seconds)
+    names = {getattr(o.op, "__name__", "") for o in ops}
+    op = "recv" if names == {"irecv"} else "send" if names == {"isend"} else "send_recv"
+    found = seq_of(ops[0].group)
+    group, seq = found if found is not None else ("", 0)
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[str] = []
+    for o in ops[:MAX_SHAPES]:
+        sh, dt = _describe(getattr(o, "tensor", None))
+        shapes += sh
+        dtypes += dt
+    return Collective(
+        group=group,
+        op=op,
+        seq=seq,
+        shapes=tuple(shapes[:MAX_SHAPES]),
+        dtypes=tuple(dtypes[:MAX_SHAPES]),
+        site=_site(caller),
+        seconds=entered_seconds,
+        peers=tuple(sorted({int(o.peer) for o in ops})),
+    )
+
+
+def _site(frame: FrameType | None) -> str:
+    """The training code's call site: the first frame from ``frame`` outward outside torch and
+    rankwatch (``file:line function``), or empty."""
+    for caller in _frames(frame):
+        cfile = caller.f_code.co_filename
+        if _TORCH_MARK in cfile or cfile.startswith(_RANKWATCH_DIR):
+            continue
+        return f"{_short(cfile)}:{caller.f_lineno} {caller.f_code.co_name}"
     return ""

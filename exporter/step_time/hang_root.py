@@ -116,12 +116,16 @@ class HangRoot:
         self.reads = 0  # store reads made (none while the job progresses)
         self.seen: list[RankRecord] = []  # every rank's record at the last read (hang file)
         self.open_evidence: dict[str, Any] | None = None
+        # When the budget runs out if nothing moves (monotonic): the watcher looks then, not
+        # up to a poll later.
+        self.next_check = math.inf
 
     # ---- one poll --------------------------------------------------------------------------
 
     def tick(self, own: RankRecord) -> None:
         """One poll with the root's own record."""
         suspect = own.stalled_seconds >= own.budget_seconds * SUSPECT_FRACTION
+        self.next_check = math.inf
         if self.open is None and not suspect:
             self._pending = None
             return
@@ -148,7 +152,11 @@ class HangRoot:
         # Every rank's latest budget, answering or not: a rank in a declared long phase said
         # so when it entered it, and keeps the whole group's budget up while it lasts.
         budget = max([own.budget_seconds, *(self._budget_of(r, own) for r in self._last.values())])
-        if stalled >= budget:
+        # The budget runs from the last step any rank finished (every rank has also made no
+        # progress for a third of it: checked above).
+        since_step = self._since_step(own, answered, silent, now)
+        self.next_check = now + max(0.0, budget - since_step)
+        if since_step >= budget:
             verdict = classify_hang(records, stalled_seconds=stalled)
         else:
             # Early (a mismatch, a dead rank) only once every living rank answered: a side
@@ -166,7 +174,28 @@ class HangRoot:
         self._opened_at = now
         self._steps_at_open = {r.rank: r.steps for r in records}
         self._recovered = set()
-        self._open(verdict, budget, stalled)
+        self._open(verdict, budget, since_step)
+
+    def _since_step(
+        self,
+        own: RankRecord,
+        answered: Sequence[RankRecord],
+        silent: Sequence[RankRecord],
+        now: float,
+    ) -> float:
+        """Seconds since any rank of the group last finished a step, as far as the root can
+        tell: each record's figure aged by the time since the root saw it written; a silent
+        rank's from its shipped steps."""
+        ages = [own.since_step_seconds]
+        for r in answered:
+            if r.rank != self.rank:
+                seen_at = self._beats.get(r.rank, (0, now))[1]
+                ages.append(r.since_step_seconds + max(0.0, now - seen_at))
+        for r in silent:
+            shipped = self.progress_age(r.rank)
+            if shipped is not None:
+                ages.append(shipped)
+        return min(ages)
 
     def _budget_of(self, record: RankRecord, own: RankRecord) -> float:
         """A rank's latest budget, unless it is the warm-up budget of a record written before

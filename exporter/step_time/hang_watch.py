@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from rankwatch.diagnosis.hang import Collective, RankRecord
@@ -109,6 +110,10 @@ class HangWatcher:
         self._recovering = 0  # polls written since the rank progressed again
         self.latest: RankRecord | None = None
         self._budget_sent = 0.0  # the budget in the last record written
+        # The last collective that raised on the training thread, and the steps written then
+        # (reported until the next step: an old failure says nothing of a later hang).
+        self.failed: tuple[Collective | None, int] = (None, -1)
+        timer.on_wait_error = self._wait_failed
         self._thread = threading.Thread(
             target=self._run, name=f"rankwatch-hang-{rank}", daemon=True
         )
@@ -121,22 +126,28 @@ class HangWatcher:
         self._thread.start()
 
     def stop(self, timeout_seconds: float) -> None:
-        """End the thread (bounded) and forget the job's groups."""
+        """End the thread (bounded)."""
         self._stop.set()
+        if self.timer.on_wait_error == self._wait_failed:
+            self.timer.on_wait_error = None
         if self._thread.is_alive():
             self._thread.join(max(0.0, timeout_seconds))
-        self.groups.clear()
 
     # ---- the thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
         poll = self.config.hang_poll_seconds
-        while not self._stop.wait(poll):
+        wait = poll
+        while not self._stop.wait(wait):
+            wait = poll
             try:
                 self.tick()
             except Exception:  # the watcher must never take training down with it
                 log.exception("rankwatch: rank %d hang watcher failed; it stops", self.rank)
                 return
+            if self.root is not None:
+                # The root looks again when the group's budget runs out, if that is sooner.
+                wait = min(poll, max(0.01, self.root.next_check - time.monotonic()))
 
     def tick(self) -> None:
         """One look: progress, suspicion, the record shipped, and on the root its loop."""
@@ -249,6 +260,7 @@ class HangWatcher:
             if collective is None:
                 collective = self._device_collective(now_ns)
         self._beat += 1
+        seqs, sizes = self.groups.read() if frames else ({}, {})
         return RankRecord(
             rank=self.rank,
             host=self.host,
@@ -256,13 +268,24 @@ class HangWatcher:
             phase=phase,
             phase_seconds=round(phase_seconds, 3),
             stalled_seconds=round((now_ns - self._progress_ns) / 1e9, 3),
+            since_step_seconds=round(max(0.0, now_ns - timer.step_end_ns) / 1e9, 3),
             steps=timer.written,
             budget_seconds=budget,
             collective=collective,
-            group_seqs=self.groups.read() if frames else {},
+            failed_collective=self.failed[0] if self.failed[1] == timer.written else None,
+            group_seqs=seqs,
+            group_sizes=sizes,
             frames=tuple(top),
             frames_note=note,
         )
+
+    def _wait_failed(self, frame: FrameType) -> None:
+        """A timed collective wait raised on the training thread: which call it was."""
+        try:
+            found = collective_in_frames(frame, self.groups.seq_of, None)
+            self.failed = (found, self.timer.written)
+        except Exception:  # unreadable: the error goes on to the caller as it was
+            self.failed = (None, -1)
 
     def _device_collective(self, now_ns: int) -> Collective | None:
         """On the GPU clock: the collective the device has been inside for at least a third

@@ -95,6 +95,14 @@ class _Inert:
 _INERT = _Inert()
 
 
+def _has_hub(publishers: Iterable[Any]) -> bool:
+    """Some publisher is a ``PublisherHub`` (which logs incident lines itself). Not imported
+    to ask: the hub's module imports the OpenTelemetry SDK, half a second at every rank's start,
+    and no hub exists unless someone imported it."""
+    hub = sys.modules.get("rankwatch.exporter.publish.hub")
+    return hub is not None and any(isinstance(p, hub.PublisherHub) for p in publishers)
+
+
 def _resolve_layout(group: Any) -> tuple[GroupLayout | None, bool]:
     """(layout, members_only) for the ``group`` argument; layout None for a non-member handle."""
     import torch.distributed as dist
@@ -261,8 +269,6 @@ class RankWatch:
         self, layout: GroupLayout, transport: Transport | None, host: str
     ) -> None:
         """Every rank's hang watcher; the root's runs the group's hang loop (see docs/hang.md)."""
-        from rankwatch.exporter.publish.hub import PublisherHub
-
         collector, config, timer = self._collector, self.config, self.timer
         assert collector is not None and timer is not None
         store = transport.store if transport is not None else None
@@ -282,7 +288,7 @@ class RankWatch:
                 else set,
                 progress_age=collector.progress_age,
                 # The hub logs the incident's line; without one the hang loop logs it.
-                log_lines=not any(isinstance(p, PublisherHub) for p in self.publishers),
+                log_lines=not _has_hub(self.publishers),
                 warmup_steps=config.hang_warmup_steps,
             )
         folder = config.artifact_dir

@@ -124,7 +124,10 @@ def test_stuck_then_moving_on_then_a_quiet_long_phase_then_an_extra_all_reduce(
     ev = stuck["evidence"]
     assert ev["hang_class"] == "STUCK_ALIVE"
     assert ev["phase"] == "input" and ev["phase_seconds"] >= BUDGET_S * 0.9, ev
-    assert ev["stalled_seconds"] >= BUDGET_S and ev["detected_after_seconds"] >= BUDGET_S, ev
+    # Raised once no rank finished a step for the budget, every rank without progress for a
+    # third of it at least.
+    assert ev["detected_after_seconds"] >= BUDGET_S, ev
+    assert ev["stalled_seconds"] >= BUDGET_S / 3, ev
     assert sorted(ev["waiting_ranks"]) == [0, 1], ev
     assert any("__getitem__" in f for f in ev["frames"]), ev
     assert isinstance(ev["waiting_frames"], list) and ev["waiting_frames"], ev

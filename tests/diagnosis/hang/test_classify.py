@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rankwatch.diagnosis.hang import Collective, RankRecord, classify_hang, record_from_dict
 from rankwatch.diagnosis.hang.artifact import (
@@ -279,3 +281,122 @@ def test_a_broadcast_root_waiting_for_a_silent_receiver_is_not_named() -> None:
     v = classify_hang([root, ahead, stopped], stalled_seconds=STALL)
     assert v is not None and v.hang_class == "STUCK_ALIVE" and v.ranks == (2,)
     assert v.waiting_ranks == (0, 1)
+
+
+# ---- the wait-for graph: pipelines, extra calls, ranks left behind ------------------------------
+
+
+def _rec(
+    rank: int,
+    seqs: dict[str, int],
+    collective: Collective | None = None,
+    phase: str = "backward",
+) -> RankRecord:
+    return RankRecord(
+        rank=rank,
+        phase=phase,
+        phase_seconds=STALL,
+        stalled_seconds=STALL,
+        collective=collective,
+        group_seqs=seqs,
+        group_sizes={g: 2 if g.startswith("dp") or g.startswith("pp") else 4 for g in seqs},
+        frames=(f"train.py:{rank} step",),
+    )
+
+
+def test_a_pipeline_stage_waiting_on_its_peer_points_through_to_the_stuck_rank() -> None:
+    # Mesh (pp, dp) = (2, 2): rank 2 (stage 1) sleeps in forward. Rank 0 (stage 0) waits in
+    # its receive from rank 2; rank 1 waits for rank 0 in DDP's all-reduce over dp01 (issued
+    # in C++: ahead by its number); rank 3 waits for rank 2 in dp23.
+    recv = Collective("pp02", "recv", 0, ((4, 8),), ("float32",), peers=(2,))
+    records = [
+        _rec(0, {"dp01": 5, "pp02": 0}, recv),
+        _rec(1, {"dp01": 6, "pp13": 0}),
+        _rec(2, {"dp23": 5, "pp02": 0}, phase="forward"),
+        _rec(3, {"dp23": 6, "pp13": 0}),
+    ]
+    v = classify_hang(records, stalled_seconds=STALL)
+    assert v is not None and (v.hang_class, v.ranks, v.phase) == ("STUCK_ALIVE", (2,), "forward")
+    assert v.waiting_ranks == (0, 1, 3)
+    assert v.collective is not None and v.collective.group in ("pp02", "dp23")
+
+
+def test_an_extra_collective_on_one_rank_is_a_mismatch_naming_it() -> None:
+    # Every rank all-reduces a metric on group "m" once a step; rank 2 twice once: its extra call
+    # (#11) waits alone, the others wait in the next step's DDP all-reduce on "w" (#31, issued
+    # in C++), which rank 2 never reaches.
+    extra = Collective("m", "all_reduce", 11, ((2,),), ("float32",), site="train.py:40 log")
+    records = [_rec(r, {"m": 10, "w": 31}) for r in (0, 1, 3)]
+    records.append(_rec(2, {"m": 11, "w": 30}, extra, phase="outside_step"))
+    v = classify_hang(records, stalled_seconds=STALL)
+    assert v is not None and (v.hang_class, v.ranks) == ("COLLECTIVE_MISMATCH", (2,))
+    assert v.culprit_collective == extra
+    assert v.waiting_ranks == (0, 1, 3)
+    assert "train.py:40" in v.detail
+    # Before the budget, a cycle alone is not raised (only a visible disagreement is).
+    assert classify_hang(records, stalled_seconds=2.0, mismatch_only=True) is None
+
+
+def test_a_rank_left_inside_a_call_the_others_finished_is_a_mismatch_naming_it() -> None:
+    # A 3-float all-reduce against the others' 2 floats: they finish their side and go on into
+    # the next step's all-reduce on "w", which rank 2 never reaches.
+    left = Collective("m", "all_reduce", 10, ((3,),), ("float32",), site="train.py:40 log")
+    records = [_rec(r, {"m": 10, "w": 31}) for r in (0, 1, 3)]
+    records.append(_rec(2, {"m": 10, "w": 30}, left, phase="outside_step"))
+    for early in (False, True):
+        v = classify_hang(records, stalled_seconds=STALL, mismatch_only=early)
+        assert v is not None and (v.hang_class, v.ranks) == ("COLLECTIVE_MISMATCH", (2,))
+        assert v.culprit_collective == left and v.waiting_ranks == (0, 1, 3)
+
+
+def test_a_silent_rank_is_waited_on_only_in_groups_it_belongs_to() -> None:
+    # Rank 1 is ahead on dp01 and waits on rank 0, which is outside every collective; rank 3
+    # does not answer, but dp01's size says both its members answered: it is not waited on.
+    silent = RankRecord(rank=3, state=NO_ANSWER, frames_note="stack unavailable: stopped")
+    records = [
+        _rec(0, {"dp01": 5}, phase="input"),
+        _rec(1, {"dp01": 6}),
+        _rec(2, {"dp23": 5}, phase="input"),
+        silent,
+    ]
+    v = classify_hang(records, stalled_seconds=STALL)
+    assert v is not None and v.hang_class == "STUCK_ALIVE" and v.ranks == (0,)
+
+
+_GROUPS = ("0", "dp01", "dp23", "m")
+
+
+@st.composite
+def _any_record(draw: st.DrawFn, rank: int) -> RankRecord:
+    state = draw(st.sampled_from(["answered", "answered", NO_ANSWER, DEAD]))
+    seqs = draw(st.dictionaries(st.sampled_from(_GROUPS), st.integers(0, 5), max_size=4))
+    collective = draw(
+        st.none()
+        | st.builds(
+            Collective,
+            group=st.sampled_from(_GROUPS),
+            op=st.sampled_from(["all_reduce", "broadcast", "unknown", "recv", "wait_tensor"]),
+            seq=st.integers(0, 5),
+            shapes=st.sampled_from([(), ((2,),), ((3,),)]),
+            dtypes=st.sampled_from([(), ("float32",), ("float64",)]),
+            peers=st.sampled_from([(), (0,), (1, 3)]),
+        )
+    )
+    return RankRecord(
+        rank=rank,
+        state=state,
+        phase=draw(st.sampled_from(["input", "forward", "outside_step", ""])),
+        collective=collective,
+        failed_collective=draw(st.none() | st.just(Collective("m", "all_reduce", 3, ((2,),)))),
+        group_seqs=seqs,
+        group_sizes=draw(st.sampled_from([{}, {g: 4 for g in seqs}, {g: 2 for g in seqs}])),
+    )
+
+
+@given(st.integers(1, 4).flatmap(lambda n: st.tuples(*(_any_record(r) for r in range(n)))))
+@settings(max_examples=400)
+def test_any_records_give_a_verdict_or_none_never_an_error(records: tuple[RankRecord, ...]) -> None:
+    # The root's hang loop runs this on whatever the ranks sent: it must never raise.
+    for early in (False, True):
+        v = classify_hang(list(records), stalled_seconds=STALL, mismatch_only=early)
+        assert v is None or set(v.ranks) <= {r.rank for r in records}

@@ -97,7 +97,8 @@ def _root(store: Any, reports: list[HangReport], ranks: tuple[int, ...] = (0, 1,
 
 def _me(stalled: float, budget: float = 3.0, steps: int = 5) -> RankRecord:
     return RankRecord(
-        rank=0, phase="backward", stalled_seconds=stalled, budget_seconds=budget, steps=steps,
+        rank=0, phase="backward", stalled_seconds=stalled, since_step_seconds=stalled,
+        budget_seconds=budget, steps=steps,
         group_seqs={"0": 9}, frames=("x.py:1 f",),
     )  # fmt: skip
 
@@ -112,9 +113,11 @@ def test_the_root_reads_nothing_while_it_progresses(store: Any) -> None:
 def test_the_root_names_the_rank_behind_and_closes_when_every_rank_moved_on(store: Any) -> None:
     reports: list[HangReport] = []
     root = _root(store, reports)
-    waiting = RankRecord(rank=1, phase="backward", stalled_seconds=4.0, budget_seconds=3.0,
+    waiting = RankRecord(rank=1, phase="backward", stalled_seconds=4.0, since_step_seconds=4.0,
+                         budget_seconds=3.0,
                          steps=5, group_seqs={"0": 9}, frames=("y.py:2 g",))  # fmt: skip
     stuck = RankRecord(rank=2, phase="input", phase_seconds=4.2, stalled_seconds=4.2,
+                       since_step_seconds=4.2,
                        budget_seconds=3.0, steps=5, group_seqs={"0": 8},
                        frames=("data.py:3 __getitem__",))  # fmt: skip
     _put(store, waiting, 1)
