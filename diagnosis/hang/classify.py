@@ -39,7 +39,7 @@ from rankwatch.diagnosis.hang.records import (
     Collective,
     RankRecord,
 )
-from rankwatch.diagnosis.hang.waits import WaitGraph, wait_graph
+from rankwatch.diagnosis.hang.waits import OPAQUE_OPS, WaitGraph, wait_graph
 
 __all__ = ["HangReport", "HangVerdict", "classify_hang"]
 
@@ -104,13 +104,12 @@ def _agree(a: Collective, b: Collective) -> bool:
 
 def _minority(sides: Sequence[list[RankRecord]]) -> tuple[list[RankRecord], list[RankRecord]]:
     """(the culprit side, the rest): the smallest side; where sides tie for smallest, all of
-    them (which call is the odd one cannot be told)."""
+    them, every side included when all tie (which call is the odd one cannot be told: both
+    are named, not one guessed)."""
     smallest = min(len(s) for s in sides)
     culprit = sorted(
         (r for side in sides if len(side) == smallest for r in side), key=lambda r: r.rank
     )
-    if len(culprit) == sum(len(s) for s in sides):
-        culprit = sorted(sides, key=lambda s: min(r.rank for r in s))[-1]
     rest = [r for side in sides for r in side if r not in culprit]
     return culprit, rest
 
@@ -295,20 +294,26 @@ def _mismatch_verdict(
     answered: Sequence[RankRecord],
     note: str = "",
 ) -> HangVerdict:
-    theirs = next((c for c in map(_call_of, others) if c is not None), None)
     mine = _call_of(culprits[0])
     if mine is None:
         raise AssertionError("a mismatch side without a collective")
-    ranks_of = lambda side: ", ".join(str(r.rank) for r in side)  # noqa: E731
-    detail = (
-        f"rank(s) {ranks_of(culprits)} in {mine.op} #{mine.seq} of group {mine.group} "
-        f"{_sig(mine)} at {mine.site or '?'}"
+    # Each distinct call, with the ranks in it: the named ones' first.
+    calls: dict[tuple[Any, ...], tuple[Collective, list[int]]] = {}
+    for r in [*culprits, *others]:
+        c = _call_of(r)
+        if c is not None:
+            key = (c.group, c.op, c.seq, c.shapes, c.dtypes)
+            calls.setdefault(key, (c, []))[1].append(r.rank)
+    theirs = next(
+        (c for c, ranks in calls.values() if not set(ranks) & {r.rank for r in culprits}), None
     )
-    if theirs is not None:
-        detail += (
-            f"; rank(s) {ranks_of(others)} in {theirs.op} #{theirs.seq} of group "
-            f"{theirs.group} {_sig(theirs)} at {theirs.site or '?'}"
-        )
+    if theirs is None and len(calls) > 1:
+        theirs = list(calls.values())[1][0]  # every side named: the second call is "theirs"
+    detail = "; ".join(
+        f"rank(s) {', '.join(map(str, ranks))} in {c.op} #{c.seq} of group {c.group} "
+        f"{_sig(c)} at {c.site or '?'}"
+        for c, ranks in calls.values()
+    )
     if note:
         detail += f"; {note}"
     # Every other rank waits too: those inside the other side's collective, and those that
@@ -348,26 +353,46 @@ def _deadlock_verdict(
     answered: Sequence[RankRecord],
 ) -> HangVerdict:
     """Every waiting rank waits on another: calls that do not pair (an extra collective on one
-    rank, collectives in another order). The sides are the calls the ranks are ahead in; the
-    smaller side made the odd call (both on a tie)."""
-    sides: dict[tuple[str, int], list[RankRecord]] = {}
-    for r in waiting:
-        reasons = [graph.why[(r.rank, n)] for n in sorted(graph.edges[r.rank])]
-        own = r.collective if r.collective is not None and not r.collective.peers else None
-        key = (own.group, own.seq) if own is not None else (reasons[0].group, reasons[0].seq)
-        sides.setdefault(key, []).append(r)
-    groups = list(sides.values())
-    others: list[RankRecord] = []
-    if len(groups) < 2:
-        culprits = groups[0]
+    rank, collectives in another order). Named: the ranks of the cycle blocked in a call of
+    their own (a c10d call seen in their frames, not a peer transfer or a wait on work issued
+    elsewhere): the others only wait for them. Without one, the sides are the calls the
+    ranks are ahead in and the smaller side is named."""
+    cycle = graph.in_cycles()
+    own = [
+        r
+        for r in waiting
+        if r.rank in cycle
+        and r.collective is not None
+        and not r.collective.peers
+        and r.collective.op not in OPAQUE_OPS
+    ]
+    if own:
+        culprits = own
+        named = {r.rank for r in own}
+        others = [r for r in waiting if r.rank not in named]
     else:
-        culprits, others = _minority(groups)
-    if culprits[0].collective is None:
-        # Ahead without being inside its call (issued in C++): named by that call.
-        first = culprits[0]
-        reason = graph.why[(first.rank, sorted(graph.edges[first.rank])[0])]
-        culprits = [replace(r, collective=reason) for r in culprits]
+        sides: dict[tuple[str, int], list[RankRecord]] = {}
+        for r in waiting:
+            reason = _reason(graph, r)
+            sides.setdefault((reason.group, reason.seq), []).append(r)
+        groups = list(sides.values())
+        culprits, others = (groups[0], []) if len(groups) < 2 else _minority(groups)
+    # A rank ahead without being inside its call (issued in C++) is described by that call.
+    culprits = [
+        r if r.collective is not None else replace(r, collective=_reason(graph, r))
+        for r in culprits
+    ]
+    others = [
+        r if r.collective is not None else replace(r, collective=_reason(graph, r)) for r in others
+    ]
     return _mismatch_verdict(verdict, culprits, others, answered)
+
+
+def _reason(graph: WaitGraph, r: RankRecord) -> Collective:
+    """What ``r`` waits in: its own call, else the first rank it waits on's reason."""
+    if r.collective is not None:
+        return r.collective
+    return graph.why[(r.rank, sorted(graph.edges[r.rank])[0])]
 
 
 def _seconds(c: Collective | None) -> float:

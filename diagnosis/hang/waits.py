@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 from rankwatch.diagnosis.hang.records import Collective, RankRecord
 
-__all__ = ["WaitGraph", "wait_graph"]
+__all__ = ["OPAQUE_OPS", "WaitGraph", "wait_graph"]
 
 # Ops that say which collective a rank blocks in without being the collective's own call (the
 # op is unknown, or a functional collective's wait whose number is the latest issued): a rank
 # in one is waiting, never left behind.
-_OPAQUE_OPS = frozenset({"unknown", "wait_tensor", "p2p_wait", "device_wait"})
+OPAQUE_OPS = frozenset({"unknown", "wait_tensor", "p2p_wait", "device_wait"})
 
 
 @dataclass
@@ -44,6 +44,52 @@ class WaitGraph:
     def waiting(self) -> list[int]:
         """Ranks that wait on some rank."""
         return sorted(r for r, out in self.edges.items() if out)
+
+    def in_cycles(self) -> set[int]:
+        """Ranks on some cycle of waits (each waits, through others, on itself): the strongly
+        connected components of more than one rank (Tarjan's, iteratively)."""
+        index: dict[int, int] = {}
+        low: dict[int, int] = {}
+        stack: list[int] = []
+        on_stack: set[int] = set()
+        out: set[int] = set()
+        counter = 0
+        for start in sorted(self.edges):
+            if start in index:
+                continue
+            work: list[tuple[int, list[int]]] = [(start, sorted(self.edges.get(start, ())))]
+            index[start] = low[start] = counter
+            counter += 1
+            stack.append(start)
+            on_stack.add(start)
+            while work:
+                node, todo = work[-1]
+                if todo:
+                    nxt = todo.pop()
+                    if nxt not in index:
+                        index[nxt] = low[nxt] = counter
+                        counter += 1
+                        stack.append(nxt)
+                        on_stack.add(nxt)
+                        work.append((nxt, sorted(self.edges.get(nxt, ()))))
+                    elif nxt in on_stack:
+                        low[node] = min(low[node], index[nxt])
+                    continue
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        out.update(component)
+        return out
 
     def reachable(self, starts: Sequence[int]) -> set[int]:
         """Every rank waited on, directly or through others, from ``starts``."""
@@ -65,7 +111,7 @@ def _seqs(answered: Sequence[RankRecord]) -> dict[str, dict[int, int]]:
         for group, seq in r.group_seqs.items():
             out.setdefault(group, {})[r.rank] = seq
         c = r.collective
-        if c is not None and c.group and not c.peers and c.op not in _OPAQUE_OPS:
+        if c is not None and c.group and not c.peers and c.op not in OPAQUE_OPS:
             out.setdefault(c.group, {})[r.rank] = c.seq
     return out
 
@@ -73,6 +119,10 @@ def _seqs(answered: Sequence[RankRecord]) -> dict[str, dict[int, int]]:
 def wait_graph(answered: Sequence[RankRecord], silent: Sequence[int]) -> WaitGraph:
     """The wait-for graph of the answering ranks (``silent``: the ranks that did not answer)."""
     g = WaitGraph(seqs=_seqs(answered))
+    # Groups seen carrying a pipeline's transfers count those in their numbers too (a stage
+    # posts its next sends ahead of its peer): being ahead there says nothing; the transfers
+    # are followed by their peers instead.
+    p2p_groups = {r.collective.group for r in answered if r.collective and r.collective.peers}
     sizes: dict[str, int] = {}
     for r in answered:
         for group, size in r.group_sizes.items():
@@ -89,7 +139,7 @@ def wait_graph(answered: Sequence[RankRecord], silent: Sequence[int]) -> WaitGra
             continue
         for group, per in g.seqs.items():
             mine = per.get(r.rank)
-            if mine is None:
+            if mine is None or group in p2p_groups:
                 continue
             inside = c if c is not None and c.group == group and c.seq == mine else None
             for other, theirs in per.items():
@@ -108,7 +158,7 @@ def wait_graph(answered: Sequence[RankRecord], silent: Sequence[int]) -> WaitGra
             g.edges.get(r.rank)
             or c is None
             or c.peers
-            or c.op in _OPAQUE_OPS
+            or c.op in OPAQUE_OPS
             or c.group not in g.seqs
         ):
             continue

@@ -382,7 +382,9 @@ def _pipeline_wait(
         works, work = local_vars.get("works"), local_vars.get("work")
         if isinstance(works, dict) and work is not None:
             peers_waited = [peer for peer, w in works.items() if w is work]
-            ops = [o for o in ops if o.peer in peers_waited]
+            # (a work of an earlier batch, as the forward sends waited for at the end: the
+            # ops in sight are the last batch's, to the same peers)
+            ops = [o for o in ops if o.peer in peers_waited] or ops
     if not ops:
         found = seq_of(None)
         group, seq = found if found is not None else ("", 0)

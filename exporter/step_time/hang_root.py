@@ -42,6 +42,8 @@ __all__ = ["HangRoot", "process_state"]
 log = logging.getLogger("rankwatch.hang")
 
 _MAX_RECORD_BYTES = 64 * 1024
+# What the watcher adds to a record for the root alone (not part of the record).
+_TRANSPORT_KEYS = ("beat", "pidns", "written_at_s")
 # A record that has not changed for this many polls (and at least this many seconds) is silent.
 _FRESH_POLLS = 4
 _FRESH_MIN_SECONDS = 2.0
@@ -104,6 +106,8 @@ class HangRoot:
         self.log_lines = log_lines
         self.warmup_steps = warmup_steps
         self.fresh_seconds = max(_FRESH_POLLS * poll_seconds, _FRESH_MIN_SECONDS)
+        self.poll_seconds = poll_seconds
+        self._written_at: dict[int, float] = {}  # rank -> wall clock its record says it was written
         self._known: set[str] = set()
         self._beats: dict[int, tuple[int, float]] = {}  # rank -> (beat, monotonic of change)
         self._last: dict[int, RankRecord] = {}
@@ -187,10 +191,16 @@ class HangRoot:
         tell: each record's figure aged by the time since the root saw it written; a silent
         rank's from its shipped steps."""
         ages = [own.since_step_seconds]
+        wall = time.time()
         for r in answered:
             if r.rank != self.rank:
-                seen_at = self._beats.get(r.rank, (0, now))[1]
-                ages.append(r.since_step_seconds + max(0.0, now - seen_at))
+                # Written before the root saw it, by at most a poll: the writer's own clock
+                # says when, held to that range (another host's clock may be off).
+                seen = max(0.0, now - self._beats.get(r.rank, (0, now))[1])
+                written = wall - self._written_at.get(r.rank, wall)
+                ages.append(
+                    r.since_step_seconds + min(max(written, seen), seen + self.poll_seconds)
+                )
         for r in silent:
             shipped = self.progress_age(r.rank)
             if shipped is not None:
@@ -225,13 +235,16 @@ class HangRoot:
                 beat = payload.get("beat")
                 try:
                     record = record_from_dict(
-                        {k: v for k, v in payload.items() if k not in ("beat", "pidns")},
+                        {k: v for k, v in payload.items() if k not in _TRANSPORT_KEYS},
                         f"rank {rank}",
                     )
                 except ValueError as exc:
                     log.debug("rankwatch: unreadable hang record of rank %d: %s", rank, exc)
                 if record is not None:
                     self._meta[rank] = (record.pid, int(payload.get("pidns") or 0), record.host)
+                    written = payload.get("written_at_s")
+                    if isinstance(written, (int, float)) and math.isfinite(written):
+                        self._written_at[rank] = float(written)
                     prev = self._beats.get(rank)
                     if prev is None or prev[0] != beat:
                         # First sight of a record counts as a change only if it is a suspect one.

@@ -304,6 +304,7 @@ class HangWatcher:
         payload = record.to_dict()
         payload["beat"] = self._beat
         payload["pidns"] = self.pidns
+        payload["written_at_s"] = time.time()  # the root ages the record by it (bounded)
         try:
             self.store.set(record_key(self.rank), json.dumps(payload))
         except Exception as exc:  # the store is gone: the root will name this rank silent
