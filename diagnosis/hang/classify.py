@@ -250,9 +250,12 @@ def classify_hang(
             # Every waiting rank waits on another waiting one: a cycle no rank can leave.
             return _deadlock_verdict(verdict, graph, waiting, answered)
     if silent:
-        # Nobody waits on a known rank, yet some ranks do not answer: they are the ones to look at.
+        # Nobody waits on a known rank, yet some ranks do not answer: they are the ones to look
+        # at. The others wait in their own call, else (issued in C++) in the group a member is
+        # missing from, at its highest number.
         inside = [r for r in answered if r.collective is not None]
-        return verdict(STUCK_ALIVE, silent, answered, inside[0].collective if inside else None)
+        coll = inside[0].collective if inside else _missing_member_group(answered)
+        return verdict(STUCK_ALIVE, silent, answered, coll)
     inside = [r for r in answered if r.collective is not None]
     if inside:
         first = inside[0].collective
@@ -281,6 +284,22 @@ def classify_hang(
 def _call_of(r: RankRecord) -> Collective | None:
     """The call a rank is inside, else the one that last raised on it."""
     return r.collective if r.collective is not None else r.failed_collective
+
+
+def _missing_member_group(answered: Sequence[RankRecord]) -> Collective | None:
+    """The largest group whose size exceeds the answering ranks in it (a member did not
+    answer), at its highest sequence number, op unknown; None when no size says so."""
+    members: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for r in answered:
+        for group, seq in r.group_seqs.items():
+            members.setdefault(group, []).append(seq)
+            sizes[group] = max(sizes.get(group, 0), r.group_sizes.get(group, 0))
+    short = [g for g, seqs in members.items() if sizes[g] > len(seqs)]
+    if not short:
+        return None
+    group = max(short, key=lambda g: (sizes[g], g))
+    return Collective(group, "unknown", max(members[group]))
 
 
 def _same_call(c: Collective | None, first: Collective) -> bool:

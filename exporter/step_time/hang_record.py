@@ -41,7 +41,8 @@ __all__ = [
 OUTSIDE_STEP = "outside_step"
 # The timer's phases as a hang record names them.
 PHASE_NAMES: tuple[str, ...] = tuple("input" if p == "input_wait" else p for p in PHASES)
-# c10d's blocking calls a training thread waits in (torch.distributed.distributed_c10d) and the
+# c10d's blocking calls a training thread waits in (torch.distributed.distributed_c10d, torch
+# 2.13's names and the older ones it keeps: all_gather_into_tensor calls all_gather_single) and the
 # functional collectives' wait (torch.distributed._functional_collectives.wait_tensor).
 _C10D_OPS = frozenset(
     {
@@ -49,6 +50,7 @@ _C10D_OPS = frozenset(
         "all_gather",
         "all_gather_into_tensor",
         "all_gather_object",
+        "all_gather_single",
         "all_reduce_coalesced",
         "all_to_all",
         "all_to_all_single",
@@ -61,10 +63,13 @@ _C10D_OPS = frozenset(
         "recv",
         "reduce",
         "reduce_scatter",
+        "reduce_scatter_single",
         "reduce_scatter_tensor",
         "scatter",
         "scatter_object_list",
+        "recv_object_list",
         "send",
+        "send_object_list",
     }
 )
 _TENSOR_ARGS = (

@@ -403,3 +403,14 @@ def test_any_records_give_a_verdict_or_none_never_an_error(records: tuple[RankRe
     for early in (False, True):
         v = classify_hang(list(records), stalled_seconds=STALL, mismatch_only=early)
         assert v is None or set(v.ranks) <= {r.rank for r in records}
+
+
+def test_a_stopped_rank_under_ddp_is_named_with_the_group_it_is_missing_from() -> None:
+    # DDP's all-reduce waits in C++ (no frame names it); rank 2 stopped and sent nothing: the
+    # others wait in the world group, which has one member fewer answering than its size.
+    records: list[RankRecord] = [_rec(r, {"0": 66, "1": 60}) for r in (0, 1, 3)]
+    records.append(RankRecord(rank=2, state=NO_ANSWER, frames_note="stack unavailable: stopped"))
+    v = classify_hang(records, stalled_seconds=STALL)
+    assert v is not None and (v.hang_class, v.ranks) == ("STUCK_ALIVE", (2,))
+    assert v.collective == Collective("0", "unknown", 66)
+    assert v.frames == "stack unavailable: stopped"
