@@ -288,7 +288,8 @@ def _call_of(r: RankRecord) -> Collective | None:
 
 def _missing_member_group(answered: Sequence[RankRecord]) -> Collective | None:
     """The largest group whose size exceeds the answering ranks in it (a member did not
-    answer), at its highest sequence number, op unknown; None when no size says so."""
+    answer; of equal sizes the most used one), at its highest sequence number, op unknown;
+    None when no size says so."""
     members: dict[str, list[int]] = {}
     sizes: dict[str, int] = {}
     for r in answered:
@@ -298,7 +299,7 @@ def _missing_member_group(answered: Sequence[RankRecord]) -> Collective | None:
     short = [g for g, seqs in members.items() if sizes[g] > len(seqs)]
     if not short:
         return None
-    group = max(short, key=lambda g: (sizes[g], g))
+    group = max(short, key=lambda g: (sizes[g], max(members[g]), g))  # largest, most used
     return Collective(group, "unknown", max(members[group]))
 
 
