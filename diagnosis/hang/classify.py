@@ -375,8 +375,9 @@ def _deadlock_verdict(
     """Every waiting rank waits on another: calls that do not pair (an extra collective on one
     rank, collectives in another order). Named: the ranks of the cycle blocked in a call of
     their own (a c10d call seen in their frames, not a peer transfer or a wait on work issued
-    elsewhere): the others only wait for them. Without one, the sides are the calls the
-    ranks are ahead in and the smaller side is named."""
+    elsewhere) whose group has the largest share of members that never arrived: the others
+    only wait for them. Without one, the sides are the calls the ranks are ahead in and the
+    smaller side is named."""
     cycle = graph.in_cycles()
     own = [
         r
@@ -387,8 +388,17 @@ def _deadlock_verdict(
         and r.collective.op not in OPAQUE_OPS
     ]
     if own:
-        culprits = own
-        named = {r.rank for r in own}
+        # Of those, the call most of whose group has not arrived (an extra all-reduce on the
+        # whole job keeps three of four away; the calls the others wait in lack only one rank).
+        def missing(r: RankRecord) -> float:
+            c = r.collective
+            assert c is not None
+            per = graph.seqs.get(c.group, {})
+            return sum(seq < c.seq for seq in per.values()) / max(1, len(per))
+
+        most = max(missing(r) for r in own)
+        culprits = [r for r in own if missing(r) == most]
+        named = {r.rank for r in culprits}
         others = [r for r in waiting if r.rank not in named]
     else:
         sides: dict[tuple[str, int], list[RankRecord]] = {}

@@ -414,3 +414,15 @@ def test_a_stopped_rank_under_ddp_is_named_with_the_group_it_is_missing_from() -
     assert v is not None and (v.hang_class, v.ranks) == ("STUCK_ALIVE", (2,))
     assert v.collective == Collective("0", "unknown", 66)
     assert v.frames == "stack unavailable: stopped"
+
+
+def test_an_extra_collective_against_calls_seen_in_python_names_the_one_most_left_waiting() -> None:
+    # FSDP2: the others wait inside their all-gather (a c10d call in their frames) for rank 2,
+    # which is inside an all-reduce the three of them never make.
+    extra = Collective("m", "all_reduce", 11, ((2,),), ("float32",), site="train.py:40 log")
+    gather = Collective("0", "all_gather_single", 31, ((64,),), ("float32",))
+    records = [_rec(r, {"m": 10, "0": 31}, gather) for r in (0, 1, 3)]
+    records.append(_rec(2, {"m": 11, "0": 30}, extra, phase="outside_step"))
+    v = classify_hang(records, stalled_seconds=STALL)
+    assert v is not None and (v.hang_class, v.ranks) == ("COLLECTIVE_MISMATCH", (2,))
+    assert v.culprit_collective == extra and v.collective == gather
