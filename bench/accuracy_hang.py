@@ -1172,25 +1172,28 @@ NOTES = """### Reading the hang matrix
   rank saves a `torch.distributed.checkpoint` through a storage writer that takes 60 s (the
   pipeline's stages save under keys of their own). The step-time incidents these rows open
   (10-step windows on a shared 2-core machine) are counted, not judged here.
-- **What this run found** (the hang watcher as merged into the commit above). Right: every
-  `all_stalled` cell (`ALL_STALLED`, no rank named); on DDP a rank stuck in its dataset, asleep
-  or spinning in its forward (its phase, its frames, the others' group and sequence number;
-  their op is `unknown`: DDP's bucket all-reduce is issued in C++); a SIGKILLed rank on DDP
-  and on the pipeline (`RANK_DEAD` in about 6 s); the four quiet rows (the 60 s
-  `torch.distributed.checkpoint` save, the 20 s evaluation and the compiling first step opened
-  no hang; an earlier detector opened `ALL_STALLED` during the save). Wrong: on FSDP2 (`fsdp`,
-  `tp_dp`) no incident at all within 60 s in 15 of 18 cells, a killed rank included: FSDP2
-  runs its hooks through `torch._dynamo.disable`, so a rank waiting in FSDP2's all-gather has a
-  `torch/_dynamo` frame on its stack and is taken to be compiling (the warm-up budget, 300 s);
-  the FSDP2 quiet rows are therefore no evidence yet. On the pipeline the stage-0 ranks
-  waiting in their p2p receives are named with (or instead of) the stuck rank. An extra or
-  mismatched all-reduce is named (the right rank) as `STUCK_ALIVE` in `outside_step` on DDP,
-  not `COLLECTIVE_MISMATCH`; the pipeline's shape mismatch is a `COLLECTIVE_MISMATCH` naming
-  the innocent rank 3 (a one-against-one tie). A dtype mismatch aborts a receiving rank in
-  Gloo, which is then named `RANK_DEAD` (rank 1, not the culprit). A SIGSTOPped rank is named
-  (`stack unavailable: ... the process is stopped`) without the phase it stopped in. Every
-  budget-bound incident came 15.3 to 16.1 s after the fault: the Done-when's 15 s is not met
-  with a 15 s budget.
+- **What this run found** (the hang rules of the commit above, on the wait-for graph; the two
+  `extra_allreduce` cells of `fsdp` and `tp_dp` were run again after the last rule change, on
+  the next commit, and replace the first run's; `tp_dp/dtype_mismatch` too, with the same
+  result). Right, each within the budget: a rank stuck in
+  its dataset, asleep or spinning in its forward, on every shape (its phase, its frames, what
+  the others wait in: DDP's bucket all-reduce by its group and number, op `unknown`, as it is
+  issued in C++; FSDP2's all-gather; a pipeline stage's receive from its peer, followed
+  through to the stuck rank); an extra all-reduce on every shape (`COLLECTIVE_MISMATCH` naming
+  its owner: the others only wait for it); a larger all-reduce on DDP, FSDP2 and the pipeline
+  (the others finish their side and go on: the culprit is left inside alone); SIGKILL
+  (`RANK_DEAD` in about 6 s), SIGSTOP (named, "the process is stopped") and every rank blocked
+  (`ALL_STALLED`, nobody named) everywhere; the four quiet rows (the 60 s
+  `torch.distributed.checkpoint` save, the 20 s evaluation and the compiling first step open
+  no hang). Wrong: a larger all-reduce under TP x DP left two ranks inside the same call with
+  different shapes (the culprit and its ring neighbour) while the other two finished: one
+  against one, both are named (which of the two calls is the odd one is not in any record).
+  A float64 all-reduce against float32 makes Gloo abort a *receiving* rank: where the root
+  survives, the failed and the waiting calls show the dtypes, again one against one (the
+  culprit and one rank whose call failed; the aborted rank's call is gone with it), so both
+  are named; under TP x DP the aborted receiver was rank 0, the root, and nobody classified
+  ("What it cannot see" in docs/hang.md). Every budget-bound incident came 15.0 to 15.2 s after
+  the fault (the budget runs from the last step, which ends before the fault begins).
 - **Limits.** CPU and Gloo only, 4 ranks on one machine, the culprit never the root; NCCL
   behaves differently on mismatches (it hangs where Gloo aborts or completes). Never run on
   GPUs."""
