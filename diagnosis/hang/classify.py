@@ -102,6 +102,9 @@ def _agree(a: Collective, b: Collective) -> bool:
     return not (a.dtypes and b.dtypes and a.dtypes != b.dtypes)
 
 
+_NO_CALL = Collective("", "", 0)
+
+
 def _minority(sides: Sequence[list[RankRecord]]) -> tuple[list[RankRecord], list[RankRecord]]:
     """(the culprit side, the rest): the smallest side; where sides tie for smallest, all of
     them, every side included when all tie (which call is the odd one cannot be told: both
@@ -145,8 +148,36 @@ def _mismatch(answered: Sequence[RankRecord]) -> tuple[list[RankRecord], list[Ra
             else:
                 sides.append([r])
         if len(sides) > 1:
-            return _minority(sides)
+            culprit, rest = _minority(_with_finished(sides, group, answered))
+            # (the ranks gone past weigh in; the sides are the calls' own ranks)
+            return culprit, [r for r in rest if r in inside]
     return None
+
+
+# c10d calls with a root (torch.distributed's): a non-root rank can finish its side of one
+# while another member is in some other call; a call that needs every member cannot.
+_ROOTED_OPS = frozenset(
+    {"broadcast", "broadcast_object_list", "scatter", "scatter_object_list", "gather",
+     "gather_object", "reduce"}
+)  # fmt: skip
+
+
+def _with_finished(
+    sides: list[list[RankRecord]], call: tuple[str, int], answered: Sequence[RankRecord]
+) -> list[list[RankRecord]]:
+    """The sides, the ranks that already went past the call counted with the one side whose op
+    has a root (only such a call lets a rank finish while another member is in a different
+    one: a broadcast's receiver went on, the extra all-reduce's owner did not). Unchanged
+    unless exactly one side's op has a root."""
+    group, seq = call
+    inside = {r.rank for side in sides for r in side}
+    past = [r for r in answered if r.rank not in inside and r.group_seqs.get(group, -1) >= seq]
+    rooted = [
+        i for i, side in enumerate(sides) if (_call_of(side[0]) or _NO_CALL).op in _ROOTED_OPS
+    ]
+    if not past or len(rooted) != 1:
+        return sides
+    return [[*side, *past] if i == rooted[0] else side for i, side in enumerate(sides)]
 
 
 def classify_hang(

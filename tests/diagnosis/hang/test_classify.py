@@ -426,3 +426,19 @@ def test_an_extra_collective_against_calls_seen_in_python_names_the_one_most_lef
     v = classify_hang(records, stalled_seconds=STALL)
     assert v is not None and (v.hang_class, v.ranks) == ("COLLECTIVE_MISMATCH", (2,))
     assert v.culprit_collective == extra and v.collective == gather
+
+
+def test_a_broadcast_receiver_that_went_on_sides_with_the_broadcast() -> None:
+    # Rank 2 calls an all_reduce the others never call; ranks 0 and 1 broadcast from rank 0
+    # at that number: rank 1 received and went on, rank 0 waits for rank 2. One against one
+    # inside the call, but only a call with a root lets a rank finish: rank 1 was a broadcast.
+    bcast = _coll(op="broadcast", seq=51)
+    extra = _coll(op="all_reduce", seq=51)
+    records = [
+        _waiting(0, collective=bcast, group_seqs={"0": 51}),
+        _waiting(1, collective=None, group_seqs={"0": 52}),
+        _waiting(2, collective=extra, group_seqs={"0": 51}),
+    ]
+    v = classify_hang(records, stalled_seconds=STALL)
+    assert v is not None and (v.hang_class, v.ranks) == ("COLLECTIVE_MISMATCH", (2,))
+    assert v.culprit_collective == extra and v.collective == bcast
