@@ -11,7 +11,7 @@ STAMP    := $(VENV)/.installed
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
 .PHONY: venv backends demo test test-fast test-floors fuzz lint typecheck unit generate bench bench-scale accuracy \
-	accuracy-parallel accuracy-trainers accuracy-deepep reliability-matrix gpu-check clean
+	accuracy-parallel accuracy-trainers accuracy-hang accuracy-deepep reliability-matrix gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -130,6 +130,13 @@ accuracy-parallel: venv
 # (about 10 minutes). Accelerate's ParallelismConfig cannot run on a CPU: `make gpu-check`.
 accuracy-trainers: venv
 	$(PY) -m bench.accuracy_trainers --out docs/accuracy.md
+
+# The hang matrix: real 4-rank Gloo jobs that hang (a rank stuck in its loader or forward, an
+# extra or mismatched collective, a rank killed or stopped, every rank stalled) on DDP, FSDP2,
+# TP x DP and PP x DP, and a long quiet run per shape (compile, evaluation, a 60 s checkpoint)
+# -> its section of docs/accuracy.md (about an hour on 2 cores). Every job is killed at the end.
+accuracy-hang: venv
+	$(PY) -m bench.accuracy_hang --out docs/accuracy.md
 
 # Regenerates the DeepEP normal-mode accuracy matrix in docs/diagnosis-deepep.md.
 accuracy-deepep: venv

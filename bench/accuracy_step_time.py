@@ -13,16 +13,19 @@ rows their timers wrote (the last ``WINDOW`` steps of ``STEPS``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -280,29 +283,88 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _group_leader(worker: Any, *args: Any) -> None:
+    """A spawned rank: the leader of a process group of its own (its children, e.g. compile
+    workers, join it, so one ``killpg`` ends them all), killed by the kernel if the parent
+    dies first (no rank outlives a killed harness), then ``worker(*args)``."""
+    os.setpgid(0, 0)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's kill still ends the rank
+    worker(*args)
+
+
+def kill_world(procs: list[Any], grace_s: float = 0.0) -> None:
+    """End every rank of ``procs`` and all their children: SIGTERM to each rank's process
+    group first when ``grace_s`` > 0 (with SIGCONT, so a stopped rank handles it), then, after
+    up to ``grace_s``, SIGCONT and SIGKILL to each group (a stopped process dies of SIGKILL
+    too), and reap them."""
+
+    def signal_groups(*signums: int) -> None:
+        for p in started:
+            for signum in signums:
+                try:
+                    os.killpg(p.pid, signum)
+                except (ProcessLookupError, PermissionError):
+                    # not (yet) a group leader, or gone: the rank alone
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signum)
+
+    started = [p for p in procs if p.pid is not None]
+    if grace_s > 0:
+        signal_groups(signal.SIGTERM, signal.SIGCONT)
+        deadline = time.monotonic() + grace_s
+        for p in started:
+            p.join(max(0.0, deadline - time.monotonic()))
+    signal_groups(signal.SIGCONT, signal.SIGKILL)
+    for p in started:
+        p.join(5.0)
+
+
+@contextlib.contextmanager
+def started_world(worker: Any, world: int, work: Any) -> Iterator[tuple[list[Any], str]]:
+    """Spawn ``world`` processes running ``worker(rank, port, work, out)``, each the leader of
+    its own process group; yield them and ``out`` (a temporary folder), and on leaving kill
+    whatever is left of every group, in every outcome."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out:
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_group_leader, args=(worker, r, port, work, out))
+            for r in range(world)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            yield procs, out
+        finally:
+            kill_world(procs)
+
+
+def read_results(out: str, world: int) -> list[dict[str, Any]]:
+    """What each rank wrote to ``out/<rank>.json`` (``{"error": "died"}`` for none)."""
+    results = []
+    for r in range(world):
+        path = Path(out, f"{r}.json")
+        results.append(json.loads(path.read_text()) if path.exists() else {"error": "died"})
+    return results
+
+
 def spawn_world(
     worker: Any, world: int, work: Any, timeout_s: float = JOIN_TIMEOUT_S
 ) -> list[dict[str, Any]]:
     """Spawn ``world`` processes running ``worker(rank, port, work, out)`` (each writes
-    ``out/<rank>.json``), wait up to ``timeout_s`` for them (killing any left), and return
-    what each wrote (``{"error": "died"}`` for a rank that wrote nothing)."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
-        procs = [ctx.Process(target=worker, args=(r, port, work, out)) for r in range(world)]
-        for p in procs:
-            p.start()
+    ``out/<rank>.json``), wait up to ``timeout_s`` for them (then kill every process group
+    left), and return what each wrote (``{"error": "died"}`` for a rank that wrote nothing)."""
+    with started_world(worker, world, work) as (procs, out):
         deadline = time.monotonic() + timeout_s
         for p in procs:
             p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        results = []
-        for r in range(world):
-            path = Path(out, f"{r}.json")
-            results.append(json.loads(path.read_text()) if path.exists() else {"error": "died"})
-    return results
+        kill_world(procs)
+        return read_results(out, world)
 
 
 def _run_world(cells: list[tuple[str, str]]) -> list[dict[str, Any]]:

@@ -54,7 +54,7 @@ CONTROL_STEPS = 150  # the control's steps (14 live windows)
 CHECKPOINT_EVERY = 20  # a DCP checkpoint of model and optimizer every this many steps
 JOIN_TIMEOUT_S = 1800.0
 SECTION = "trainers"
-SOURCE = "bench/accuracy_trainers.py"
+OWNER = "accuracy-trainers"
 
 PLACES: dict[str, str] = {
     "data": "data loading (the loader sleeps before yielding the batch)",
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out == "-":
         print(text)
     else:
-        write_section(SECTION, text, Path(args.out), source=SOURCE)
+        write_section(SECTION, text, Path(args.out), owner=OWNER)
     right = sum(c.right for c in cells)
     print(f"{right}/{len(cells)} cells right in {time.monotonic() - start:.0f} s")
     return 0 if right == len(cells) else 1

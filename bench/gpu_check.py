@@ -1,8 +1,8 @@
 """The GPU clock's device check, run by hand on a machine with a CUDA GPU (``make gpu-check``).
 
-Without CUDA it prints one line and exits 0. With CUDA (one GPU suffices) it runs four cells,
+Without CUDA it prints one line and exits 0. With CUDA (one GPU suffices) it runs five cells,
 each in its own process with a hard time limit (a cell that hangs or fails is reported as
-failed; the others still run; about four minutes at most), and prints one table:
+failed; the others still run; about six minutes at most), and prints one table:
 
 * ``clock``: one process trains a small model under ``watch()`` with GPU timing, and times the
   same loop itself with its own ``torch.cuda.Event`` pairs around forward, backward and the
@@ -25,6 +25,11 @@ failed; the others still run; about four minutes at most), and prints one table:
   (:mod:`bench.trainer_accelerate`), 4 NCCL ranks under rankwatch with the real publisher
   hub. Per scenario (``ACCELERATE_SCENARIOS``) the run's verdict and the incidents opened:
   the slow rank named, and no incident in the control.
+* ``hang``: two processes share the GPU (Gloo with CUDA tensors, DDP), hang budget
+  ``HANG_BUDGET_S``: ``sleep`` (the slow rank sleeps on the host before the collective the
+  other waits in: ``stuck_alive`` naming it) and ``mismatch`` (it calls one ``all_reduce`` the
+  other never calls: ``collective_mismatch`` naming it). Each world is killed once the root
+  heard of the incident, or after 30 s.
 
 Exit 0 when every cell is right, 1 otherwise. Nothing is downloaded; seeds are fixed.
 """
@@ -58,8 +63,15 @@ CLOCK_TOLERANCE_MS = 0.5
 CLOCK_TOLERANCE_SHARE = 0.10
 COST_LIMIT_SHARE = 0.05
 COST_LIMIT_MS = 0.5
-# Hard limits per cell (seconds): the sum stays under six minutes.
-CELL_SECONDS = {"clock": 45.0, "gloo": 75.0, "nccl": 75.0, "cost": 40.0, "accelerate": 150.0}
+# Hard limits per cell (seconds): the sum stays under eight minutes.
+CELL_SECONDS = {
+    "clock": 45.0,
+    "gloo": 75.0,
+    "nccl": 75.0,
+    "cost": 40.0,
+    "accelerate": 150.0,
+    "hang": 100.0,
+}
 SCENARIOS = ("data", "forward", "backward", "control")
 EXPECTED = {
     "data": ("INPUT_STRAGGLER", SLOW_RANK),
@@ -429,12 +441,106 @@ def cell_accelerate(out: Path) -> None:
     out.write_text(json.dumps(results))
 
 
+HANG_BUDGET_S = 3.0
+HANG_SCENARIOS = ("sleep", "mismatch")
+HANG_EXPECTED = {
+    "sleep": ("stuck_alive", [SLOW_RANK]),
+    "mismatch": ("collective_mismatch", [SLOW_RANK]),
+}
+
+
+def _hang_worker(rank: int, world: int, port: int, scenario: str, out: str) -> None:
+    """One rank of a hang scenario on the GPU (Gloo with CUDA tensors, DDP): ``sleep``, the
+    slow rank sleeps on the host before a collective the other waits in; ``mismatch``, it
+    calls one ``all_reduce`` the other never calls (the other broadcasts). The root writes
+    the first hang incident it hears of and ends its process; the driver kills the rest."""
+    import torch
+    import torch.distributed as dist
+
+    from rankwatch.exporter import init
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+
+    def on_incident(event: Any) -> None:
+        inc = event.incident
+        if event.action == "open" and inc.cls == "hang":
+            Path(out).write_text(json.dumps({"cause": inc.cause, "ranks": list(inc.ranks),
+                                             "probe": inc.probe, "evidence": dict(inc.evidence)},
+                                            default=str))  # fmt: skip
+            os._exit(0)
+
+    rw = init(
+        on_incident=on_incident,
+        metrics_enabled=False,
+        hang_budget_seconds=HANG_BUDGET_S,
+        hang_poll_seconds=0.25,
+    )
+    model = torch.nn.parallel.DistributedDataParallel(_model(device), device_ids=[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    flag = torch.zeros(1, device=device)
+    for step, (x, y) in enumerate(rw.watch(model, opt, _batches(STEPS))):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == SLOW_RANK and step == WARMUP_STEPS:
+            if scenario == "sleep":
+                time.sleep(600)
+            else:
+                dist.all_reduce(torch.ones(1, device=device))
+        dist.broadcast(flag, 0)
+    time.sleep(600)
+
+
+def cell_hang(out: Path) -> None:
+    """Each hang scenario in a 2-rank world of its own; writes each one's incident."""
+    import torch.multiprocessing as mp
+
+    results: dict[str, Any] = {}
+    ctx = mp.get_context("spawn")
+    for scenario in HANG_SCENARIOS:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        part = f"{out}.{scenario}"
+        procs = [
+            ctx.Process(target=_hang_worker, args=(r, 2, port, scenario, part)) for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and not Path(part).exists():
+            time.sleep(0.2)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        results[scenario] = json.loads(Path(part).read_text()) if Path(part).exists() else None
+    out.write_text(json.dumps(results))
+
+
+def judge_hang(scenario: str, incident: dict[str, Any] | None) -> Check:
+    """A hang scenario's incident against the expected class and named rank."""
+    cause, ranks = HANG_EXPECTED[scenario]
+    expected = f"hang {cause} rank {ranks}"
+    if incident is None:
+        return Check(f"hang/{scenario}", expected, "no hang incident", False)
+    got = f"hang {incident['cause']} rank {incident['ranks']}"
+    return Check(
+        f"hang/{scenario}", expected, got, (incident["cause"], incident["ranks"]) == (cause, ranks)
+    )
+
+
 CELLS = {
     "clock": cell_clock,
     "gloo": lambda out: cell_ddp(out, "gloo"),
     "nccl": lambda out: cell_ddp(out, "nccl"),
     "cost": cell_cost,
     "accelerate": cell_accelerate,
+    "hang": cell_hang,
 }
 
 
@@ -473,6 +579,8 @@ def checks_of(name: str, result: Any, error: str) -> list[Check]:
         return [judge_cost(result["unwatched"], result["watched"])]
     if name == "accelerate":
         return [judge_accelerate(s, result[s]) for s in ACCELERATE_SCENARIOS]
+    if name == "hang":
+        return [judge_hang(s, result.get(s)) for s in HANG_SCENARIOS]
     return [judge_verdict(name, s, result[s]) for s in SCENARIOS]
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rankwatch.diagnosis.deepep.low_latency import LowLatencyResult
     from rankwatch.diagnosis.deepep.normal.report import NormalReport
+    from rankwatch.diagnosis.hang.classify import HangReport
     from rankwatch.diagnosis.step_time import StepTimeReport
 
 __all__ = ["RankInfo", "WindowReport"]
@@ -54,6 +55,8 @@ class WindowReport:
     low_latency_invalid_reason: str | None = None
     low_latency: dict[str, LowLatencyResult] | None = None
     diagnosis_seconds: dict[str, float] = field(default_factory=dict)
+    # The hang watcher's state (rankwatch.diagnosis.hang), on the reports it publishes only.
+    hang: HangReport | None = None
 
     @property
     def incomplete(self) -> bool:
@@ -94,4 +97,5 @@ class WindowReport:
             if self.low_latency is None
             else {k: v.to_dict() for k, v in self.low_latency.items()},
             "diagnosis_seconds": dict(self.diagnosis_seconds),
+            **({} if self.hang is None else {"hang": self.hang.to_dict()}),
         }

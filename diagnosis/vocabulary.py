@@ -5,9 +5,11 @@ from __future__ import annotations
 
 __all__ = [
     "BOTTLENECK_CLASS",
+    "CLOSE_AT_ONCE_CLASSES",
     "COMPONENTS",
     "FAULT",
     "GLOBAL_DATA_PATH_SLOWDOWN",
+    "HANG_CLASS",
     "HANG_SUSPECT",
     "INCIDENT_CLASSES",
     "INCIDENT_SEVERITIES",
@@ -82,8 +84,17 @@ NORMAL_INCIDENT_CLASSES: tuple[str, ...] = (
 )
 # Classes whose incident opens on the first window that shows them, without the k-of-n
 # debounce: DeepEP's own timeout ends a hung job about 100 s later.
-OPEN_AT_ONCE_CLASSES: tuple[str, ...] = (HANG_SUSPECT,)
-INCIDENT_CLASSES: tuple[str, ...] = (STRAGGLER_CLASS, BOTTLENECK_CLASS, *NORMAL_INCIDENT_CLASSES)
+# No rank of a step-time group progressed for the hang budget (rankwatch.diagnosis.hang): it
+# opens at once and closes as soon as the job moves on (the hang watcher's own hysteresis).
+HANG_CLASS = "hang"
+OPEN_AT_ONCE_CLASSES: tuple[str, ...] = (HANG_SUSPECT, HANG_CLASS)
+CLOSE_AT_ONCE_CLASSES: tuple[str, ...] = (HANG_CLASS,)
+INCIDENT_CLASSES: tuple[str, ...] = (
+    STRAGGLER_CLASS,
+    BOTTLENECK_CLASS,
+    *NORMAL_INCIDENT_CLASSES,
+    HANG_CLASS,
+)
 
 # One severity story. An incident is a *fault* (something holds the job back and someone
 # should look: a straggler the others wait for, a DeepEP incident class, a hang) or a steady

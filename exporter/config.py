@@ -53,7 +53,10 @@ MAX_SYNC_STEP = 1_000_000
 MAX_WARMUP_STEPS = 100_000
 MAX_RETAINED_FILES = 100_000
 MAX_INCIDENT_WINDOWS = 1_000
-MAX_LABEL_CHARS = 256  # run id, group and user: label values on every series
+MAX_LABEL_CHARS = 256
+MAX_HANG_SECONDS = (
+    86_400.0  # hang budgets: a day at most  # run id, group and user: label values on every series
+)
 
 
 # A DNS host name: dot-separated labels of letters, digits and '-', at most 253 characters.
@@ -188,6 +191,38 @@ class RankwatchConfig:
     gpu_device_errors_before_off: int = field(
         default=3, metadata=option("RANKWATCH_GPU_DEVICE_ERRORS_BEFORE_OFF", 1, 1_000_000)
     )
+    # Hang watch (see docs/hang.md): a critical `hang` incident when no rank progressed for the
+    # budget: at least hang_budget_seconds and hang_step_multiple times the job's median step,
+    # hang_warmup_budget_seconds before hang_warmup_steps steps are done (compilation,
+    # warm-up) and for an epoch's first batch, hang_checkpoint_budget_seconds while a
+    # torch.distributed.checkpoint save runs. Records are read every hang_poll_seconds.
+    hang_enabled: bool = field(default=True, metadata=option("RANKWATCH_HANG_ENABLE"))
+    hang_budget_seconds: float = field(
+        default=15.0,
+        metadata=option("RANKWATCH_HANG_BUDGET_SECONDS", 0.0, MAX_HANG_SECONDS, lo_open=True),
+    )
+    hang_step_multiple: float = field(
+        default=10.0, metadata=option("RANKWATCH_HANG_STEP_MULTIPLE", 0.0, 10_000.0)
+    )
+    hang_warmup_budget_seconds: float = field(
+        default=300.0,
+        metadata=option(
+            "RANKWATCH_HANG_WARMUP_BUDGET_SECONDS", 0.0, MAX_HANG_SECONDS, lo_open=True
+        ),
+    )
+    hang_warmup_steps: int = field(
+        default=2, metadata=option("RANKWATCH_HANG_WARMUP_STEPS", 0, MAX_WARMUP_STEPS)
+    )
+    hang_checkpoint_budget_seconds: float = field(
+        default=900.0,
+        metadata=option(
+            "RANKWATCH_HANG_CHECKPOINT_BUDGET_SECONDS", 0.0, MAX_HANG_SECONDS, lo_open=True
+        ),
+    )
+    hang_poll_seconds: float = field(
+        default=0.5, metadata=option("RANKWATCH_HANG_POLL_SECONDS", 0.01, 60.0)
+    )
+    hang_stack_frames: int = field(default=8, metadata=option("RANKWATCH_HANG_STACK_FRAMES", 1, 32))
     # Prometheus pull path
     metrics_enabled: bool = field(default=True, metadata=option("RANKWATCH_METRICS_ENABLE"))
     metrics_addr: str = field(

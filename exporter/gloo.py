@@ -17,9 +17,12 @@ from typing import Any
 
 from rankwatch.exporter.config import RankwatchConfig
 
-__all__ = ["create_gloo_group", "dedicated_store", "group_timeout"]
+__all__ = ["create_gloo_group", "dedicated_store", "group_timeout", "own_group_names"]
 
 _GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+_OWN_GROUPS: set[str] = set()
 
 
 def create_gloo_group(
@@ -41,9 +44,19 @@ def create_gloo_group(
     import torch.distributed as dist
 
     with _env(_GLOO_LAZY_INIT, "1") if lazy else contextlib.nullcontext():
-        return dist.new_group(
+        group = dist.new_group(
             list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=members_only
         )
+    name = getattr(group, "group_name", None)
+    if isinstance(name, str):
+        _OWN_GROUPS.add(name)
+    return group
+
+
+def own_group_names() -> frozenset[str]:
+    """Names of the groups rankwatch made in this process (its traffic is not the job's: the
+    hang records leave them out)."""
+    return frozenset(_OWN_GROUPS)
 
 
 @contextlib.contextmanager

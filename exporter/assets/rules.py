@@ -221,7 +221,30 @@ def diagnosis_rules(s: Settings, config: DiagnosisConfig) -> list[Rule]:
             "ranks now (stack, GPU, process).",
             metric=M.incident_active,
         ),
+        _hang(s),
     ]
+
+
+HANG_BY = ("job", "run", "group", "hang_class", "culprit_rank", "phase", "op")
+
+
+def _hang(s: Settings) -> Rule:
+    """The hang watcher's incident: a page at once (the watcher waited its budget already)."""
+    by = ", ".join(HANG_BY)
+    expr = f"max by ({by}) (\n  {M.hang_active}{_sel(s)}\n)\n"
+    return _alert(
+        s,
+        "RankwatchHang",
+        expr,
+        {"severity": "critical"},
+        "Training hung: {{ $labels.hang_class }}, rank(s) {{ $labels.culprit_rank }} "
+        "({{ $labels.run }}/{{ $labels.group }})",
+        "Run {{ $labels.run }}, group {{ $labels.group }}: no rank has progressed for the "
+        "hang budget. Class {{ $labels.hang_class }}; named rank(s) "
+        "{{ $labels.culprit_rank }} in phase {{ $labels.phase }}; the others wait in "
+        "{{ $labels.op }}. The incident's evidence (OTLP event, log line) has the collective's "
+        "group and sequence number and the named rank's top frames.",
+    )
 
 
 # The run a scrape target served, kept while the target is down: a down target's own series

@@ -50,6 +50,8 @@ ALERT_TIMING: dict[str, AlertTiming] = {
     "RankwatchDeepEPPreStageArrivalSkew": AlertTiming("5m", "2m"),
     # A hang is a page at once: DeepEP's own timeout ends the job about 100 s in.
     "RankwatchDeepEPHangSuspect": AlertTiming("0s", "5m"),
+    # The hang watcher has already waited its budget (15 s by default) before it opened one.
+    "RankwatchHang": AlertTiming("0s", "2m"),
     "RankwatchExporterDown": AlertTiming("5m", "1m"),
     "RankwatchNoFreshWindows": AlertTiming("2m", "1m"),
     "RankwatchExportFailing": AlertTiming("10m", "5m"),

@@ -232,6 +232,16 @@ def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
             mappings=OPEN_MAPPING,
             overrides=SEVERITY_COLOURS,
         ),
+        state_timeline(
+            "Hangs",
+            "The hang watcher's incidents: no rank progressed for the hang budget. One row per "
+            "hang: its class, the named rank(s), their phase and the op the others wait in; "
+            "the incident's evidence (log line, OTLP event) has the collective's sequence "
+            "number and the named rank's top frames.",
+            f"max by (hang_class, culprit_rank, phase, op) ({M.hang_active}{{{SEL}}})",
+            "{{hang_class}} rank {{culprit_rank}} in {{phase}}, others in {{op}}",
+            mappings=OPEN_MAPPING,
+        ),
         table(
             "Per-host breakdown",
             "Per host: the slowest step, the least visible phase (the "
@@ -265,6 +275,7 @@ def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
             "Straggler score over time": STRAGGLER_ALERTS,
             "Window age": ("RankwatchNoFreshWindows",),
             "Incident timeline": STRAGGLER_ALERTS,
+            "Hangs": ("RankwatchHang",),
         },
     )
     return dashboard(

@@ -503,9 +503,13 @@ def _refusal(path: Path, exc: BaseException) -> str:
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from rankwatch.diagnosis.hang.artifact import is_hang_file_name, load_hang_file
+
     try:
         if args.window.suffix == ".npz":
             data, text = _diagnose_npz(args.window)
+        elif is_hang_file_name(args.window.name):
+            data, text = _diagnose_hang_files([load_hang_file(args.window)])
         elif args.window.suffix == ".json":
             data, text = _diagnose_step_json(args.window)
         else:
@@ -611,10 +615,56 @@ def _diagnose_step_json(path: Path) -> tuple[dict[str, Any], str]:
 _STEP_COLUMNS = ("input_wait", "forward", "backward", "optimizer", "step", "visible")
 
 
+def _diagnose_hang_files(files: list[Any]) -> tuple[dict[str, Any], str]:
+    """Hang record files (one rank's, or a run's): the verdict their ranks' records give."""
+    from rankwatch.diagnosis.hang.artifact import classify_files
+    from rankwatch.diagnosis.hang.words import hang_line
+
+    verdict = classify_files(files)
+    group = files[0].group if files else ""
+    if verdict is None:
+        # One rank alone: where it was, not who hung.
+        if not files:
+            return {"kind": "hang", "records": []}, "no hang records"
+        rec = files[0].own
+        where = (
+            f" in {rec.collective.op} #{rec.collective.seq} of group {rec.collective.group}"
+            if rec.collective
+            else ""
+        )
+        text = (
+            f"rank {rec.rank} (host {rec.host}, pid {rec.pid}): phase {rec.phase or '?'} for "
+            f"{rec.phase_seconds:.1f} s{where}; no progress for {rec.stalled_seconds:.1f} s; "
+            f"top frame: {rec.frames[0] if rec.frames else rec.frames_note or 'none'} "
+            "(one rank's record: give every rank's file for the verdict)"
+        )
+        return {"kind": "hang", "files": [f.path for f in files], "record": rec.to_dict()}, text
+    budget = max(f.own.budget_seconds for f in files)
+    text = hang_line(verdict, group=group, budget_seconds=budget)
+    ranks = sorted({f.rank for f in files})
+    live = next((f.verdict for f in files if f.verdict), None)
+    data = {
+        "kind": "hang",
+        "files": [f.path for f in files],
+        "ranks_with_records": ranks,
+        "verdict": verdict.evidence(verdict.stalled_seconds),
+        "hang_class": verdict.hang_class,
+        "culprit_ranks": list(verdict.ranks),
+        "live_verdict": live,
+    }
+    lines = [text, f"from the records of rank(s) {', '.join(str(r) for r in ranks)}"]
+    if live:
+        lines.append(
+            f"live verdict on the root: {live.get('hang_class')} {live.get('message', '')}"
+        )
+    return data, "\n".join(lines)
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from rankwatch.diagnosis.config import NormalConfig
     from rankwatch.diagnosis.deepep.artifact import load_window_artifact
     from rankwatch.diagnosis.deepep.normal import NormalDiagnoser
+    from rankwatch.diagnosis.hang.artifact import is_hang_file_name, load_hang_file
     from rankwatch.diagnosis.step_time.artifact import is_step_time_file, load_window
     from rankwatch.exporter.publish.verdicts import describe_normal, describe_step
 
@@ -630,6 +680,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         emit({"path": str(p), "error": reason}, f"{p}: error: {reason}")
 
     npz_files, json_files = _saved_window_names(args.dir)
+    hang_names = [p for p in json_files if is_hang_file_name(p.name)]
+    json_files = [p for p in json_files if not is_hang_file_name(p.name)]
+    hang_files = []
+    for p in hang_names:
+        try:
+            hang_files.append(load_hang_file(p))
+        except (ValueError, OSError) as exc:
+            refuse(p, exc)
     step_files = []
     for p in json_files:
         try:
@@ -637,7 +695,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 step_files.append(p)
         except (ValueError, OSError) as exc:
             refuse(p, exc)
-    if not npz_files and not step_files and not failures:
+    if hang_files:
+        data, text = _diagnose_hang_files(hang_files)
+        emit(data, text)
+    if not npz_files and not step_files and not hang_files and not failures:
         raise UsageError(
             f"DIR {str(args.dir)!r}: no saved windows (DeepEP *.npz or step-time *.json) in it"
         )

@@ -276,6 +276,31 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Score of an open incident: the straggler score for step-time classes, the largest "
         "slowdown factor for data-path classes, the smallest Notify ratio for arrival skew.",
     ),
+    # --- hangs (one open hang incident per group at most: the labels stay bounded) ---
+    _m(
+        "hang_active",
+        "gauge",
+        "",
+        ("hang_class", "culprit_rank", "phase", "op"),
+        "1 while a hang incident is open (no rank progressed for the hang budget): its class, "
+        "the named ranks, the first one's phase, the op the others wait in; removed when the job "
+        "moves on.",
+    ),
+    _m(
+        "hang_stalled_seconds",
+        "gauge",
+        "s",
+        ("hang_class",),
+        "Seconds without progress on any rank when the open hang incident was last classified.",
+    ),
+    _m(
+        "hang_collective_seq",
+        "gauge",
+        "",
+        ("hang_class", "collective_group", "op"),
+        "Sequence number (collectives issued on the process group) of the collective the "
+        "waiting ranks are in, while a hang incident is open.",
+    ),
     # --- windows and the exporter itself ---
     _m("window_index", "gauge", "", (), "Index of the latest diagnosed window."),
     _m(
@@ -314,7 +339,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "",
         ("writer",),
         "Failed writes of rankwatch's files in this process, by writer (step_windows, summary, "
-        "deepep_npz, deepep_log, deepxtrace_log); each kind of error is also logged once per "
+        "hang_records, deepep_npz, deepep_log, deepxtrace_log); each kind of error is also "
+        "logged once per "
         "writer, naming the setting, the path and the errno.",
     ),
     _m(

@@ -76,6 +76,9 @@ def event_message(event: IncidentEvent) -> str:
     reason = f" ({event.reason})" if event.action == "close" and event.reason else ""
     score = "" if inc.score is None else f", score {inc.score:.3g}"
     evidence = inc.evidence if isinstance(inc.evidence, Mapping) else {}
+    if event.action == "open" and evidence.get("message"):
+        # A hang's own sentence: who, where, what the others wait in, the top frame.
+        return f"rankwatch incident {inc.incident_id} opened: {inc.severity} {evidence['message']}"
     position = str(evidence.get("culprit_position") or "").partition(": ")[2]
     mesh = f" ({position}, within {evidence.get('compared_group')})" if position else ""
     if evidence.get("slow_group"):

@@ -65,7 +65,9 @@ from typing import Any
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.vocabulary import (
     BOTTLENECK_CLASS,
+    CLOSE_AT_ONCE_CLASSES,
     GLOBAL_DATA_PATH_SLOWDOWN,
+    HANG_CLASS,
     INCIDENT_SEVERITIES,
     OPEN_AT_ONCE_CLASSES,
     PRE_STAGE_ARRIVAL_SKEW,
@@ -96,6 +98,7 @@ _SEVERITY_RANK = {s: i for i, s in enumerate(INCIDENT_SEVERITIES)}
 # Which engine a signal comes from: only windows in which that engine ran count for it.
 _STEP_TIME = "step_time"
 _NORMAL = "normal"
+_HANG = "hang"
 
 
 @dataclass(frozen=True)
@@ -329,13 +332,35 @@ def _normal_signals(report: WindowReport) -> list[Signal]:
     return out
 
 
+def _hang_signals(report: WindowReport) -> list[Signal]:
+    """The hang watcher's verdict: one identity per group (its class may change while it
+    lasts: a mismatch seen later refines a stuck rank), critical."""
+    hang = report.hang
+    if hang is None or hang.verdict is None:
+        return []
+    v = hang.verdict
+    return [
+        Signal(
+            key=(HANG_CLASS,),
+            engine=_HANG,
+            cls=HANG_CLASS,
+            severity="critical",
+            probe=v.phase,
+            cause=v.cause,
+            ranks=v.ranks,
+            score=v.stalled_seconds,
+            evidence=hang.evidence(),
+        )
+    ]
+
+
 def signals_from_report(report: WindowReport) -> list[Signal]:
     """The incident signals of one window: warning/critical step-time findings and normal-mode
     incidents, each with its identity key. Duplicated identities keep the most severe signal."""
     if not isinstance(report, WindowReport):
         raise TypeError(f"report: expected WindowReport, got {type(report).__name__}")
     by_key: dict[tuple[Any, ...], Signal] = {}
-    for sig in _step_time_signals(report) + _normal_signals(report):
+    for sig in _step_time_signals(report) + _normal_signals(report) + _hang_signals(report):
         prev = by_key.get(sig.key)
         if prev is None or _SEVERITY_RANK[sig.severity] > _SEVERITY_RANK[prev.severity]:
             by_key[sig.key] = sig
@@ -403,7 +428,15 @@ class IncidentTracker:
             raise TypeError(f"report: expected WindowReport, got {type(report).__name__}")
         if report.window_kind != "live":
             return []
-        ran = {e for e, part in ((_STEP_TIME, report.step_time), (_NORMAL, report.normal)) if part}
+        ran = {
+            e
+            for e, part in (
+                (_STEP_TIME, report.step_time),
+                (_NORMAL, report.normal),
+                (_HANG, report.hang),
+            )
+            if part
+        }
         if not ran:
             return []
         self._windows += 1
@@ -437,7 +470,9 @@ class IncidentTracker:
             if track.incident is not None:
                 if sig is not None:
                     track.incident = self._refresh(track.incident, sig, report)
-                elif track.clean_run >= self.close_m:
+                elif track.clean_run >= (
+                    1 if track.incident.cls in CLOSE_AT_ONCE_CLASSES else self.close_m
+                ):
                     closes.append(
                         self._event("close", track.incident, report, group, run, CLOSED_CLEAN)
                     )

@@ -50,6 +50,7 @@ import numpy as np
 
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.vocabulary import (
+    HANG_CLASS,
     HANG_SUSPECT,
     INCIDENT_CLASSES,
     INCIDENT_SEVERITIES,
@@ -456,7 +457,27 @@ def incident_samples(
     for labels, (one, score) in active.items():
         out.add(_S["incident_active"], labels, one)
         out.add(_S["incident_score"], labels, score)
+    _hang(out, incidents)
     return out.samples
+
+
+def _hang(out: _Out, incidents: IncidentSnapshot) -> None:
+    """The ``rankwatch_hang_*`` series of an open hang incident."""
+    for inc in incidents.open:
+        if inc.cls != HANG_CLASS:
+            continue
+        ev = inc.evidence if isinstance(inc.evidence, Mapping) else {}
+        coll = ev.get("collective") if isinstance(ev.get("collective"), Mapping) else None
+        op = str(coll.get("op", "")) if coll else ""
+        ranks = ",".join(str(r) for r in inc.ranks)
+        out.add(_S["hang_active"], (inc.cause, ranks, inc.probe, op), 1.0)
+        out.add(_S["hang_stalled_seconds"], (inc.cause,), ev.get("stalled_seconds"))
+        if coll:
+            out.add(
+                _S["hang_collective_seq"],
+                (inc.cause, str(coll.get("group", "")), op),
+                coll.get("seq"),
+            )
 
 
 def window_invalid_samples(

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from rankwatch.diagnosis.hang import HangReport
 from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.diagnosis.step_time import StepTimeReport, diagnose_arrays, diagnose_window
 from rankwatch.diagnosis.step_time.blocks import BLOCK_STEPS, StepBlocks
@@ -179,6 +180,8 @@ class WindowCollector:
         ident = identity if identity is not None else local_identity(config.node_name_env)
         self._info: dict[int, RankInfo] = {layout.rank: RankInfo(layout.rank, *ident)}
         self._window_index = 0
+        # The hang watcher publishes from its own thread: window numbers and publishing in order.
+        self._publish_lock = threading.Lock()
         self._last_key: tuple[Any, ...] | None = None
         # The job's device mesh (root: the diagnosis compares ranks within its comparison
         # groups); set by ``RankWatch.watch`` on every rank, read by this thread per window.
@@ -533,23 +536,45 @@ class WindowCollector:
         ):
             return  # nothing new since the last window: do not publish it twice
         self._last_key = key
-        report = WindowReport(
-            group=self.config.group_name,
-            window_index=self._window_index,
-            created_at_s=time.time(),
-            ranks=self._rank_infos(),
-            run=self.config.run_id,
-            window_kind=kind,
-            missing_ranks=tuple(missing),
-            step_time=step_time,
-            diagnosis_seconds={"step_time": elapsed},
-        )
-        self._window_index += 1
-        self.latest_report = report
-        self.reports_published += 1
-        if self._artifacts is not None:
-            self._artifacts.save(report, per_rank, window)
-        publish_to_all(self.publishers, report, log)
+        with self._publish_lock:
+            report = WindowReport(
+                group=self.config.group_name,
+                window_index=self._window_index,
+                created_at_s=time.time(),
+                ranks=self._rank_infos(),
+                run=self.config.run_id,
+                window_kind=kind,
+                missing_ranks=tuple(missing),
+                step_time=step_time,
+                diagnosis_seconds={"step_time": elapsed},
+            )
+            self._window_index += 1
+            self.latest_report = report
+            self.reports_published += 1
+            if self._artifacts is not None:
+                self._artifacts.save(report, per_rank, window)
+            publish_to_all(self.publishers, report, log)
+
+    def publish_hang(self, hang: HangReport) -> None:
+        """The hang watcher's verdict (or its end) as a report of the group (root; any thread)."""
+        with self._publish_lock:
+            report = WindowReport(
+                group=self.config.group_name,
+                window_index=self._window_index,
+                created_at_s=time.time(),
+                ranks=self._rank_infos(),
+                run=self.config.run_id,
+                hang=hang,
+            )
+            self._window_index += 1
+            publish_to_all(self.publishers, report, log)
+
+    def progress_age(self, rank: int) -> float | None:
+        """Seconds since ``rank``'s shipped steps last advanced (root; None before any)."""
+        buf = self._buffers.get(rank)
+        if buf is None or not len(buf):
+            return None
+        return time.monotonic() - buf.progress_at
 
     def _diagnose(
         self, kind: str, present: list[int], window: int

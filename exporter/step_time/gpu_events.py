@@ -380,6 +380,17 @@ class GpuTimeline:
             return
         self._pairs.append((signals, start, stop, self._step_start is not None))
 
+    def wait_markers(self) -> list[tuple[EventLike, EventLike]]:
+        """(start, end) markers of the sync waits the device may not have passed yet: the open
+        step's and the pending steps'. For the hang watcher's background thread, which only
+        ``query()``s them (a snapshot: the training thread appends while it reads)."""
+        pairs = list(self._pairs)
+        for step in list(self._pending):
+            pairs += step.pairs
+        # The timer's signals end with its two waits (forward_wait, backward_wait).
+        waits = self.n_signals - 2
+        return [(start, stop) for signals, start, stop, _ in pairs if signals[-1] >= waits]
+
     def grad_mark(self, key: object) -> None:
         """A parameter's gradient was accumulated (its post-accumulate-grad hook, ``key``
         naming the parameter): the parameter whose gradient came last in the previous pass

@@ -220,7 +220,9 @@ class _WatchedIterator:
     def __next__(self) -> Any:
         timer = self._timer
         if get_ident() != self._loader.training_thread:
-            return self._loader._untimed(self._it)
+            batch = self._loader._untimed(self._it)
+            timer.first_fetch = False  # the loader has started (a prefetching producer)
+            return batch
         timer.loader_steps = True
         # The previous batch's step ends where this fetch starts. A batch the loop skipped
         # (no forward) stays in the open step, as its input wait.
@@ -234,6 +236,7 @@ class _WatchedIterator:
                 timer.abort_step()
             raise
         timer.end(INPUT_WAIT)
+        timer.first_fetch = False
         if self._device is not None:
             timer.begin(H2D)
             batch = move_to_device(batch, self._device, self._non_blocking)
@@ -281,6 +284,9 @@ class WatchedLoader:
         )
 
     def __iter__(self) -> _WatchedIterator:
+        # An epoch's first batch waits for the loader's workers to start: the hang watcher
+        # gives it the warm-up budget.
+        self._timer.first_fetch = True
         return _WatchedIterator(iter(self.loader), self)
 
     def __len__(self) -> int:
@@ -464,7 +470,9 @@ def install(
                 return
             if sync:  # (open only inside an open forward)
                 timer.end(FORWARD_WAIT)
-            # A forward that did not open the phase (evaluation outside a step) ends nothing.
+            # A forward that did not open the phase (evaluation outside a step) ends nothing,
+            # but is progress for the hang watcher.
+            timer.marks += 1
             if timer.end(FORWARD) and torch.is_grad_enabled():
                 tracker.watch_output(output)
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rankwatch.diagnosis.config import option_env
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time import normalize_strategy
 from rankwatch.exporter.config import RankwatchConfig
@@ -46,6 +47,10 @@ from rankwatch.exporter.step_time.gpu_events import (
     cuda_event_factory,
     cuda_stream_of,
 )
+from rankwatch.exporter.step_time.hang_file import HangFileWriter, install_sigterm
+from rankwatch.exporter.step_time.hang_record import DeclaredPhase, install_checkpoint_phases
+from rankwatch.exporter.step_time.hang_root import HangRoot
+from rankwatch.exporter.step_time.hang_watch import HangWatcher, pid_namespace
 from rankwatch.exporter.step_time.hooks import (
     WatchedLoader,
     detect_strategy,
@@ -62,6 +67,7 @@ from rankwatch.exporter.step_time.timer import (
     StepTimer,
 )
 from rankwatch.exporter.step_time.transport import GroupLayout, Transport
+from rankwatch.exporter.storage import GuardedWrites
 
 __all__ = ["RankWatch"]
 
@@ -87,6 +93,14 @@ class _Inert:
 
 
 _INERT = _Inert()
+
+
+def _has_hub(publishers: Iterable[Any]) -> bool:
+    """Some publisher is a ``PublisherHub`` (which logs incident lines itself). Not imported
+    to ask: the hub's module imports the OpenTelemetry SDK, half a second at every rank's start,
+    and no hub exists unless someone imported it."""
+    hub = sys.modules.get("rankwatch.exporter.publish.hub")
+    return hub is not None and any(isinstance(p, hub.PublisherHub) for p in publishers)
 
 
 def _resolve_layout(group: Any) -> tuple[GroupLayout | None, bool]:
@@ -202,6 +216,8 @@ class RankWatch:
         self._collects = 0
         self._closed = False
         self._collector: WindowCollector | None = None
+        self._hang: HangWatcher | None = None
+        self._undo_sigterm: Any = None
         self._layout: GroupLayout | None = None
         self.timer: StepTimer | None = None
         if not config.enabled:
@@ -246,6 +262,61 @@ class RankWatch:
             identity,
         )
         self._collector.start()
+        if config.hang_enabled:
+            self._start_hang_watch(layout, transport, identity[0])
+
+    def _start_hang_watch(
+        self, layout: GroupLayout, transport: Transport | None, host: str
+    ) -> None:
+        """Every rank's hang watcher; the root's runs the group's hang loop (see docs/hang.md)."""
+        collector, config, timer = self._collector, self.config, self.timer
+        assert collector is not None and timer is not None
+        store = transport.store if transport is not None else None
+        root = None
+        if layout.is_root:
+            root = HangRoot(
+                layout.ranks,
+                layout.rank,
+                store,
+                config.hang_poll_seconds,
+                collector.publish_hang,
+                group=config.group_name,
+                host=host,
+                pidns=pid_namespace(),
+                broken=(lambda: transport.broken | transport.closed)
+                if transport is not None
+                else set,
+                progress_age=collector.progress_age,
+                # The hub logs the incident's line; without one the hang loop logs it.
+                log_lines=not _has_hub(self.publishers),
+                warmup_steps=config.hang_warmup_steps,
+            )
+        folder = config.artifact_dir
+        writer = None
+        if folder:
+            # The storage-fault policy of every writer: a fault is said once, counted, retried.
+            guard = GuardedWrites(
+                "hang_records",
+                "hang records",
+                option_env(RankwatchConfig, "artifact_dir"),
+                folder,
+            )
+            guard.check_folder(folder)
+            writer = HangFileWriter(
+                folder,
+                layout.rank,
+                host,
+                config.run_id,
+                config.group_name,
+                config.hang_stack_frames,
+                guard,
+            )
+        self._hang = HangWatcher(
+            layout.rank, timer, config, store, host, threading.get_ident(), root=root, file=writer
+        )
+        if writer is not None:
+            self._undo_sigterm = install_sigterm(self._hang.on_sigterm)
+        self._hang.start()
 
     # ---- properties ----------------------------------------------------------------------
 
@@ -287,8 +358,14 @@ class RankWatch:
             return ctx
         return timer.step(step_id)
 
-    def phase(self, name: str) -> Any:
-        """Context manager around one phase: input_wait, h2d, forward, backward, optimizer."""
+    def phase(self, name: str, budget_seconds: float | None = None) -> Any:
+        """Context manager around one phase: input_wait, h2d, forward, backward, optimizer.
+
+        With ``budget_seconds`` the phase is declared long (``with rw.phase("checkpoint",
+        budget_seconds=600):``): any name, and while it runs the hang watcher's budget for the
+        group is at least that long (a timed phase's name is timed as well)."""
+        if budget_seconds is not None:
+            return self._declared_phase(name, budget_seconds)
         if self.timer is None:
             if name not in PHASES:  # same contract whether or not this rank is timing
                 raise ValueError(
@@ -299,6 +376,25 @@ class RankWatch:
             return self.timer._phases[name]
         except (KeyError, TypeError):
             return self.timer.phase(name)  # raises the error naming the field
+
+    def _declared_phase(self, name: str, budget_seconds: float) -> Any:
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise ValueError(
+                f"phase: field name: value {name!r} must be a text of 1..64 characters"
+            )
+        if (
+            isinstance(budget_seconds, bool)
+            or not isinstance(budget_seconds, (int, float))
+            or not 0 < budget_seconds <= 86_400
+        ):
+            raise ValueError(
+                f"phase: field budget_seconds: value {budget_seconds!r} must be a number in "
+                "(0, 86400]"
+            )
+        if self.timer is None:
+            return _INERT
+        timed = self.timer._phases.get(name)
+        return DeclaredPhase(self.timer, name, float(budget_seconds), timed)
 
     def sync_wait(self) -> Any:
         """Context manager around a wait at a synchronisation point outside the watched model.
@@ -430,6 +526,11 @@ class RankWatch:
         self._handles.extend(install(self.timer, model, optimizers))
         self._handles.extend(install_collective_waits(self.timer))
         self._handles.extend(install_pipeline_phases(self.timer))
+        if self._hang is not None:
+            self._hang.training_thread = threading.get_ident()
+            self._handles.extend(
+                install_checkpoint_phases(self.timer, self.config.hang_checkpoint_budget_seconds)
+            )
         if model is not None and self.timer.gpu is not None:
             self._watch_device_waits(model)
         self._watched.update(id(o) for o in (model, *optimizers) if o is not None)
@@ -478,6 +579,10 @@ class RankWatch:
             # trainer stopping at its step count fetches no next batch), else discarded.
             self.timer.finish_open_step()
             self.timer.drain_gpu(min(1.0, 0.2 * timeout_seconds))
+        if self._hang is not None:
+            self._hang.stop(min(1.0, max(0.0, deadline - time.monotonic())))
+            if self._undo_sigterm is not None:
+                self._undo_sigterm()
         if self._collector is not None:
             self._collector.stop(max(0.0, deadline - time.monotonic()))
         for pub in self.publishers:

@@ -40,7 +40,10 @@ its GPU columns, which are final before ``finished`` moves past it).
 from __future__ import annotations
 
 import math
+import sys
 import time
+from collections.abc import Callable
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -114,6 +117,7 @@ class _Phase:
         if start < 0:
             return
         starts[self._i] = -1
+        timer.marks += 1  # progress, for the hang watcher (a plain attribute write)
         row, col = timer._row, self._col
         before = row[col]  # NaN (not timed yet in this step) is the only value unequal to itself
         row[col] = (now - start) * _MS if before != before else before + (now - start) * _MS
@@ -178,10 +182,15 @@ class _SyncWait:
         timer = self._timer
         ns = timer._clock() - self._start
         self._start = -1
+        timer.marks += 1
         timer.credit_wait(ns)
         gpu, self._gpu = self._gpu, None
         if gpu is not None:
             gpu.wait_end(timer.wait_signals())
+        if exc_type is not None and timer.on_wait_error is not None:
+            # The collective raised (a peer gone, a size Gloo refused): the hang watcher notes
+            # which call it was, from the frames still on the stack. The error path only.
+            timer.on_wait_error(sys._getframe(1))
 
 
 class _Untimed:
@@ -299,6 +308,17 @@ class StepTimer:
         self.loader_steps = False
         self.optimizer_steps = 0  # outermost optimizer steps seen by the hooks
         self.optimizer_end_ns = -1  # when the hooks last saw an outermost optimizer step end
+        # For the hang watcher (:mod:`.hang_record`), read by the background thread only:
+        # progress marks (phases left, waits ended, steps written, forwards without a step),
+        # when the last step ended,
+        # the phases the user declared long (name, budget seconds, entry ns), and whether the
+        # watched loader's current iterator has yet to give its first batch.
+        self.marks = 0
+        # Called with the waiting frame when a timed collective wait raises (the hang watcher).
+        self.on_wait_error: Callable[[FrameType], None] | None = None
+        self.step_end_ns = time.perf_counter_ns()  # the last step's end (the start, before any)
+        self.declared: list[tuple[str, float, int]] = []
+        self.first_fetch = False
         self._phases = {
             name: (_InputWaitPhase if i == INPUT_WAIT else _Phase)(self, i)
             for i, name in enumerate(PHASES)
@@ -418,6 +438,7 @@ class StepTimer:
         if start < 0:
             return False
         self._start[index] = -1
+        self.marks += 1
         row, col = self._row, _COL[index]
         before = row[col]
         row[col] = (now - start) * _MS + (before if before == before else 0.0)
@@ -551,6 +572,8 @@ class StepTimer:
         self._step_start = -1
         self._auto = False
         self.written += 1
+        self.marks += 1
+        self.step_end_ns = now
         gpu = self._gpu
         if gpu is None:
             # (if GPU timing was switched off with steps pending, those stay untimed)

@@ -208,6 +208,18 @@ class StandIn(Collector):
             [([p], 1.0) for p in NOTIFY_PROBES + COMPLETION_PROBES],
         )
         yield counter("deepep_window_invalid", ["reason"], [(["counter_reset"], 1)])
+        # A hang incident as the root publishes it while one is open (rankwatch.diagnosis.hang).
+        yield gauge(
+            "hang_active",
+            ["hang_class", "culprit_rank", "phase", "op"],
+            [(["stuck_alive", str(CULPRIT), "input", "allreduce"], 1.0)],
+        )
+        yield gauge("hang_stalled_seconds", ["hang_class"], [(["stuck_alive"], 16.0)])
+        yield gauge(
+            "hang_collective_seq",
+            ["hang_class", "collective_group", "op"],
+            [(["stuck_alive", "0", "allreduce"], 42.0)],
+        )
         yield gauge(
             "deepep_ll_row_ratio",
             ["phase", "rank"],
@@ -353,7 +365,9 @@ class Workload:
         self.started_at = time.time()
         # Panels whose data this workload does not produce, with the reason; their queries
         # must still evaluate, and any data they return must have the right shape.
-        self.no_data_panels: dict[str, str] = {}
+        self.no_data_panels: dict[str, str] = {"Hangs": "the workload does not hang"}
+        # Whether the workload hangs (its rankwatch_hang_* series exist): only the stand-in's.
+        self.hangs = False
         # Labels the scrape configuration adds to every series (cluster, namespace); the
         # dashboards are queried with these values selected, or with All when there are none.
         self.target_labels: dict[str, str] = {}
@@ -379,6 +393,8 @@ class StandInWorkload(Workload):
     )
 
     def start(self) -> None:
+        self.no_data_panels.pop("Hangs", None)  # the stand-in serves an open hang incident
+        self.hangs = True
         registry = CollectorRegistry()
         self.collector = StandIn()
         registry.register(self.collector)
@@ -780,6 +796,8 @@ def test_every_rule_selector_matched_the_run(stack: Stack) -> None:
                 continue
             if 'severity="warning"' in selector and "step_time" in selector:
                 continue  # the straggler of this run is critical throughout
+            if selector.startswith("rankwatch_hang_") and not w.hangs:
+                continue  # a job that does not hang has no hang series (the stand-in does)
             seen = prom_query(stack.prom, f"count_over_time({selector}[15m])")
             assert seen, f"{name}: {selector} never matched the run"
 

@@ -189,6 +189,9 @@ def _rankwatch_rank(rank: int, world: int, port: int, out: str, env: dict[str, s
             rw.collect()
         during = socket_fds() - before
         table_during = socket_table()
+        # Every rank counts before any closes: a rank that closed first would take its end of
+        # the pairs with it (a rank that started late counted a part of the mesh).
+        dist.barrier()
         rw.close(10.0)
         latest = rw.latest_report
         deadline = time.monotonic() + 5.0

@@ -173,3 +173,15 @@ def test_the_accelerate_scenarios_are_judged_by_verdict_and_incidents() -> None:
         "forward": {**named, "opened": [[SLOW_RANK], [0]]},
     }
     assert not any(r.ok for r in checks_of("accelerate", wrong, ""))
+
+
+def test_the_hang_cells_are_judged_by_class_and_named_rank() -> None:
+    from bench.gpu_check import HANG_SCENARIOS, checks_of, judge_hang
+
+    right = {"cause": "stuck_alive", "ranks": [1]}
+    assert judge_hang("sleep", right).ok
+    assert not judge_hang("sleep", {"cause": "all_stalled", "ranks": []}).ok
+    assert not judge_hang("mismatch", None).ok
+    rows = checks_of("hang", {"sleep": right, "mismatch": None}, "")
+    assert [r.cell for r in rows] == [f"hang/{s}" for s in HANG_SCENARIOS]
+    assert [r.ok for r in rows] == [True, False]

@@ -1,0 +1,147 @@
+"""What the hang watcher costs: on the training thread, and on its own thread.
+
+On the training thread the watcher adds one attribute increment (``StepTimer.marks += 1``)
+to every phase left, every sync wait ended (every collective the shadows time) and every step
+written, and one attribute write per fetched batch. The rows measure, interleaved in blocks
+of ``CALLS`` so both sides see the same machine load:
+
+* a phase mark (enter + exit of a timed phase) as it is, against the same mark less one
+  ``marks += 1`` (the increment timed alone and subtracted: the code before the watcher);
+* a completed ``Work.wait()`` through the collective shadow with a step open (a sync wait),
+  the same way;
+* one poll of the watcher while the job progresses (its thread holds the interpreter lock for
+  this long every ``hang_poll_seconds``);
+* one poll of a suspect rank: the training thread's frames, the collective read from them, the
+  group sequence numbers, the JSON record written to a real c10d store.
+
+Usage: ``python -m bench.run_all --only bench_hang_watch``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from bench.bench_hot_path import _row
+
+REPEATS = 9
+CALLS = 20_000
+TARGET_MARK_US = 1.0  # per collective (issue 29): at most 1 us added
+
+
+class _Counter:
+    __slots__ = ("marks",)
+
+    def __init__(self) -> None:
+        self.marks = 0
+
+
+def _increment_us(calls: int) -> float:
+    c = _Counter()
+    clock = time.perf_counter
+    start = clock()
+    for _ in range(calls):
+        c.marks += 1
+    loop = clock() - start
+    start = clock()
+    for _ in range(calls):
+        pass
+    return max(0.0, (loop - (clock() - start)) / calls * 1e6)
+
+
+def _mark_us(timer: Any, calls: int) -> float:
+    phase = timer.phase("forward")
+    clock = time.perf_counter
+    start = clock()
+    for _ in range(calls):
+        with phase:
+            pass
+    return (clock() - start) / calls * 1e6
+
+
+def _wait_us(work: Any, calls: int) -> float:
+    clock = time.perf_counter
+    start = clock()
+    for _ in range(calls):
+        work.wait()
+    return (clock() - start) / calls * 1e6
+
+
+def run() -> list[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    from rankwatch.exporter.config import RankwatchConfig
+    from rankwatch.exporter.step_time.collectives import install_collective_waits
+    from rankwatch.exporter.step_time.hang_watch import HangWatcher
+    from rankwatch.exporter.step_time.timer import StepTimer
+    from tests.servers import free_port
+
+    port = free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    timer = StepTimer(4096)
+    handles = install_collective_waits(timer)
+    work = dist.all_reduce(torch.ones(1), async_op=True)
+    assert work is not None
+    work.wait()
+    timer.start_step()
+    try:
+        inc, marks, waits = [], [], []
+        for _ in range(REPEATS):
+            inc.append(_increment_us(CALLS))
+            marks.append(_mark_us(timer, CALLS))
+            waits.append(_wait_us(work, CALLS))
+        inc_med = statistics.median(inc)
+        rows = [
+            _row(
+                "one marks += 1 (the watcher's per-mark addition)", TARGET_MARK_US, inc, "us", inc
+            ),
+            _row(
+                "phase mark (enter + exit) with the watcher, against without",
+                None,
+                marks,
+                "us",
+                [m - inc_med for m in marks],
+            ),
+            _row(
+                "completed Work.wait() through the shadow (a collective's wait), against without",
+                None,
+                waits,
+                "us",
+                [w - inc_med for w in waits],
+            ),
+        ]
+        store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10))
+        cfg = RankwatchConfig.from_env({}, hang_budget_seconds=1.0, hang_warmup_steps=0)
+        watcher = HangWatcher(0, timer, cfg, store, "bench", threading.get_ident())
+        healthy, suspect = [], []
+        for _ in range(REPEATS):
+            for _ in range(200):
+                timer.marks += 1  # progress between polls: the healthy case
+                t0 = time.perf_counter()
+                watcher.tick()
+                healthy.append((time.perf_counter() - t0) * 1e6)
+        watcher._progress_ns = time.perf_counter_ns() - 10**10  # 10 s without progress
+        for _ in range(REPEATS * 20):
+            t0 = time.perf_counter()
+            watcher.tick()
+            suspect.append((time.perf_counter() - t0) * 1e6)
+        assert watcher.suspect
+        rows.append(_row("watcher poll while the job progresses", None, healthy, "us", healthy))
+        rows.append(
+            _row(
+                "watcher poll of a suspect rank (frames, record to the store)",
+                None,
+                suspect,
+                "us",
+                suspect,
+            )
+        )
+        return rows
+    finally:
+        for h in handles:
+            h.remove()
+        dist.destroy_process_group()
