@@ -19,7 +19,7 @@ import pytest
 
 from tests.servers import free_port
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.parallel_safe]
 
 WORLD = 6
 
