@@ -49,15 +49,22 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy diagnosis exporter rankwatch
 
-# The tests that start no process world and no server run on two workers (a file's tests stay
-# on one worker, so its module fixtures run once); the multi-process worlds, real servers and
-# end-to-end suites run one at a time: their faults are timed, and two of them sharing the
-# machine's two cores would make real stragglers. Exit status 5 is "nothing selected" (a
-# PYTEST_ARGS path on one side only).
+# Two pytest runs. First, on two workers, everything that can share the machine: the tests
+# that start no process world and no server, and the world and server tests marked
+# `parallel_safe` (a file's tests stay on one worker, so its module fixtures run once). Then
+# the other worlds, real servers and end-to-end suites, one at a time: their verdicts are timed
+# (a straggler named because one rank is slower than the others by a margin, an accuracy cell,
+# a step time or latency held to a bound, an alert's `for:`), and two of them sharing the
+# machine's two cores would make real stragglers. The rule for `parallel_safe` (a file's
+# `pytestmark`, or one test's): its checks are counts, contents, exit codes or bounds far above
+# what a shared core costs. When in doubt leave it unmarked (alone is always safe); a test that
+# fails only beside another is timed: take its mark away. Exit status 5 is "nothing selected"
+# (a PYTEST_ARGS path on one side only).
 WORLDS := multiproc or servers or e2e
 unit: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not ($(WORLDS))" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest -q -m "$(WORLDS)" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not ($(WORLDS)) or parallel_safe" $(PYTEST_ARGS) \
+		|| [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m "($(WORLDS)) and not parallel_safe" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The quick checks: the engines' and exporter's unit tests, and the dashboard, rule and project
 # checks (generated files current, thresholds drawn from the configuration, docs, packaging

@@ -70,6 +70,7 @@ def github_anchor(heading: str) -> str:
 
 
 @pytest.mark.servers
+@pytest.mark.parallel_safe
 def test_promtool_check_rules() -> None:
     result = _promtool("check", "rules", str(RULES), cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -77,6 +78,7 @@ def test_promtool_check_rules() -> None:
 
 
 @pytest.mark.servers
+@pytest.mark.parallel_safe
 @pytest.mark.parametrize("test_file", sorted(p.name for p in TESTS_DIR.glob("*.yml")))
 def test_promtool_unit_tests(test_file: str) -> None:
     result = _promtool("test", "rules", f"tests/{test_file}", cwd=RULES_DIR)
@@ -85,6 +87,7 @@ def test_promtool_unit_tests(test_file: str) -> None:
 
 
 @pytest.mark.servers
+@pytest.mark.parallel_safe
 def test_unit_tests_fail_when_debouncing_is_removed(tmp_path: Path) -> None:
     """The unit tests have teeth: the same tests against rules without for: must fail."""
     rules_dir = tmp_path / "rules"
@@ -214,6 +217,7 @@ def test_diagnosis_alert_labels_do_not_carry_the_cause() -> None:
 
 
 @pytest.mark.servers
+@pytest.mark.parallel_safe
 def test_settings_render_a_different_installation(tmp_path: Path) -> None:
     """Runbook base, job selector and for: come from `rankwatch assets export`'s settings
     (a JSON file and options, which win); the result passes promtool."""
@@ -364,6 +368,7 @@ def _post_alerts(am_url: str, alerts: list[dict[str, str]]) -> None:
 
 
 @pytest.mark.servers
+@pytest.mark.parallel_safe
 def test_inhibition_in_a_real_alertmanager() -> None:
     """The shipped inhibition rules, on the alerts' real label sets, in a real Alertmanager."""
     fired = _tested_alert_labels()

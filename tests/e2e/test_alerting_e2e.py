@@ -13,10 +13,12 @@ One module-scoped stack serves four tests, in order:
    the webhook receives the resolution;
 4. every selector of every alert rule matched series of the run.
 
-The rules are the shipped file, unchanged (``for: 1m`` and ``keep_firing_for: 1m`` on the
-critical straggler, so the run takes about three minutes); Prometheus scrapes and evaluates
-every second. Alertmanager runs the shipped routing (``deploy/compose/alertmanager.yml``) with
-its receivers pointed at the test's webhook and its grouping waits shortened.
+The rules are the shipped file rendered the supported way with the critical straggler's
+``for:`` and ``keep_firing_for:`` shortened from 1m to 20s (:func:`render_rules`; promtool's
+unit tests hold the shipped durations), so the run takes about a minute and a half; Prometheus
+scrapes and evaluates every second. Alertmanager runs the shipped routing
+(``deploy/compose/alertmanager.yml``) with its receivers pointed at the test's webhook and its
+grouping waits shortened.
 
 The workload is the real demo job (``rankwatch demo``: a Gloo world of 4 ranks on CPU, rank 2
 slowed in its data loading, the real collectors, diagnosis, incident tracker and /metrics
@@ -35,6 +37,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -68,6 +71,11 @@ RUN, GROUP, N, CULPRIT = "e2e", "world", 4, 2
 HOSTS = {r: f"node-{r // 2}" for r in range(N)}  # two ranks per host
 RULES = REPO / "dashboards" / "rules" / "rankwatch.rules.yml"
 DASHBOARDS = sorted((REPO / "dashboards").glob("rankwatch-*.json"))
+PAGE = "RankwatchStepTimeStragglerCritical"
+# The page's for: and keep_firing_for:, shortened from the shipped 1m each (promtool's unit
+# tests hold those); the demo's timeline below is sized from them.
+PAGE_FOR_S = 20
+PAGE_KEEP_FIRING_FOR_S = 20
 NOTIFY_PROBES = ("notify_dispatch", "cached_notify_dispatch", "cached_notify_combine")
 COMPLETION_PROBES = ("dispatch_final", "dispatch_rdma_recv", "combine_logical_recv")
 PHASES = ("input_wait", "h2d", "forward", "backward", "optimizer", "step", "residual", "visible")
@@ -317,6 +325,20 @@ def start_webhook() -> tuple[Webhook, ThreadingHTTPServer]:
     return hook, server
 
 
+def render_rules(for_: dict[str, str], keep_firing_for: dict[str, str]) -> str:
+    """The shipped alert rules with some ``for:`` / ``keep_firing_for:`` durations replaced.
+
+    Rendered the supported way, as a user of the installed package would:
+    ``rankwatch assets export DIR --for ALERT=DURATION``.
+    """
+    with tempfile.TemporaryDirectory(prefix="rw-rules-") as tmp:
+        argv = [sys.executable, "-m", "rankwatch.exporter.cli", "assets", "export", tmp]
+        argv += [f"--for={alert}={d}" for alert, d in for_.items()]
+        argv += [f"--keep-firing-for={alert}={d}" for alert, d in keep_firing_for.items()]
+        subprocess.run(argv, check=True, capture_output=True, timeout=120)
+        return (Path(tmp) / "dashboards" / "rules" / "rankwatch.rules.yml").read_text()
+
+
 def alertmanager_config(webhook_url: str) -> str:
     """The shipped Alertmanager config, receivers pointed at the test, waits shortened."""
     config = yaml.safe_load((REPO / "deploy/compose/alertmanager.yml").read_text())
@@ -410,12 +432,12 @@ class StandInWorkload(Workload):
 class DemoWorkload(Workload):
     """``rankwatch demo``: a real Gloo world with the straggler scripted on rank 2.
 
-    Timeline: 5 s balanced, 90 s with rank 2 slowed in its data loading, 70 s balanced. The
-    straggler phase outlasts the 1m for: (the incident opens a couple of windows into it) plus
-    the query checks, with about 25 s to spare; the balanced tail outlasts the 1m
-    keep_firing_for. The simulated DeepEP group (EP 16 over two nodes, whatever --ranks is)
-    runs its five phases across the same 165 s, so pre-stage arrival skew (from 33 s) happens
-    while the straggler is still there.
+    Timeline: 5 s balanced, 55 s with rank 2 slowed in its data loading, 40 s balanced. The
+    straggler phase outlasts the page's 20 s for: (the incident opens a couple of windows into
+    it) plus the query checks, with about 25 s to spare; the balanced tail outlasts the 20 s
+    keep_firing_for with about 15 s to spare for the incident to close. The simulated DeepEP
+    group (EP 16 over two nodes, whatever --ranks is) runs its five phases across the same
+    100 s, so pre-stage arrival skew (from 20 s) happens while the straggler is still there.
     """
 
     deepep_classes = ("pre_stage_arrival_skew",)
@@ -437,7 +459,7 @@ class DemoWorkload(Workload):
             "--out",
             str(self.out),
             "--timeline",
-            "balanced:5,input:90,balanced:70",
+            "balanced:5,input:55,balanced:40",
             "--straggler-rank",
             str(CULPRIT),
             "--interval",
@@ -511,7 +533,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     webhook, webhook_server = start_webhook()
     try:
         with alertmanager(alertmanager_config(webhook.url)) as am:
-            files = {"rankwatch.rules.yml": RULES.read_text()}
+            short = {PAGE: f"{PAGE_FOR_S}s"}
+            rules = render_rules(short, {PAGE: f"{PAGE_KEEP_FIRING_FOR_S}s"})
+            files = {"rankwatch.rules.yml": rules}
             with prometheus(prometheus_config(am.port, workload.port), files) as prom:
                 workload.start()
                 try:
@@ -574,7 +598,7 @@ def unix_time(rfc3339: str) -> float:
 
 
 def _firing(stack: Stack) -> list[dict[str, Any]]:
-    return stack.webhook.alerts("RankwatchStepTimeStragglerCritical", "firing")
+    return stack.webhook.alerts(PAGE, "firing")
 
 
 # --- 1: the page -----------------------------------------------------------------------------
@@ -585,9 +609,10 @@ def test_critical_straggler_pages_the_webhook(stack: Stack) -> None:
     wait_for(stack, lambda: prom_query(stack.prom, STRAGGLER), 60, "the straggler incident")
     alerts = wait_for(stack, lambda: _firing(stack), 120, "the critical page")
     alert = alerts[0]
-    # Not before the rule's for: 1m after the incident series first appeared.
+    # Not before the rule's for: after the incident series first appeared (2 s: one scrape and
+    # one evaluation of slack).
     first_seen, _ = series_span(stack, STRAGGLER)
-    assert unix_time(alert["startsAt"]) - first_seen >= 58
+    assert unix_time(alert["startsAt"]) - first_seen >= PAGE_FOR_S - 2
     assert alert["receiver"] == "pager"
     labels = alert["labels"]
     assert labels["severity"] == "critical"
@@ -770,17 +795,17 @@ def test_critical_straggler_alert_resolves_after_recovery(stack: Stack) -> None:
     wait_for(stack, lambda: not prom_query(stack.prom, STRAGGLER), 150, "the incident to close")
     resolved = wait_for(
         stack,
-        lambda: stack.webhook.alerts("RankwatchStepTimeStragglerCritical", "resolved"),
+        lambda: stack.webhook.alerts(PAGE, "resolved"),
         120,
         "the resolution",
     )
-    # keep_firing_for: 1m holds the alert that long after its incident's series went away. Only
+    # keep_firing_for holds the alert that long after its incident's series went away. Only
     # that culprit's series counts: on a loaded machine the demo's balanced tail can briefly
     # open an incident of another rank, which is another alert (pending, never paging).
     assert resolved[0]["labels"]["culprit_rank"] == str(w.culprit)
     culprit = STRAGGLER.replace("}", f', culprit_rank="{w.culprit}"}}')
     _, last_seen = series_span(stack, culprit)
-    assert unix_time(resolved[0]["endsAt"]) - last_seen >= 58
+    assert unix_time(resolved[0]["endsAt"]) - last_seen >= PAGE_KEEP_FIRING_FOR_S - 2
     assert resolved[0]["receiver"] == "pager"
 
 

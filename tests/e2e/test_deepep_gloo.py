@@ -30,7 +30,7 @@ from rankwatch.diagnosis.deepep.normal.schema import COMBINE_BUNDLE, DISPATCH_BU
 from rankwatch.diagnosis.report import WindowReport
 from tests.servers import free_port
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.parallel_safe, pytest.mark.timeout(180)]
 
 BASE_ENV = {
     "DEEPEP_DIAGNOSE_ENABLE": "1",

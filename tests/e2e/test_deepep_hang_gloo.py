@@ -20,7 +20,7 @@ from rankwatch.exporter.publish.incidents import IncidentTracker
 from rankwatch.exporter.publish.samples import engine_samples
 from tests.e2e.test_deepep_gloo import BASE_ENV, Collect, _create, run_world, write_normal
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.parallel_safe, pytest.mark.timeout(180)]
 
 ROUNDS = 5
 

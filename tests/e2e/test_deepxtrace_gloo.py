@@ -26,7 +26,7 @@ from rankwatch.diagnosis.deepep.normal.schema import counter_slots
 from tests.e2e.test_deepep_gloo import Collect, assert_same_window, run_world
 from tests.exporter.deepep.test_deepxtrace import HEATMAP_ROW, BufferCalls
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.parallel_safe, pytest.mark.timeout(180)]
 
 EP = 2
 

@@ -17,7 +17,7 @@ import pytest
 from tests.e2e.test_demo import demo_env
 from tests.exporter.cli.test_cli import CLI
 
-pytestmark = [pytest.mark.multiproc]
+pytestmark = [pytest.mark.multiproc, pytest.mark.parallel_safe]
 
 
 def _reader(stream: Any, lines: queue.Queue[str | None]) -> None:

@@ -28,6 +28,8 @@ from rankwatch.diagnosis.deepep.normal.window import (
 )
 from rankwatch.exporter.deepep.snapshot import CounterWindows, DeepEPWindow
 
+pytestmark = pytest.mark.parallel_safe
+
 EP, RPN = 16, 8
 BASELINE = 4  # windows that bootstrap the global history before the fault
 PHASE = "single_hca_pressure"  # what the window after the fault must still find

@@ -16,7 +16,7 @@ import pytest
 
 from bench.reliability_matrix import FAULTS, WRITERS, run_fault
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.parallel_safe, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize("name", ["path_is_a_device", "full_disk"])

@@ -7,9 +7,13 @@ import http.client
 import threading
 import time
 
+import pytest
+
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
 from tests.publish_reports import full_report
+
+pytestmark = pytest.mark.parallel_safe
 
 SCRAPERS = 50
 SECONDS = 10.0

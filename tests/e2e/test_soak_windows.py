@@ -20,6 +20,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,6 +32,8 @@ from rankwatch.diagnosis.step_time import diagnose_means
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
 from rankwatch.exporter.publish.prometheus import RankwatchCollector
+
+pytestmark = pytest.mark.parallel_safe
 
 EP, RPN = 8, 4
 WINDOWS = 10_000

@@ -12,9 +12,6 @@ the same id, one resolved notice, and the run's name on every series.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,7 +19,12 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_alerting_e2e import alertmanager_config, prometheus_config, start_webhook
+from tests.e2e.test_alerting_e2e import (
+    alertmanager_config,
+    prometheus_config,
+    render_rules,
+    start_webhook,
+)
 from tests.framework_world import SLEEP_S, LogLines, incident_fields, run_world
 from tests.servers import alertmanager, free_port, prom_query, prometheus
 
@@ -35,20 +37,6 @@ SHORT_FOR = {PAGE: "2s", "RankwatchStepTimeStragglerWarning": "10s"}
 SHORT_KEEP_FIRING_FOR = {PAGE: "2s", "RankwatchStepTimeStragglerWarning": "4s"}
 JOURNEY_TIMEOUT_S = 180.0
 COMPUTE_S = 0.005
-
-
-def render_rules(for_: dict[str, str], keep_firing_for: dict[str, str]) -> str:
-    """The shipped alert rules with some ``for:`` / ``keep_firing_for:`` durations replaced.
-
-    Rendered the supported way, as a user of the installed package would:
-    ``rankwatch assets export DIR --for ALERT=DURATION``.
-    """
-    with tempfile.TemporaryDirectory(prefix="rw-rules-") as tmp:
-        argv = [sys.executable, "-m", "rankwatch.exporter.cli", "assets", "export", tmp]
-        argv += [f"--for={alert}={d}" for alert, d in for_.items()]
-        argv += [f"--keep-firing-for={alert}={d}" for alert, d in keep_firing_for.items()]
-        subprocess.run(argv, check=True, capture_output=True, timeout=120)
-        return (Path(tmp) / "dashboards" / "rules" / "rankwatch.rules.yml").read_text()
 
 
 def scenario_journey(rank: int, world: int, out: str) -> dict[str, Any]:

@@ -228,6 +228,7 @@ _PLAIN_TORCHRUN_JOB = textwrap.dedent(
 
 
 @pytest.mark.multiproc
+@pytest.mark.parallel_safe
 def test_plain_torchrun_without_a_run_id_shares_one_readable_name(tmp_path: Path):
     """torchrun with ``--master-port`` and no ``--rdzv-id`` (its run id is ``none``): rank 0
     names the run after its host and start time, and both ranks publish that one name."""

@@ -87,6 +87,7 @@ def resource_labels(resource_attributes) -> set[str]:
 
 
 @pytest.mark.servers
+@pytest.mark.parallel_safe
 @pytest.mark.parametrize("in_child", [False, True], ids=["otlp_here", "otlp_in_child"])
 def test_golden_prometheus_and_otlp_publish_the_same_series(monkeypatch, in_child):
     with victoria_metrics(["-opentelemetry.usePrometheusNaming"]) as vm:

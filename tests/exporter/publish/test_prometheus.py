@@ -372,6 +372,7 @@ scrape_configs:
 
 
 @pytest.mark.servers
+@pytest.mark.parallel_safe
 def test_real_prometheus_answers_the_culprit_rank(tls_files):
     cert, key = tls_files
     hosts = {5: 'Node"B'}
