@@ -438,15 +438,15 @@ def _deadlock_verdict(
             sides.setdefault((reason.group, reason.seq), []).append(r)
         groups = list(sides.values())
         culprits, others = (groups[0], []) if len(groups) < 2 else _minority(groups)
+
     # A rank ahead without being inside its call (issued in C++) is described by that call.
-    culprits = [
-        r if r.collective is not None else replace(r, collective=_reason(graph, r))
-        for r in culprits
-    ]
-    others = [
-        r if r.collective is not None else replace(r, collective=_reason(graph, r)) for r in others
-    ]
-    return _mismatch_verdict(verdict, culprits, others, answered)
+    def described(side: Sequence[RankRecord]) -> list[RankRecord]:
+        return [
+            r if r.collective is not None else replace(r, collective=_reason(graph, r))
+            for r in side
+        ]
+
+    return _mismatch_verdict(verdict, described(culprits), described(others), answered)
 
 
 def _reason(graph: WaitGraph, r: RankRecord) -> Collective:

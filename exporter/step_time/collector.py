@@ -537,18 +537,12 @@ class WindowCollector:
             return  # nothing new since the last window: do not publish it twice
         self._last_key = key
         with self._publish_lock:
-            report = WindowReport(
-                group=self.config.group_name,
-                window_index=self._window_index,
-                created_at_s=time.time(),
-                ranks=self._rank_infos(),
-                run=self.config.run_id,
+            report = self._next_report(
                 window_kind=kind,
                 missing_ranks=tuple(missing),
                 step_time=step_time,
                 diagnosis_seconds={"step_time": elapsed},
             )
-            self._window_index += 1
             self.latest_report = report
             self.reports_published += 1
             if self._artifacts is not None:
@@ -558,16 +552,21 @@ class WindowCollector:
     def publish_hang(self, hang: HangReport) -> None:
         """The hang watcher's verdict (or its end) as a report of the group (root; any thread)."""
         with self._publish_lock:
-            report = WindowReport(
-                group=self.config.group_name,
-                window_index=self._window_index,
-                created_at_s=time.time(),
-                ranks=self._rank_infos(),
-                run=self.config.run_id,
-                hang=hang,
-            )
-            self._window_index += 1
-            publish_to_all(self.publishers, report, log)
+            publish_to_all(self.publishers, self._next_report(hang=hang), log)
+
+    def _next_report(self, **fields: Any) -> WindowReport:
+        """The group's next report with ``fields`` (its window number taken; the caller holds
+        ``_publish_lock``)."""
+        report = WindowReport(
+            group=self.config.group_name,
+            window_index=self._window_index,
+            created_at_s=time.time(),
+            ranks=self._rank_infos(),
+            run=self.config.run_id,
+            **fields,
+        )
+        self._window_index += 1
+        return report
 
     def progress_age(self, rank: int) -> float | None:
         """Seconds since ``rank``'s shipped steps last advanced (root; None before any)."""
