@@ -12,8 +12,9 @@ ranks). The rules, in order:
    different op, shapes or dtypes; or ranks left inside a call the rest of their group went
    past; or (at the budget) waiting ranks that only wait on each other, a cycle no rank can
    leave (an extra collective on one rank, collectives in another order). Named: the smaller
-   side (sides that tie for smallest all, unless every side ties: then the side without the
-   lowest rank).
+   side, the ranks that went past a disputed call counted with the side their own finished
+   call agrees with (sides that tie for smallest are all named: which call is the odd one
+   cannot be told).
 3. ``STUCK_ALIVE``: the ranks the waiting ones wait on, directly or through others, that are
    outside every collective (stuck in a phase) or silent. Named with their phase.
 4. ``STALLED_IN_COLLECTIVE``: every rank is inside the same collective and none finishes.
@@ -165,19 +166,30 @@ _ROOTED_OPS = frozenset(
 def _with_finished(
     sides: list[list[RankRecord]], call: tuple[str, int], answered: Sequence[RankRecord]
 ) -> list[list[RankRecord]]:
-    """The sides, the ranks that already went past the call counted with the one side whose op
-    has a root (only such a call lets a rank finish while another member is in a different
-    one: a broadcast's receiver went on, the extra all-reduce's owner did not). Unchanged
-    unless exactly one side's op has a root."""
+    """The sides, with the ranks that already went past the call counted where they belong. A
+    rank that finished the call says what it agreed to (its finished call at that number: with
+    the side whose call agrees with it, when exactly one does: a 3-float all-reduce left inside
+    with one 2-float rank, the two ranks that finished with 2 floats make the 3-float one the
+    odd side). The others count with the one side whose op has a root, when exactly one has
+    (only such a call lets a rank finish while another member is in a different one: a
+    broadcast's receiver went on, the extra all-reduce's owner did not)."""
     group, seq = call
     inside = {r.rank for side in sides for r in side}
     past = [r for r in answered if r.rank not in inside and r.group_seqs.get(group, -1) >= seq]
-    rooted = [
-        i for i, side in enumerate(sides) if (_call_of(side[0]) or _NO_CALL).op in _ROOTED_OPS
-    ]
-    if not past or len(rooted) != 1:
-        return sides
-    return [[*side, *past] if i == rooted[0] else side for i, side in enumerate(sides)]
+    firsts = [_call_of(side[0]) or _NO_CALL for side in sides]
+    extra: list[list[RankRecord]] = [[] for _ in sides]
+    unsaid = []
+    for r in past:
+        done = next((c for c in r.finished_calls if (c.group, c.seq) == call), None)
+        agree = [i for i, c in enumerate(firsts) if done is not None and _agree(c, done)]
+        if len(agree) == 1:
+            extra[agree[0]].append(r)
+        else:
+            unsaid.append(r)
+    rooted = [i for i, c in enumerate(firsts) if c.op in _ROOTED_OPS]
+    if unsaid and len(rooted) == 1:
+        extra[rooted[0]] += unsaid
+    return [[*side, *more] for side, more in zip(sides, extra, strict=True)]
 
 
 def classify_hang(

@@ -205,10 +205,14 @@ def _timed_by_each(
     for wait in entered:
         wait.__enter__()
     try:
-        return original(*args, **kwargs)
-    finally:
+        result = original(*args, **kwargs)
+    except BaseException as exc:
         for wait in reversed(entered):
-            wait.__exit__(None, None, None)
+            wait.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    for wait in reversed(entered):
+        wait.__exit__(None, None, None)
+    return result
 
 
 def _backward_worker(wait: _SyncWait) -> bool:
