@@ -297,7 +297,7 @@ def classify_hang(
         # at. The others wait in their own call, else (issued in C++) in the group a member is
         # missing from, at its highest number.
         inside = [r for r in answered if r.collective is not None]
-        coll = inside[0].collective if inside else _missing_member_group(answered)
+        coll = inside[0].collective if inside else _missing_member_group(graph)
         return verdict(STUCK_ALIVE, silent, answered, coll)
     inside = [r for r in answered if r.collective is not None]
     if inside:
@@ -329,21 +329,15 @@ def _call_of(r: RankRecord) -> Collective | None:
     return r.collective if r.collective is not None else r.failed_collective
 
 
-def _missing_member_group(answered: Sequence[RankRecord]) -> Collective | None:
+def _missing_member_group(graph: WaitGraph) -> Collective | None:
     """The largest group whose size exceeds the answering ranks in it (a member did not
     answer; of equal sizes the most used one), at its highest sequence number, op unknown;
     None when no size says so."""
-    members: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
-    for r in answered:
-        for group, seq in r.group_seqs.items():
-            members.setdefault(group, []).append(seq)
-            sizes[group] = max(sizes.get(group, 0), r.group_sizes.get(group, 0))
-    short = [g for g, seqs in members.items() if sizes[g] > len(seqs)]
+    short = [g for g, per in graph.seqs.items() if graph.sizes.get(g, 0) > len(per)]
     if not short:
         return None
-    group = max(short, key=lambda g: (sizes[g], max(members[g]), g))  # largest, most used
-    return Collective(group, "unknown", max(members[group]))
+    group = max(short, key=lambda g: (graph.sizes[g], max(graph.seqs[g].values()), g))
+    return Collective(group, "unknown", max(graph.seqs[group].values()))
 
 
 def _same_call(c: Collective | None, first: Collective) -> bool:
