@@ -54,6 +54,7 @@ not timed (on Gloo it only queues the work).
 from __future__ import annotations
 
 from collections.abc import Callable
+from sys import _getframe
 from threading import _DummyThread, current_thread, get_ident
 from typing import Any
 
@@ -181,10 +182,18 @@ def _timed_wait(registry: ShadowRegistry, original: Callable[..., Any]) -> Calla
         waits = registry.waits
         if len(waits) == 1:  # the usual case: one RankWatch in the process
             wait, thread = waits[0]
-            if wait.busy or (get_ident() != thread and not _backward_worker(wait)):
+            if get_ident() != thread and not _backward_worker(wait):
                 return original(*args, **kwargs)
-            with wait:
-                return original(*args, **kwargs)
+            if wait.busy:  # inside a sync wait already open: counted there
+                result = original(*args, **kwargs)
+            else:
+                with wait:
+                    result = original(*args, **kwargs)
+            # The call finished: the hang watcher notes which (it reads the caller's frame).
+            done = wait.timer.on_wait_done
+            if done is not None:
+                done(_getframe())
+            return result
         return _timed_by_each(waits, original, args, kwargs)
 
     return timed
@@ -199,9 +208,8 @@ def _timed_by_each(
     """Several timers (several ``RankWatch`` in the process), or none left: each timer of this
     thread whose sync wait is not already open is credited once."""
     me = get_ident()
-    entered = [
-        wait for wait, thread in waits if not wait.busy and (thread == me or _backward_worker(wait))
-    ]
+    mine = [wait for wait, thread in waits if thread == me or _backward_worker(wait)]
+    entered = [wait for wait in mine if not wait.busy]
     for wait in entered:
         wait.__enter__()
     try:
@@ -212,6 +220,11 @@ def _timed_by_each(
         raise
     for wait in reversed(entered):
         wait.__exit__(None, None, None)
+    shadow = _getframe(1)  # the shadow's frame: its caller issued the call
+    for wait in mine:
+        done = wait.timer.on_wait_done
+        if done is not None:
+            done(shadow)
     return result
 
 

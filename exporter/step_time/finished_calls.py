@@ -6,8 +6,9 @@ sequence number agrees with one side (a 3-float all-reduce against 2-float ones:
 that finished did so with 2 floats, so the 3-float rank is the odd one). The hang rules count
 them with that side (:func:`rankwatch.diagnosis.hang.classify.classify_hang`).
 
-Noted on the training thread when a timed wait that a c10d function issued ends without an
-error (:attr:`StepTimer.on_wait_done`): a look-up of the calling code object, the group's
+Noted on the training thread when the wait of a c10d function's collective returns (the
+collective shadows of :mod:`.collectives` call :attr:`StepTimer.on_wait_done`, inside a sync
+wait the user opened too): a look-up of the calling code object, the group's
 sequence number and the tensors' shape and dtype objects, nothing of the tensors kept. Turned
 into :class:`~rankwatch.diagnosis.hang.Collective` objects by the background thread, on
 suspicion only. The cost per collective is measured in ``bench/bench_hang_watch.py``.
@@ -20,19 +21,16 @@ from typing import Any
 
 from rankwatch.diagnosis.hang import Collective
 from rankwatch.diagnosis.hang.records import MAX_DIMS, MAX_GROUPS, MAX_SHAPES
-from rankwatch.exporter.step_time import collectives
 from rankwatch.exporter.step_time.hang_record import C10D_OPS, TENSOR_ARGS
 
 __all__ = ["FinishedCalls"]
 
 _C10D_FILE = "distributed_c10d.py"
-# The collective shadow's module: the frame out of which a wait is timed.
-_SHADOW_FILE = collectives.__file__
 _MAX_CODES = 256
 
 
 # A code object's entry: (the code, op, the local that holds the group, the locals that hold
-# tensors); op "" for a code that is not a c10d call (and group "timed" for the shadow).
+# tensors); op "" for a code that is not a c10d call.
 _Entry = tuple[CodeType, str, str, tuple[str, ...]]
 
 
@@ -50,24 +48,17 @@ class FinishedCalls:
         self._codes: dict[int, _Entry] = {}
 
     def note(self, frame: FrameType) -> None:
-        """A timed wait ended without an error; ``frame``: the frame that called the wait's
-        context manager (the collective shadow, or its helper for several timers); the c10d
-        call is its caller. Never raises: an argument it cannot read leaves the group's entry
-        as it was."""
-        codes = self._codes
-        f = frame.f_back  # the shadow itself is no c10d call
-        while f is not None:
-            code = f.f_code
-            entry = codes.get(id(code))
-            if entry is None or entry[0] is not code:
-                entry = self._learn(code)
-            if entry[1]:
-                break
-            if entry[2]:  # the shadow's own helper: its caller is the shadow
-                f = f.f_back
-                continue
+        """A collective's wait returned; ``frame``: the collective shadow's (its caller is the
+        one that waited: a c10d function, or not). Never raises: an argument it cannot read
+        leaves the group's entry as it was."""
+        f = frame.f_back  # the caller of the work's wait: a c10d function, or not
+        if f is None:
             return
-        else:
+        code = f.f_code
+        entry = self._codes.get(id(code))
+        if entry is None or entry[0] is not code:
+            entry = self._learn(code)
+        if not entry[1]:
             return
         try:
             local_vars = f.f_locals
@@ -98,8 +89,6 @@ class FinishedCalls:
             group_var = "group" if "group" in names else "process_group"
             tensor_vars = tuple(n for n in TENSOR_ARGS if n in names)
             entry = (code, code.co_name, group_var, tensor_vars)
-        elif code.co_name == "timed" and code.co_filename == _SHADOW_FILE:
-            entry = (code, "", "timed", ())  # several timers: the shadow is one frame further
         if len(self._codes) < _MAX_CODES:
             self._codes[id(code)] = entry
         return entry

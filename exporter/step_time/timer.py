@@ -187,11 +187,10 @@ class _SyncWait:
         gpu, self._gpu = self._gpu, None
         if gpu is not None:
             gpu.wait_end(timer.wait_signals())
-        # The hang watcher notes which call it was, from the frames still on the stack: the
-        # call finished (what this rank agreed to), or it raised (a peer gone, a size refused).
-        hook = timer.on_wait_done if exc_type is None else timer.on_wait_error
-        if hook is not None:
-            hook(sys._getframe(1))
+        if exc_type is not None and timer.on_wait_error is not None:
+            # The collective raised (a peer gone, a size Gloo refused): the hang watcher notes
+            # which call it was, from the frames still on the stack. The error path only.
+            timer.on_wait_error(sys._getframe(1))
 
 
 class _Untimed:
@@ -315,8 +314,9 @@ class StepTimer:
         # the phases the user declared long (name, budget seconds, entry ns), and whether the
         # watched loader's current iterator has yet to give its first batch.
         self.marks = 0
-        # Called with the waiting frame when a timed collective wait ends without an error,
-        # and when one raises (the hang watcher; see :mod:`.finished_calls`).
+        # Called by the collective shadows with their frame when a collective's wait returns
+        # (inside a sync wait already open too), and with the waiting frame when a timed wait
+        # raises (the hang watcher; see :mod:`.finished_calls`).
         self.on_wait_done: Callable[[FrameType], None] | None = None
         self.on_wait_error: Callable[[FrameType], None] | None = None
         self.step_end_ns = time.perf_counter_ns()  # the last step's end (the start, before any)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,8 @@ _CHILD = textwrap.dedent(
     quiet = dist.new_group([0])
     dist.all_reduce(torch.ones(3, dtype=torch.float64))
     dist.all_reduce(torch.ones(2, 2, dtype=torch.int32), group=side)
-    dist.all_gather([torch.zeros(4)], torch.ones(4), group=side)
+    with timer.sync_wait():  # a collective in a sync wait the user opened is noted too
+        dist.all_gather([torch.zeros(4)], torch.ones(4), group=side)
     dist.broadcast_object_list([{"a": 1}], src=0)
     out = {"names": [dist.group.WORLD.group_name, side.group_name, quiet.group_name]}
     out["seqs"] = [g._get_sequence_number_for_group() for g in (dist.group.WORLD, side)]
@@ -85,15 +87,51 @@ def test_frames_that_are_not_a_c10d_call_are_not_noted() -> None:
     assert calls.calls() == ()
 
 
-def test_a_wait_that_raises_goes_to_the_error_hook_not_the_finished_one() -> None:
+def test_the_shadow_calls_the_done_hook_when_a_wait_returns_not_when_it_raises() -> None:
+    from threading import get_ident
+    from types import FrameType, SimpleNamespace
+
+    from rankwatch.exporter.step_time.collectives import _timed_wait
     from rankwatch.exporter.step_time.timer import StepTimer
 
-    timer = StepTimer(8)
-    seen: list[str] = []
-    timer.on_wait_done = lambda frame: seen.append("done")
-    timer.on_wait_error = lambda frame: seen.append("error")
-    with timer.sync_wait():
-        pass
-    with pytest.raises(RuntimeError), timer.sync_wait():
+    timers = [StepTimer(8), StepTimer(8)]
+    seen: list[tuple[int, str, str]] = []
+
+    def hooks(i: int, timer: StepTimer) -> None:
+        def done(frame: FrameType) -> None:
+            assert frame.f_back is not None
+            seen.append((i, "done", frame.f_back.f_code.co_name))
+
+        timer.on_wait_done = done
+        timer.on_wait_error = lambda frame: seen.append((i, "error", ""))
+
+    for i, timer in enumerate(timers):
+        hooks(i, timer)
+
+    def fail() -> None:
         raise RuntimeError("a peer is gone")
-    assert seen == ["done", "error"]
+
+    one = SimpleNamespace(waits=((timers[0].sync_wait(), get_ident()),))
+    both = SimpleNamespace(waits=tuple((t.sync_wait(), get_ident()) for t in timers))
+    for registry in (one, both):
+        ok, bad = _timed_wait(registry, lambda: 5), _timed_wait(registry, fail)  # type: ignore[arg-type]
+
+        def all_reduce(ok: Any = ok) -> int:  # the hook reads the shadow's caller
+            return int(ok())
+
+        assert all_reduce() == 5
+        with pytest.raises(RuntimeError):
+            bad()
+        with timers[0].sync_wait():  # inside a sync wait the user opened: still noted
+            all_reduce()
+    assert seen == [
+        (0, "done", "all_reduce"),
+        (0, "error", ""),
+        (0, "done", "all_reduce"),
+        (0, "done", "all_reduce"),
+        (1, "done", "all_reduce"),
+        (1, "error", ""),  # the waits close innermost first
+        (0, "error", ""),
+        (0, "done", "all_reduce"),
+        (1, "done", "all_reduce"),
+    ]
