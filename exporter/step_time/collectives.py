@@ -185,7 +185,15 @@ def _timed_wait(registry: ShadowRegistry, original: Callable[..., Any]) -> Calla
             if get_ident() != thread and not _backward_worker(wait):
                 return original(*args, **kwargs)
             if wait.busy:  # inside a sync wait already open: counted there
-                result = original(*args, **kwargs)
+                try:
+                    result = original(*args, **kwargs)
+                except BaseException:
+                    # The open wait's own exit sees only its caller's frame: the hang watcher
+                    # reads the failed call here, while its frame is still on the stack.
+                    failed = wait.timer.on_wait_error
+                    if failed is not None:
+                        failed(_getframe())
+                    raise
             else:
                 with wait:
                     result = original(*args, **kwargs)
@@ -217,6 +225,10 @@ def _timed_by_each(
     except BaseException as exc:
         for wait in reversed(entered):
             wait.__exit__(type(exc), exc, exc.__traceback__)
+        for wait in mine:
+            failed = wait.timer.on_wait_error
+            if failed is not None and wait not in entered:
+                failed(_getframe(1))
         raise
     for wait in reversed(entered):
         wait.__exit__(None, None, None)

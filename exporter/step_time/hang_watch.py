@@ -291,9 +291,13 @@ class HangWatcher:
         """A timed collective wait raised on the training thread: which call it was."""
         try:
             found = collective_in_frames(frame, self.groups.seq_of, None)
-            self.failed = (found, self.timer.written)
         except Exception:  # unreadable: the error goes on to the caller as it was
-            self.failed = (None, -1)
+            found = None
+        written = self.timer.written
+        # A sync wait the user opened around the call sees the error after the shadow
+        # inside it has read the call: its frames no longer show it, so it keeps that one.
+        if found is not None or self.failed[1] != written:
+            self.failed = (found, written)
 
     def _device_collective(self, now_ns: int) -> Collective | None:
         """On the GPU clock: the collective the device has been inside for at least a third

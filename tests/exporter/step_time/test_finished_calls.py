@@ -135,3 +135,39 @@ def test_the_shadow_calls_the_done_hook_when_a_wait_returns_not_when_it_raises()
         (0, "done", "all_reduce"),
         (1, "done", "all_reduce"),
     ]
+
+
+def test_a_call_that_raises_inside_an_open_sync_wait_is_read_from_the_shadow() -> None:
+    # The user's rw.sync_wait() exit sees the error only from its own caller's frame, after
+    # the call's frames are gone; the shadow inside it hands the hook its frame first.
+    from threading import get_ident
+    from types import SimpleNamespace
+
+    from rankwatch.exporter.step_time.collectives import _timed_wait
+    from rankwatch.exporter.step_time.timer import StepTimer
+
+    timer = StepTimer(8)
+    seen: list[str] = []
+    timer.on_wait_error = lambda frame: seen.append(
+        frame.f_back.f_code.co_name if frame.f_back is not None else ""
+    )
+
+    def fail() -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    registry = SimpleNamespace(waits=((timer.sync_wait(), get_ident()),))
+    bad = _timed_wait(registry, fail)  # type: ignore[arg-type]
+
+    def all_reduce() -> None:
+        bad()
+
+    def train() -> None:
+        with timer.sync_wait():
+            all_reduce()
+
+    with pytest.raises(RuntimeError):
+        train()
+    assert seen == [
+        "all_reduce",
+        "test_a_call_that_raises_inside_an_open_sync_wait_is_read_from_the_shadow",
+    ]
