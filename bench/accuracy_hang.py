@@ -274,7 +274,10 @@ def _build(shape: str) -> Job:
 
 def _mark_fault(out: str, rank: int) -> None:
     """Write when this rank's fault starts (the latency is counted from the last one)."""
-    Path(out, f"fault-{rank}.json").write_text(json.dumps({"t": time.time(), "step": _State.step}))
+    # Written whole, then renamed: the harness polls for it and must never read half of it.
+    tmp = Path(out, f".fault-{rank}.json.tmp")
+    tmp.write_text(json.dumps({"t": time.time(), "step": _State.step}))
+    tmp.replace(Path(out, f"fault-{rank}.json"))
 
 
 def _forever(out: str, rank: int) -> None:
