@@ -274,7 +274,10 @@ def _build(shape: str) -> Job:
 
 def _mark_fault(out: str, rank: int) -> None:
     """Write when this rank's fault starts (the latency is counted from the last one)."""
-    Path(out, f"fault-{rank}.json").write_text(json.dumps({"t": time.time(), "step": _State.step}))
+    # Written whole, then renamed: the harness polls for it and must never read half of it.
+    tmp = Path(out, f".fault-{rank}.json.tmp")
+    tmp.write_text(json.dumps({"t": time.time(), "step": _State.step}))
+    tmp.replace(Path(out, f"fault-{rank}.json"))
 
 
 def _forever(out: str, rank: int) -> None:
@@ -595,6 +598,7 @@ class Cell:
     hang_opened: int = 0  # hang incidents opened (after the fault)
     hang_before_fault: int = 0  # hang incidents opened before the fault: false hangs
     hang_records: int = 0  # hang-rank*.json written after SIGTERM
+    offline: str = ""  # the verdict of those files read back (`rankwatch replay`), "-": none
     left_behind: int = 0  # processes of the job alive after the harness ended it
     outcome: str = ""  # mechanics: "hung", "progressed", ...
     alive_ranks: list[int] = field(default_factory=list)  # mechanics: alive when it was judged
@@ -739,6 +743,7 @@ def run_cell(spec: CellSpec, keep: Path | None = None) -> Cell:
             grace = TERM_GRACE_S if spec.scenario != QUIET else 0.0
             kill_world(procs, grace)
             cell.hang_records = len(list(Path(out, "artifacts").glob("**/hang-rank*.json")))
+            cell.offline = offline_verdict(Path(out, "artifacts"))
             _read_incidents(cell, out)
             if keep is not None:
                 shutil.copytree(
@@ -751,6 +756,20 @@ def run_cell(spec: CellSpec, keep: Path | None = None) -> Cell:
     cell.left_behind = len(_group_members(pgids))
     cell.seconds = time.monotonic() - start
     return cell
+
+
+def offline_verdict(folder: Path) -> str:
+    """What ``rankwatch replay``/``diagnose`` says of the hang record files a job left in
+    ``folder`` (the ranks' own records, classified offline): ``"CLASS [ranks]"``, or ``-``
+    when they make no verdict (fewer than two ranks' files, none suspect)."""
+    from rankwatch.diagnosis.hang.artifact import classify_files, load_hang_file
+
+    files = []
+    for path in sorted(folder.glob("**/hang-rank*.json")):
+        with contextlib.suppress(Exception):  # a file cut short by the kill: left out
+            files.append(load_hang_file(path))
+    verdict = classify_files(files) if files else None
+    return "-" if verdict is None else f"{verdict.hang_class} {list(verdict.ranks)}"
 
 
 def _stderr_error(path: Path) -> str:
@@ -1049,9 +1068,9 @@ def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> s
             "",
             "| shape | scenario | expected | observed | ranks (expected) | phase (expected) "
             "| collective | culprit's collective | incident after | log line after "
-            "| /metrics after | top frame | other incidents | hang records | left | right "
-            f"| <= {IN_TIME_S:g} s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| /metrics after | top frame | other incidents | hang records "
+            f"| offline verdict | left | right | <= {IN_TIME_S:g} s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in fault:
             phase = c.phase or "-"
@@ -1064,7 +1083,8 @@ def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> s
                 f"| {_cellv(_coll(c.collective))} | {_cellv(_coll(c.culprit_collective))} "
                 f"| {_s(c.incident_s)} | {log} | {_s(c.metrics_s)} "
                 f"| {_cellv(_frame(c.frames))[:80]} | {_others(c)} "
-                f"| {c.hang_records} | {c.left_behind} | {'yes' if c.right else '**no**'} "
+                f"| {c.hang_records} | {c.offline or '-'} | {c.left_behind} "
+                f"| {'yes' if c.right else '**no**'} "
                 f"| {'yes' if c.in_time else '**no**'} |"
             )
     if quiet:
@@ -1172,28 +1192,28 @@ NOTES = """### Reading the hang matrix
   rank saves a `torch.distributed.checkpoint` through a storage writer that takes 60 s (the
   pipeline's stages save under keys of their own). The step-time incidents these rows open
   (10-step windows on a shared 2-core machine) are counted, not judged here.
-- **What this run found** (the hang rules of the commit above, on the wait-for graph; the two
-  `extra_allreduce` cells of `fsdp` and `tp_dp` were run again after the last rule change, on
-  the next commit, and replace the first run's; `tp_dp/dtype_mismatch` too, with the same
-  result). Right, each within the budget: a rank stuck in
-  its dataset, asleep or spinning in its forward, on every shape (its phase, its frames, what
-  the others wait in: DDP's bucket all-reduce by its group and number, op `unknown`, as it is
-  issued in C++; FSDP2's all-gather; a pipeline stage's receive from its peer, followed
-  through to the stuck rank); an extra all-reduce on every shape (`COLLECTIVE_MISMATCH` naming
-  its owner: the others only wait for it); a larger all-reduce on DDP, FSDP2 and the pipeline
-  (the others finish their side and go on: the culprit is left inside alone); SIGKILL
-  (`RANK_DEAD` in about 6 s), SIGSTOP (named, "the process is stopped") and every rank blocked
-  (`ALL_STALLED`, nobody named) everywhere; the four quiet rows (the 60 s
-  `torch.distributed.checkpoint` save, the 20 s evaluation and the compiling first step open
-  no hang). Wrong: a larger all-reduce under TP x DP left two ranks inside the same call with
-  different shapes (the culprit and its ring neighbour) while the other two finished: one
-  against one, both are named (which of the two calls is the odd one is not in any record).
-  A float64 all-reduce against float32 makes Gloo abort a *receiving* rank: where the root
-  survives, the failed and the waiting calls show the dtypes, again one against one (the
-  culprit and one rank whose call failed; the aborted rank's call is gone with it), so both
-  are named; under TP x DP the aborted receiver was rank 0, the root, and nobody classified
-  ("What it cannot see" in docs/hang.md). Every budget-bound incident came 15.0 to 15.2 s after
-  the fault (the budget runs from the last step, which ends before the fault begins).
+- **What this run found** (the hang rules of the commit above, with each rank's finished
+  calls; the "offline verdict" column was added while it ran and read afterwards, with the
+  harness's `offline_verdict`, from each cell's hang record files as the cell left them). Right, each within the budget: a rank stuck in its dataset, asleep or spinning in its
+  forward, on every shape (its phase, its frames, what the others wait in: DDP's bucket
+  all-reduce by its group and number, op `unknown`, as it is issued in C++; FSDP2's
+  all-gather; a pipeline stage's receive from its peer, followed through to the stuck rank);
+  an extra all-reduce on every shape (`COLLECTIVE_MISMATCH` naming its owner: the others only
+  wait for it); a larger all-reduce on every shape (on DDP, FSDP2 and the pipeline the others
+  finish their side and go on and the culprit is left inside alone; under TP x DP the culprit
+  and its ring neighbour are left inside one against one, and the two ranks that finished say
+  which call they agreed to: 2 floats); a float64 all-reduce against float32 where the root
+  survives (Gloo aborts a *receiving* rank; one rank's call fails and one waits, one against
+  one, and the rank that finished its side, or whose call failed with the others' dtype, makes
+  the float64 rank the odd one); SIGKILL (`RANK_DEAD` in about 6 s), SIGSTOP (named, "the
+  process is stopped") and every rank blocked (`ALL_STALLED`, nobody named) everywhere; the
+  four quiet rows (the 60 s `torch.distributed.checkpoint` save, the 20 s evaluation and the
+  compiling first step open no hang). Wrong: under TP x DP the float64 all-reduce makes Gloo
+  abort rank 0, the root, and nobody classifies live ("What it cannot see" in docs/hang.md);
+  the hang records the other ranks leave when the job is ended name the culprit offline
+  (`rankwatch replay`, the "offline verdict" column). Every budget-bound incident came 15.0
+  to 15.2 s after the fault (the budget runs from the last step, which ends before the fault
+  begins).
 - **Limits.** CPU and Gloo only, 4 ranks on one machine, the culprit never the root; NCCL
   behaves differently on mismatches (it hangs where Gloo aborts or completes). Never run on
   GPUs."""
@@ -1214,7 +1234,9 @@ incident (`on_incident` on the root), the first WARNING line of a `rankwatch` lo
 hang (it must name the culprit rank), and `rankwatch_hang_active` at 1 on the root's `/metrics`;
 latencies are from the fault. It stops at all three or {CELL_TIMEOUT_S:.0f} s after the fault,
 sends SIGTERM (and SIGCONT) to every rank's process group, waits {TERM_GRACE_S:.0f} s, counts
-the hang records written, then SIGCONT and SIGKILL to every group, and counts the job's
+the hang records written and reads them back as `rankwatch replay` does ("offline verdict":
+what a user has of a job whose root did not survive), then SIGCONT and SIGKILL to every
+group, and counts the job's
 processes still alive afterwards ("left": 0 everywhere is the goal). A cell is right when class,
 named ranks, phase (where one is expected) and a collective (where one is expected) match and
 the log line (naming the rank) and the gauge were seen, with no hang incident before the fault;

@@ -9,6 +9,10 @@ of ``CALLS`` so both sides see the same machine load:
   ``marks += 1`` (the increment timed alone and subtracted: the code before the watcher);
 * a completed ``Work.wait()`` through the collective shadow with a step open (a sync wait),
   the same way;
+* the finished-call note (:mod:`rankwatch.exporter.step_time.finished_calls`: the last call
+  each group finished, noted when its wait ends) on the frames of a real blocking
+  ``all_reduce`` (2 floats, a one-rank Gloo world), against an empty hook called the same
+  way: what it adds to every collective the shadows time;
 * one poll of the watcher while the job progresses (its thread holds the interpreter lock for
   this long every ``hang_poll_seconds``);
 * one poll of a suspect rank: the training thread's frames, the collective read from them, the
@@ -70,12 +74,21 @@ def _wait_us(work: Any, calls: int) -> float:
     return (clock() - start) / calls * 1e6
 
 
+def _hook_us(hook: Any, frame: Any, calls: int) -> float:
+    clock = time.perf_counter
+    start = clock()
+    for _ in range(calls):
+        hook(frame)
+    return (clock() - start) / calls * 1e6
+
+
 def run() -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
 
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.step_time.collectives import install_collective_waits
+    from rankwatch.exporter.step_time.finished_calls import FinishedCalls
     from rankwatch.exporter.step_time.hang_watch import HangWatcher
     from rankwatch.exporter.step_time.timer import StepTimer
     from tests.servers import free_port
@@ -95,6 +108,19 @@ def run() -> list[dict[str, Any]]:
             marks.append(_mark_us(timer, CALLS))
             waits.append(_wait_us(work, CALLS))
         inc_med = statistics.median(inc)
+        # The note's own cost, on the frames of a real blocking all_reduce (kept from one call:
+        # a frame keeps its locals once it has returned), against an empty hook.
+        finished = FinishedCalls()
+        kept: list[Any] = []
+        timer.on_wait_done = kept.append
+        dist.all_reduce(torch.ones(2))
+        timer.on_wait_done = None
+        frame = kept[0]
+        notes, empty = [], []
+        for _ in range(REPEATS):
+            notes.append(_hook_us(finished.note, frame, CALLS))
+            empty.append(_hook_us(lambda f: None, frame, CALLS))
+        assert finished.calls() and finished.calls()[0].shapes == ((2,),)
         rows = [
             _row(
                 "one marks += 1 (the watcher's per-mark addition)", TARGET_MARK_US, inc, "us", inc
@@ -112,6 +138,14 @@ def run() -> list[dict[str, Any]]:
                 waits,
                 "us",
                 [w - inc_med for w in waits],
+            ),
+            _row(
+                "finished-call note on a real all_reduce's frames (per collective), "
+                "against an empty hook",
+                TARGET_MARK_US,
+                notes,
+                "us",
+                empty,
             ),
         ]
         store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10))

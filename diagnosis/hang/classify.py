@@ -12,8 +12,9 @@ ranks). The rules, in order:
    different op, shapes or dtypes; or ranks left inside a call the rest of their group went
    past; or (at the budget) waiting ranks that only wait on each other, a cycle no rank can
    leave (an extra collective on one rank, collectives in another order). Named: the smaller
-   side (sides that tie for smallest all, unless every side ties: then the side without the
-   lowest rank).
+   side, the ranks that went past a disputed call counted with the side their own finished
+   call agrees with (sides that tie for smallest are all named: which call is the odd one
+   cannot be told).
 3. ``STUCK_ALIVE``: the ranks the waiting ones wait on, directly or through others, that are
    outside every collective (stuck in a phase) or silent. Named with their phase.
 4. ``STALLED_IN_COLLECTIVE``: every rank is inside the same collective and none finishes.
@@ -165,19 +166,30 @@ _ROOTED_OPS = frozenset(
 def _with_finished(
     sides: list[list[RankRecord]], call: tuple[str, int], answered: Sequence[RankRecord]
 ) -> list[list[RankRecord]]:
-    """The sides, the ranks that already went past the call counted with the one side whose op
-    has a root (only such a call lets a rank finish while another member is in a different
-    one: a broadcast's receiver went on, the extra all-reduce's owner did not). Unchanged
-    unless exactly one side's op has a root."""
+    """The sides, with the ranks that already went past the call counted where they belong. A
+    rank that finished the call says what it agreed to (its finished call at that number: with
+    the side whose call agrees with it, when exactly one does: a 3-float all-reduce left inside
+    with one 2-float rank, the two ranks that finished with 2 floats make the 3-float one the
+    odd side). The others count with the one side whose op has a root, when exactly one has
+    (only such a call lets a rank finish while another member is in a different one: a
+    broadcast's receiver went on, the extra all-reduce's owner did not)."""
     group, seq = call
     inside = {r.rank for side in sides for r in side}
     past = [r for r in answered if r.rank not in inside and r.group_seqs.get(group, -1) >= seq]
-    rooted = [
-        i for i, side in enumerate(sides) if (_call_of(side[0]) or _NO_CALL).op in _ROOTED_OPS
-    ]
-    if not past or len(rooted) != 1:
-        return sides
-    return [[*side, *past] if i == rooted[0] else side for i, side in enumerate(sides)]
+    firsts = [_call_of(side[0]) or _NO_CALL for side in sides]
+    extra: list[list[RankRecord]] = [[] for _ in sides]
+    unsaid = []
+    for r in past:
+        done = next((c for c in r.finished_calls if (c.group, c.seq) == call), None)
+        agree = [i for i, c in enumerate(firsts) if done is not None and _agree(c, done)]
+        if len(agree) == 1:
+            extra[agree[0]].append(r)
+        else:
+            unsaid.append(r)
+    rooted = [i for i, c in enumerate(firsts) if c.op in _ROOTED_OPS]
+    if unsaid and len(rooted) == 1:
+        extra[rooted[0]] += unsaid
+    return [[*side, *more] for side, more in zip(sides, extra, strict=True)]
 
 
 def classify_hang(
@@ -285,7 +297,7 @@ def classify_hang(
         # at. The others wait in their own call, else (issued in C++) in the group a member is
         # missing from, at its highest number.
         inside = [r for r in answered if r.collective is not None]
-        coll = inside[0].collective if inside else _missing_member_group(answered)
+        coll = inside[0].collective if inside else _missing_member_group(graph)
         return verdict(STUCK_ALIVE, silent, answered, coll)
     inside = [r for r in answered if r.collective is not None]
     if inside:
@@ -317,21 +329,15 @@ def _call_of(r: RankRecord) -> Collective | None:
     return r.collective if r.collective is not None else r.failed_collective
 
 
-def _missing_member_group(answered: Sequence[RankRecord]) -> Collective | None:
+def _missing_member_group(graph: WaitGraph) -> Collective | None:
     """The largest group whose size exceeds the answering ranks in it (a member did not
     answer; of equal sizes the most used one), at its highest sequence number, op unknown;
     None when no size says so."""
-    members: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
-    for r in answered:
-        for group, seq in r.group_seqs.items():
-            members.setdefault(group, []).append(seq)
-            sizes[group] = max(sizes.get(group, 0), r.group_sizes.get(group, 0))
-    short = [g for g, seqs in members.items() if sizes[g] > len(seqs)]
+    short = [g for g, per in graph.seqs.items() if graph.sizes.get(g, 0) > len(per)]
     if not short:
         return None
-    group = max(short, key=lambda g: (sizes[g], max(members[g]), g))  # largest, most used
-    return Collective(group, "unknown", max(members[group]))
+    group = max(short, key=lambda g: (graph.sizes[g], max(graph.seqs[g].values()), g))
+    return Collective(group, "unknown", max(graph.seqs[group].values()))
 
 
 def _same_call(c: Collective | None, first: Collective) -> bool:

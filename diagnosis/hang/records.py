@@ -107,7 +107,9 @@ class RankRecord:
     first steps). ``collective``: the one it is inside, or None; ``failed_collective``: the
     last one that raised on it in this step (a peer gone, a size refused). ``group_seqs``: each
     process group's sequence number (collectives issued so far, C++ ones included) and
-    ``group_sizes`` its number of ranks. ``frames``: the
+    ``group_sizes`` its number of ranks. ``finished_calls``: per group, the last c10d call this
+    rank finished there (what it agreed to: it says which side of a disputed call was the odd
+    one). ``frames``: the
     training thread's top frames (innermost first) or empty with ``frames_note`` saying why.
     ``state``: :data:`ANSWERED`, :data:`NO_ANSWER` or :data:`DEAD`; ``silent_seconds``: how
     long it has not answered.
@@ -127,6 +129,7 @@ class RankRecord:
     failed_collective: Collective | None = None
     group_seqs: Mapping[str, int] = field(default_factory=dict)
     group_sizes: Mapping[str, int] = field(default_factory=dict)
+    finished_calls: tuple[Collective, ...] = ()
     frames: tuple[str, ...] = ()
     frames_note: str = ""
     silent_seconds: float = 0.0
@@ -155,6 +158,7 @@ class RankRecord:
             ),
             "group_seqs": dict(self.group_seqs),
             "group_sizes": dict(self.group_sizes),
+            "finished_calls": [c.to_dict() for c in self.finished_calls],
             "frames": list(self.frames),
             "frames_note": self.frames_note,
             "silent_seconds": self.silent_seconds,
@@ -293,6 +297,19 @@ def record_from_dict(obj: object, where: str = "") -> RankRecord:
         )
     group_seqs = _group_map(obj, "group_seqs", where)
     group_sizes = _group_map(obj, "group_sizes", where)
+    finished_raw = obj.get("finished_calls", [])
+    if not isinstance(finished_raw, list) or len(finished_raw) > MAX_GROUPS:
+        raise ValueError(
+            f"hang record: field {_where(where, 'finished_calls')}: "
+            f"expected a list of at most {MAX_GROUPS} calls"
+        )
+    finished = []
+    for i, item in enumerate(finished_raw):
+        at = f"{_where(where, 'finished_calls')}[{i}]"
+        call = collective_from_dict(item, at)
+        if call is None:
+            raise ValueError(f"hang record: field {at}: value None is not a call")
+        finished.append(call)
     return RankRecord(
         rank=_int(obj, "rank", where, 0, 2**31),
         state=state,
@@ -310,6 +327,7 @@ def record_from_dict(obj: object, where: str = "") -> RankRecord:
         ),
         group_seqs=group_seqs,
         group_sizes=group_sizes,
+        finished_calls=tuple(finished),
         frames=_texts(obj, "frames", where, MAX_FRAMES),
         frames_note=_text(obj, "frames_note", where),
         silent_seconds=_float(obj, "silent_seconds", where),

@@ -34,11 +34,13 @@ OPAQUE_OPS = frozenset({"unknown", "wait_tensor", "p2p_wait", "device_wait"})
 class WaitGraph:
     """``edges[rank]``: the ranks it waits on (answering ranks only have edges); ``why[(a,
     b)]``: the (group, sequence number) or transfer a waits on b in; ``seqs[group][rank]``;
-    ``left_behind``: ranks inside a collective the others of its group went past."""
+    ``sizes[group]``: its number of ranks (where a record said); ``left_behind``: ranks inside
+    a collective the others of its group went past."""
 
     edges: dict[int, set[int]] = field(default_factory=dict)
     why: dict[tuple[int, int], Collective] = field(default_factory=dict)
     seqs: dict[str, dict[int, int]] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
     left_behind: dict[int, list[int]] = field(default_factory=dict)
 
     def waiting(self) -> list[int]:
@@ -123,7 +125,7 @@ def wait_graph(answered: Sequence[RankRecord], silent: Sequence[int]) -> WaitGra
     # posts its next sends ahead of its peer): being ahead there says nothing; the transfers
     # are followed by their peers instead.
     p2p_groups = {r.collective.group for r in answered if r.collective and r.collective.peers}
-    sizes: dict[str, int] = {}
+    sizes = g.sizes
     for r in answered:
         for group, size in r.group_sizes.items():
             sizes[group] = max(size, sizes.get(group, 0))

@@ -54,6 +54,7 @@ not timed (on Gloo it only queues the work).
 from __future__ import annotations
 
 from collections.abc import Callable
+from sys import _getframe
 from threading import _DummyThread, current_thread, get_ident
 from typing import Any
 
@@ -181,10 +182,26 @@ def _timed_wait(registry: ShadowRegistry, original: Callable[..., Any]) -> Calla
         waits = registry.waits
         if len(waits) == 1:  # the usual case: one RankWatch in the process
             wait, thread = waits[0]
-            if wait.busy or (get_ident() != thread and not _backward_worker(wait)):
+            if get_ident() != thread and not _backward_worker(wait):
                 return original(*args, **kwargs)
-            with wait:
-                return original(*args, **kwargs)
+            if wait.busy:  # inside a sync wait already open: counted there
+                try:
+                    result = original(*args, **kwargs)
+                except BaseException:
+                    # The open wait's own exit sees only its caller's frame: the hang watcher
+                    # reads the failed call here, while its frame is still on the stack.
+                    failed = wait.timer.on_wait_error
+                    if failed is not None:
+                        failed(_getframe())
+                    raise
+            else:
+                with wait:
+                    result = original(*args, **kwargs)
+            # The call finished: the hang watcher notes which (it reads the caller's frame).
+            done = wait.timer.on_wait_done
+            if done is not None:
+                done(_getframe())
+            return result
         return _timed_by_each(waits, original, args, kwargs)
 
     return timed
@@ -199,16 +216,28 @@ def _timed_by_each(
     """Several timers (several ``RankWatch`` in the process), or none left: each timer of this
     thread whose sync wait is not already open is credited once."""
     me = get_ident()
-    entered = [
-        wait for wait, thread in waits if not wait.busy and (thread == me or _backward_worker(wait))
-    ]
+    mine = [wait for wait, thread in waits if thread == me or _backward_worker(wait)]
+    entered = [wait for wait in mine if not wait.busy]
     for wait in entered:
         wait.__enter__()
     try:
-        return original(*args, **kwargs)
-    finally:
+        result = original(*args, **kwargs)
+    except BaseException as exc:
         for wait in reversed(entered):
-            wait.__exit__(None, None, None)
+            wait.__exit__(type(exc), exc, exc.__traceback__)
+        for wait in mine:
+            failed = wait.timer.on_wait_error
+            if failed is not None and wait not in entered:
+                failed(_getframe(1))
+        raise
+    for wait in reversed(entered):
+        wait.__exit__(None, None, None)
+    shadow = _getframe(1)  # the shadow's frame: its caller issued the call
+    for wait in mine:
+        done = wait.timer.on_wait_done
+        if done is not None:
+            done(shadow)
+    return result
 
 
 def _backward_worker(wait: _SyncWait) -> bool:

@@ -28,8 +28,10 @@ from rankwatch.exporter.gloo import own_group_names
 from rankwatch.exporter.step_time.timer import PHASES, StepTimer
 
 __all__ = [
+    "C10D_OPS",
     "OUTSIDE_STEP",
     "PHASE_NAMES",
+    "TENSOR_ARGS",
     "DeclaredPhase",
     "GroupSeqs",
     "collective_in_frames",
@@ -44,7 +46,7 @@ PHASE_NAMES: tuple[str, ...] = tuple("input" if p == "input_wait" else p for p i
 # c10d's blocking calls a training thread waits in (torch.distributed.distributed_c10d, torch
 # 2.13's names and the older ones it keeps: all_gather_into_tensor calls all_gather_single) and the
 # functional collectives' wait (torch.distributed._functional_collectives.wait_tensor).
-_C10D_OPS = frozenset(
+C10D_OPS = frozenset(
     {
         "all_reduce",
         "all_gather",
@@ -72,7 +74,7 @@ _C10D_OPS = frozenset(
         "send_object_list",
     }
 )
-_TENSOR_ARGS = (
+TENSOR_ARGS = (
     "tensor",
     "tensors",
     "tensor_list",
@@ -198,7 +200,7 @@ def collective_in_frames(
             return _pipeline_wait(caller, seq_of, entered_seconds)
         if name == "wait_tensor" and file.endswith("_functional_collectives.py"):
             op, local_vars = "wait_tensor", f.f_locals
-        elif name in _C10D_OPS and file.endswith("distributed_c10d.py"):
+        elif name in C10D_OPS and file.endswith("distributed_c10d.py"):
             op, local_vars = name, f.f_locals
         else:
             continue
@@ -208,7 +210,7 @@ def collective_in_frames(
         group, seq = found
         shapes: list[tuple[int, ...]] = []
         dtypes: list[str] = []
-        for arg in _TENSOR_ARGS:
+        for arg in TENSOR_ARGS:
             if arg in local_vars:
                 s, d = _describe(local_vars[arg])
                 shapes += s

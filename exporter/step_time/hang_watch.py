@@ -32,6 +32,8 @@ from typing import Any
 from rankwatch.diagnosis.hang import Collective, RankRecord
 from rankwatch.diagnosis.step_time.table import column
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.gloo import own_group_names
+from rankwatch.exporter.step_time.finished_calls import FinishedCalls
 from rankwatch.exporter.step_time.hang_file import HangFileWriter
 from rankwatch.exporter.step_time.hang_record import (
     DeviceWaitClock,
@@ -113,7 +115,9 @@ class HangWatcher:
         # The last collective that raised on the training thread, and the steps written then
         # (reported until the next step: an old failure says nothing of a later hang).
         self.failed: tuple[Collective | None, int] = (None, -1)
+        self.finished = FinishedCalls()
         timer.on_wait_error = self._wait_failed
+        timer.on_wait_done = self.finished.note
         self._thread = threading.Thread(
             target=self._run, name=f"rankwatch-hang-{rank}", daemon=True
         )
@@ -130,6 +134,8 @@ class HangWatcher:
         self._stop.set()
         if self.timer.on_wait_error == self._wait_failed:
             self.timer.on_wait_error = None
+        if self.timer.on_wait_done == self.finished.note:
+            self.timer.on_wait_done = None
         if self._thread.is_alive():
             self._thread.join(max(0.0, timeout_seconds))
 
@@ -261,6 +267,7 @@ class HangWatcher:
                 collective = self._device_collective(now_ns)
         self._beat += 1
         seqs, sizes = self.groups.read() if frames else ({}, {})
+        finished = self.finished.calls(own_group_names()) if frames else ()
         return RankRecord(
             rank=self.rank,
             host=self.host,
@@ -275,6 +282,7 @@ class HangWatcher:
             failed_collective=self.failed[0] if self.failed[1] == timer.written else None,
             group_seqs=seqs,
             group_sizes=sizes,
+            finished_calls=finished,
             frames=tuple(top),
             frames_note=note,
         )
@@ -283,9 +291,13 @@ class HangWatcher:
         """A timed collective wait raised on the training thread: which call it was."""
         try:
             found = collective_in_frames(frame, self.groups.seq_of, None)
-            self.failed = (found, self.timer.written)
         except Exception:  # unreadable: the error goes on to the caller as it was
-            self.failed = (None, -1)
+            found = None
+        written = self.timer.written
+        # A sync wait the user opened around the call sees the error after the shadow
+        # inside it has read the call: its frames no longer show it, so it keeps that one.
+        if found is not None or self.failed[1] != written:
+            self.failed = (found, written)
 
     def _device_collective(self, now_ns: int) -> Collective | None:
         """On the GPU clock: the collective the device has been inside for at least a third

@@ -314,7 +314,10 @@ class StepTimer:
         # the phases the user declared long (name, budget seconds, entry ns), and whether the
         # watched loader's current iterator has yet to give its first batch.
         self.marks = 0
-        # Called with the waiting frame when a timed collective wait raises (the hang watcher).
+        # Called by the collective shadows with their frame when a collective's wait returns
+        # (inside a sync wait already open too), and with the waiting frame when a timed wait
+        # raises (the hang watcher; see :mod:`.finished_calls`).
+        self.on_wait_done: Callable[[FrameType], None] | None = None
         self.on_wait_error: Callable[[FrameType], None] | None = None
         self.step_end_ns = time.perf_counter_ns()  # the last step's end (the start, before any)
         self.declared: list[tuple[str, float, int]] = []

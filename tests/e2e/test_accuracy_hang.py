@@ -5,7 +5,10 @@ DDP cells. One job goes through the quiet rows' pauses in its first steps (a fir
 compiles, an evaluation loop and a ``torch.distributed.checkpoint`` save, each longer than the
 lowered hang budget), then rank 2 sticks in its dataset's ``__getitem__``: the pauses must open
 no hang, the stuck rank a ``stuck_alive`` hang naming rank 2 in its input phase, in the incident,
-the log line and on ``/metrics``. In the other, rank 2 SIGKILLs itself: ``rank_dead`` naming it.
+the log line and on ``/metrics``. In another, rank 2 SIGKILLs itself: ``rank_dead`` naming it.
+In the third, rank 2 all-reduces float64 against the others' float32: Gloo aborts a receiving
+rank, one rank's call fails and one waits, one against one: the rank that finished its side
+says which call was the odd one, and ``collective_mismatch`` names rank 2 alone.
 Each world is ended whole (its process groups, SIGKILL after a grace) whatever happens, and no
 process of it may be left.
 """
@@ -58,3 +61,12 @@ def test_a_killed_rank_is_rank_dead() -> None:
     assert cell.left_behind == 0, table
     assert cell.right, table
     assert isinstance(cell.frames, str) and "unavailable" in cell.frames, table
+
+
+def test_a_dtype_mismatch_names_the_odd_rank_alone() -> None:
+    cell = run_cell(CellSpec("ddp", "dtype_mismatch"))
+    table = render([cell])
+    assert cell.error is None, table + (cell.error or "")
+    assert cell.left_behind == 0, table
+    assert (cell.cls, cell.ranks) == ("COLLECTIVE_MISMATCH", [2]), table
+    assert cell.right, table

@@ -4,6 +4,7 @@ and bad inputs refused with the field named."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,10 @@ def test_bad_inputs_are_refused_with_the_field_named() -> None:
             "collective.shapes",
         ),
         ({"collective": 5}, "collective"),
+        ({"finished_calls": {"group": "0"}}, "finished_calls"),
+        ({"finished_calls": [None]}, r"finished_calls\[0\]"),
+        ({"finished_calls": [{"group": "0", "op": "x", "seq": "1"}]}, r"finished_calls\[0\]\.seq"),
+        ({"finished_calls": [{"group": "0", "op": "x", "seq": 1}] * 65}, "finished_calls"),
     ],
 )
 def test_a_record_from_another_process_is_checked_field_by_field(
@@ -294,6 +299,7 @@ def _rec(
     seqs: dict[str, int],
     collective: Collective | None = None,
     phase: str = "backward",
+    finished_calls: tuple[Collective, ...] = (),
 ) -> RankRecord:
     return RankRecord(
         rank=rank,
@@ -304,6 +310,7 @@ def _rec(
         group_seqs=seqs,
         group_sizes={g: 2 if g.startswith("dp") or g.startswith("pp") else 4 for g in seqs},
         frames=(f"train.py:{rank} step",),
+        finished_calls=finished_calls,
     )
 
 
@@ -442,3 +449,59 @@ def test_a_broadcast_receiver_that_went_on_sides_with_the_broadcast() -> None:
     v = classify_hang(records, stalled_seconds=STALL)
     assert v is not None and (v.hang_class, v.ranks) == ("COLLECTIVE_MISMATCH", (2,))
     assert v.culprit_collective == extra and v.collective == bcast
+
+
+def _sized(n: int, dtype: str = "float32") -> Collective:
+    return Collective("m", "all_reduce", 61, ((n,),), (dtype,), site="train.py:40 log")
+
+
+def test_ranks_that_finished_the_disputed_call_say_which_side_is_odd() -> None:
+    # TP x DP, a 3-float all-reduce on rank 1 against 2 floats: ranks 0 and 3 finished their
+    # side and went on, ranks 1 and 2 are left inside, one against one. What 0 and 3 finished
+    # at that number (2 floats) makes rank 1 the odd one.
+    mine, theirs = _sized(3), _sized(2)
+    finished = (replace(_sized(2), site="", seconds=None),)
+    records = [
+        _rec(0, {"m": 61}, None, finished_calls=finished),
+        _rec(1, {"m": 61}, mine),
+        _rec(2, {"m": 61}, theirs),
+        _rec(3, {"m": 61}, None, finished_calls=finished),
+    ]
+    v = classify_hang(records, stalled_seconds=STALL)
+    assert v is not None and (v.hang_class, v.ranks) == ("COLLECTIVE_MISMATCH", (1,))
+    assert v.culprit_collective == mine and v.collective == theirs
+    # Without what they finished it is one against one: both named, none guessed.
+    bare = [replace(r, finished_calls=()) for r in records]
+    v = classify_hang(bare, stalled_seconds=STALL)
+    assert v is not None and v.ranks == (1, 2)
+
+
+def test_a_finished_call_at_another_number_or_agreeing_with_both_sides_says_nothing() -> None:
+    mine, theirs = _sized(3), _sized(2)
+    for finished in (
+        (replace(_sized(2), seq=60),),  # an earlier call of the group
+        (Collective("m", "unknown", 61),),  # nothing known of it: agrees with either side
+    ):
+        records = [
+            _rec(0, {"m": 61}, None, finished_calls=finished),
+            _rec(1, {"m": 61}, mine),
+            _rec(2, {"m": 61}, theirs),
+        ]
+        v = classify_hang(records, stalled_seconds=STALL)
+        assert v is not None and v.ranks == (1, 2), finished
+
+
+def test_a_dtype_mismatch_whose_receiver_died_names_the_odd_dtype() -> None:
+    # DDP under Gloo: float64 on rank 2 against float32; Gloo aborted receiving rank 1 (gone),
+    # rank 3's call raised, rank 0 finished its side and went on. The float32 side has ranks
+    # 0 and 3; rank 2 is named, the death said.
+    f64, f32 = _sized(2, "float64"), _sized(2)
+    records = [
+        _rec(0, {"m": 61, "0": 66}, None, finished_calls=(f32,)),
+        RankRecord(rank=1, state=DEAD),
+        _rec(2, {"m": 61, "0": 65}, f64),
+        replace(_rec(3, {"m": 61, "0": 65}, None), failed_collective=f32),
+    ]
+    v = classify_hang(records, stalled_seconds=STALL)
+    assert v is not None and (v.hang_class, v.ranks) == ("COLLECTIVE_MISMATCH", (2,))
+    assert "the process is gone" in v.detail
