@@ -1194,7 +1194,8 @@ NOTES = """### Reading the hang matrix
   (10-step windows on a shared 2-core machine) are counted, not judged here.
 - **What this run found** (the hang rules of the commit above, with each rank's finished
   calls; the "offline verdict" column was added while it ran and read afterwards, with the
-  harness's `offline_verdict`, from each cell's hang record files as the cell left them). Right, each within the budget: a rank stuck in its dataset, asleep or spinning in its
+  harness's `offline_verdict`, from each cell's hang record files as the cell left them).
+  Right, each within the budget: a rank stuck in its dataset, asleep or spinning in its
   forward, on every shape (its phase, its frames, what the others wait in: DDP's bucket
   all-reduce by its group and number, op `unknown`, as it is issued in C++; FSDP2's
   all-gather; a pipeline stage's receive from its peer, followed through to the stuck rank);
