@@ -105,9 +105,10 @@ class FinishedCalls:
         else:
             return ()
         out = []
-        for group, (op, seq, tensors) in items:
+        for group, (op, seq, noted) in items:
+            tensors = noted[:MAX_SHAPES]  # as many as a record may carry (several arguments)
             try:
-                name = str((group if group is not None else _default_group()).group_name)
+                name = str((group if group is not None else _world().default_pg).group_name)
             except Exception:
                 continue
             if name in skip:
@@ -145,9 +146,3 @@ def _world() -> Any:
 
         _WORLD.append(dist.distributed_c10d._world)
     return _WORLD[0]
-
-
-def _default_group() -> Any:
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._get_default_group()

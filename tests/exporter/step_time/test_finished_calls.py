@@ -171,3 +171,19 @@ def test_a_call_that_raises_inside_an_open_sync_wait_is_read_from_the_shadow() -
         "all_reduce",
         "test_a_call_that_raises_inside_an_open_sync_wait_is_read_from_the_shadow",
     ]
+
+
+def test_a_call_with_many_tensors_is_cut_to_what_a_record_may_carry() -> None:
+    from rankwatch.diagnosis.hang import record_from_dict
+    from rankwatch.diagnosis.hang.records import MAX_SHAPES, RankRecord
+
+    class Group:
+        group_name = "g"
+
+    calls = FinishedCalls()
+    # all_gather of 20 outputs and one input: more tensors than a record's shapes field holds.
+    calls._last[Group()] = ("all_gather", 3, tuple(((4,), "torch.float32") for _ in range(21)))
+    (call,) = calls.calls()
+    assert len(call.shapes) == len(call.dtypes) == MAX_SHAPES
+    record = RankRecord(rank=0, finished_calls=(call,))
+    assert record_from_dict(record.to_dict()) == record
