@@ -18,13 +18,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	# The CPU build first: a plain `torch` requirement would otherwise pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# With torchtitan (the trainer matrix and its test; it names no torch itself, and imports
+	# triton unconditionally, CPU or not) in the same resolution: installed after the project,
+	# its datasets pin (huggingface-hub<2) would downgrade the hub under a transformers that
+	# needs a newer one, and the framework tests could not import transformers.
+	$(PY) -m pip install -q -e '.[dev]' 'torchtitan==0.3.0' 'triton>=3.5'
 	# DeepSpeed (its integration test) ships as source only: build it against the torch above,
 	# which an isolated build would replace with a download of another torch.
 	$(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.19.8'
-	# torchtitan (the trainer matrix and its test): its requirements resolve against the torch
-	# above (it names no torch itself); it imports triton unconditionally, CPU or not.
-	$(PY) -m pip install -q 'torchtitan==0.3.0' 'triton>=3.5'
+	$(PY) -m pip check
 	touch $(STAMP)
 
 # The dashboards are also checked against the schema of the oldest Grafana docs/grafana.md
