@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 
-.PHONY: venv backends demo test test-fast test-floors fuzz lint typecheck unit unit-shared unit-timed generate bench bench-scale accuracy \
+.PHONY: venv backends demo test test-fast test-floors fuzz lint typecheck unit generate bench bench-scale accuracy \
 	accuracy-parallel accuracy-trainers accuracy-hang accuracy-deepep reliability-matrix gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -51,30 +51,22 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy diagnosis exporter rankwatch
 
-# Two pytest runs, in two lanes at once (tests/run_lanes.sh). The shared lane, at the lowest
-# CPU priority, on two workers: everything that can share the machine, the tests that start no
-# process world and no server, and the world and server tests marked `parallel_safe` (a file's
-# tests stay on one worker, so its module fixtures run once). The timed lane, at normal
-# priority, one at a time: the other worlds, real servers and end-to-end suites. Their verdicts
-# are timed (a straggler named because one rank is slower than the others by a margin, an
-# accuracy cell, a step time or latency held to a bound, an alert's `for:`), and two of them
-# sharing the machine's two cores would make real stragglers. They leave the cores idle most of
-# the time, which the shared lane fills; it yields a core as soon as a timed rank wakes. The
-# rule for `parallel_safe` (a file's `pytestmark`, or one test's): its checks are counts,
-# contents, exit codes or bounds far above what a shared core costs. When in doubt leave it
-# unmarked (alone is always safe); a test that fails only beside another is timed: take its
-# mark away. Exit status 5 is "nothing selected" (a PYTEST_ARGS path on one side only).
+# Two pytest runs. First, on two workers, everything that can share the machine: the tests
+# that start no process world and no server, and the world and server tests marked
+# `parallel_safe` (a file's tests stay on one worker, so its module fixtures run once). Then
+# the other worlds, real servers and end-to-end suites, one at a time: their verdicts are timed
+# (a straggler named because one rank is slower than the others by a margin, an accuracy cell,
+# a step time or latency held to a bound, an alert's `for:`), and two of them sharing the
+# machine's two cores would make real stragglers. The rule for `parallel_safe` (a file's
+# `pytestmark`, or one test's): its checks are counts, contents, exit codes or bounds far above
+# what a shared core costs. When in doubt leave it unmarked (alone is always safe); a test that
+# fails only beside another is timed: take its mark away. Exit status 5 is "nothing selected"
+# (a PYTEST_ARGS path on one side only).
 WORLDS := multiproc or servers or e2e
-unit-shared: venv
+unit: venv
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not ($(WORLDS)) or parallel_safe" $(PYTEST_ARGS) \
 		|| [ $$? -eq 5 ]
-
-unit-timed: venv
 	$(PY) -m pytest -q -m "($(WORLDS)) and not parallel_safe" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-
-unit: venv
-	bash tests/run_lanes.sh "$(MAKE) --no-print-directory unit-shared" \
-		"$(MAKE) --no-print-directory unit-timed"
 
 # The quick checks: the engines' and exporter's unit tests, and the dashboard, rule and project
 # checks (generated files current, thresholds drawn from the configuration, docs, packaging
@@ -86,10 +78,7 @@ test-fast: venv
 		-m "(diagnosis or exporter or dashboards or project) and not (multiproc or servers or slow)" \
 		$(PYTEST_ARGS)
 
-# The type checks run in the shared lane too (a minute of one core, off the timed worlds).
-test: venv backends lint
-	bash tests/run_lanes.sh "$(MAKE) --no-print-directory typecheck unit-shared" \
-		"$(MAKE) --no-print-directory unit-timed"
+test: venv backends lint typecheck unit
 
 # The property tests (every test file that uses hypothesis) with fresh randomness: `make test`
 # runs them derandomized (the same examples every run; see tests/conftest.py), this runs

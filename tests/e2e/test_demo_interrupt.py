@@ -28,17 +28,15 @@ def _reader(stream: Any, lines: queue.Queue[str | None]) -> None:
 
 def test_ctrl_c_stops_every_rank_and_still_writes_the_summary(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    # A process group of its own, so the signal can go to the whole group, as a terminal's
-    # Ctrl-C does: the parent and every rank receive it. (Not a session of its own: the kernel
-    # shares the CPU between sessions before it weighs priorities, and `make test` runs this
-    # test in its lowest-priority lane, beside the timed one.)
+    # A session of its own, so the signal can go to the whole process group, as a terminal's
+    # Ctrl-C does: the parent and every rank receive it.
     proc = subprocess.Popen(
         [
             str(CLI), "demo", "--ranks", "2", "--duration", "300", "--port", "0",
             "--out", str(out), "--plain",
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=demo_env(),
-        process_group=0,
+        start_new_session=True,
     )  # fmt: skip
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
@@ -108,7 +106,7 @@ def test_a_killed_rank_ends_the_demo_with_exit_code_1(tmp_path: Path) -> None:
             "--out", str(out), "--plain",
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=demo_env(),
-        process_group=0,
+        start_new_session=True,
     )  # fmt: skip
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
