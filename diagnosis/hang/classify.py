@@ -20,6 +20,12 @@ ranks). The rules, in order:
 4. ``STALLED_IN_COLLECTIVE``: every rank is inside the same collective and none finishes.
    Named: the rank that entered it last.
 5. ``ALL_STALLED``: nobody is in a collective and nobody progresses. Nobody named.
+
+A rank that *left* (closed rankwatch, or exited without an error) takes part as a rank outside
+every collective, in phase ``left``, that waits on nobody: a living rank waiting for it makes a
+``STUCK_ALIVE`` naming it (a rank that ran out of batches first). Once some rank has left and no
+living one waits in a collective, the job is ending: no verdict (rank 0 writing the final
+checkpoint while the others have exited is not a hang).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from rankwatch.diagnosis.hang.records import (
     ANSWERED,
     COLLECTIVE_MISMATCH,
     DEAD,
+    LEFT,
     NO_ANSWER,
     RANK_DEAD,
     STALLED_IN_COLLECTIVE,
@@ -216,6 +223,7 @@ def classify_hang(
     answered = [r for r in recs if r.state == ANSWERED]
     dead = [r for r in recs if r.state == DEAD]
     silent = [r for r in recs if r.state == NO_ANSWER]
+    left = [r for r in recs if r.state == LEFT]
 
     def verdict(
         cls: str,
@@ -241,8 +249,12 @@ def classify_hang(
             records=recs,
         )
 
-    graph = wait_graph(answered, [r.rank for r in silent])
+    graph = wait_graph([*answered, *left], [r.rank for r in silent])
+    for r in left:
+        graph.edges[r.rank] = set()  # it left: it waits on nobody
     by_rank = {r.rank: r for r in recs}
+    gone_ranks = ", ".join(str(r.rank) for r in left)
+    left_note = f"rank(s) {gone_ranks} left the job (closed rankwatch or exited)" if left else ""
 
     def collective_of(
         named: Sequence[RankRecord], waiting: Sequence[RankRecord]
@@ -288,10 +300,21 @@ def classify_hang(
         stuck = [r for r in ends if r.state != ANSWERED or r.collective is None]
         if stuck:
             others = [r for r in answered if r.rank not in {x.rank for x in stuck}]
-            return verdict(STUCK_ALIVE, stuck, others, collective_of(stuck, waiting))
+            gone = left_note if any(r.state == LEFT for r in stuck) else ""
+            return verdict(STUCK_ALIVE, stuck, others, collective_of(stuck, waiting), detail=gone)
         if not ends:
             # Every waiting rank waits on another waiting one: a cycle no rank can leave.
             return _deadlock_verdict(verdict, graph, waiting, answered)
+    inside = [r for r in answered if r.collective is not None]
+    if left:
+        # Ranks left and nobody waits on a known rank: the job is ending, unless living ranks
+        # sit inside a collective (issued after the others left): then those outside it are
+        # the ones it waits for.
+        if not inside:
+            return None
+        outside = [r for r in recs if r.state != DEAD and r.collective is None]
+        first = inside[0].collective
+        return verdict(STUCK_ALIVE, outside, inside, first, detail=left_note)
     if silent:
         # Nobody waits on a known rank, yet some ranks do not answer: they are the ones to look
         # at. The others wait in their own call, else (issued in C++) in the group a member is
@@ -299,7 +322,6 @@ def classify_hang(
         inside = [r for r in answered if r.collective is not None]
         coll = inside[0].collective if inside else _missing_member_group(graph)
         return verdict(STUCK_ALIVE, silent, answered, coll)
-    inside = [r for r in answered if r.collective is not None]
     if inside:
         first = inside[0].collective
         assert first is not None

@@ -20,6 +20,7 @@ __all__ = [
     "COLLECTIVE_MISMATCH",
     "DEAD",
     "HANG_CLASSES",
+    "LEFT",
     "NO_ANSWER",
     "RANK_DEAD",
     "RANK_STATES",
@@ -45,11 +46,14 @@ HANG_CLASSES: tuple[str, ...] = (
 )
 
 # How the root heard from a rank: its record came in (fresh), it did not answer (its thread
-# cannot run: the interpreter lock held by C code, the process stopped), or its process is gone.
+# cannot run: the interpreter lock held by C code, the process stopped), its process is gone,
+# or it left: it closed rankwatch or its interpreter exited without an error (its part of the
+# job is over; a hang only when a living rank waits for it).
 ANSWERED = "answered"
 NO_ANSWER = "no_answer"
 DEAD = "dead"
-RANK_STATES: tuple[str, ...] = (ANSWERED, NO_ANSWER, DEAD)
+LEFT = "left"
+RANK_STATES: tuple[str, ...] = (ANSWERED, NO_ANSWER, DEAD, LEFT)
 
 # Bounds on what a record may hold (a record read from a file or another process is untrusted).
 MAX_FRAMES = 32
@@ -111,8 +115,8 @@ class RankRecord:
     rank finished there (what it agreed to: it says which side of a disputed call was the odd
     one). ``frames``: the
     training thread's top frames (innermost first) or empty with ``frames_note`` saying why.
-    ``state``: :data:`ANSWERED`, :data:`NO_ANSWER` or :data:`DEAD`; ``silent_seconds``: how
-    long it has not answered.
+    ``state``: :data:`ANSWERED`, :data:`NO_ANSWER`, :data:`DEAD` or :data:`LEFT`;
+    ``silent_seconds``: how long it has not answered (for a rank that left: since it left).
     """
 
     rank: int

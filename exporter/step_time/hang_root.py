@@ -7,7 +7,9 @@ progresses it reads nothing. Once the root has not progressed for a third of its
 reads every rank's record from the store (one ``multi_get``) each poll; a rank whose record
 stopped changing is *silent* (its thread cannot run: the interpreter lock held by C code, the
 process stopped) unless its shipped steps show it progressing; a silent rank on this host
-whose process is gone, or whose connection to rankwatch's group failed, is *dead*.
+whose process is gone, or whose connection to rankwatch's group failed, is *dead*. A rank
+whose last record says it left (it closed rankwatch, or its interpreter exited without an error)
+is never silent nor dead: the rules decide whether anyone still waits for it.
 
 The verdict opens when no rank progressed for the group's budget (the largest of the ranks'
 own: a declared long phase, warm-up or a slow job's step time on any rank raises it for the
@@ -30,6 +32,7 @@ from rankwatch.diagnosis.hang.records import (
     ANSWERED,
     COLLECTIVE_MISMATCH,
     DEAD,
+    LEFT,
     NO_ANSWER,
     RANK_DEAD,
     record_from_dict,
@@ -43,7 +46,7 @@ log = logging.getLogger("rankwatch.hang")
 
 _MAX_RECORD_BYTES = 64 * 1024
 # What the watcher adds to a record for the root alone (not part of the record).
-_TRANSPORT_KEYS = ("beat", "pidns", "written_at_s")
+_TRANSPORT_KEYS = ("beat", "pidns", "written_at_s", "left")
 # A record that has not changed for this many polls (and at least this many seconds) is silent.
 _FRESH_POLLS = 4
 _FRESH_MIN_SECONDS = 2.0
@@ -112,6 +115,7 @@ class HangRoot:
         self._beats: dict[int, tuple[int, float]] = {}  # rank -> (beat, monotonic of change)
         self._last: dict[int, RankRecord] = {}
         self._meta: dict[int, tuple[int, int, str]] = {}  # rank -> (pid, pidns, host)
+        self._left: dict[int, str] = {}  # rank -> how it left (its last record said so)
         self.open: HangVerdict | None = None
         self._opened_at = 0.0
         self._steps_at_open: dict[int, int] = {}
@@ -255,14 +259,40 @@ class HangRoot:
                         )
                         self._beats[rank] = (beat if isinstance(beat, int) else -1, changed_at)
                     self._last[rank] = record
-            beat_at = self._beats.get(rank, (0, -math.inf))[1]
+                    how = payload.get("left")
+                    if isinstance(how, str) and how:
+                        self._left[rank] = how[:200]
+                    else:  # a rankwatch started again in that rank
+                        self._left.pop(rank, None)
             last = self._last.get(rank)
+            if rank in self._left and last is not None:
+                out.append(self._gone_away(last, self._left[rank]))
+                continue
+            beat_at = self._beats.get(rank, (0, -math.inf))[1]
             if last is not None and now - beat_at <= self.fresh_seconds:
                 out.append(last)
                 continue
             silent_for = min(now - beat_at, group_stalled) if beat_at > -math.inf else group_stalled
             out.append(self._silent(rank, last, silent_for, broken))
         return out
+
+    def _gone_away(self, last: RankRecord, how: str) -> RankRecord:
+        """A rank that left, as of now: outside every collective in phase ``left``, for as long
+        as it has been gone (its own clock, never negative)."""
+        written = self._written_at.get(last.rank)
+        gone_for = max(0.0, time.time() - written) if written is not None else 0.0
+        return replace(
+            last,
+            state=LEFT,
+            phase="left",
+            phase_seconds=round(gone_for, 3),
+            stalled_seconds=round(last.stalled_seconds + gone_for, 3),
+            since_step_seconds=round(last.since_step_seconds + gone_for, 3),
+            silent_seconds=round(gone_for, 3),
+            collective=None,
+            frames=(),
+            frames_note=f"stack unavailable: the rank left ({how})",
+        )
 
     def _silent(
         self, rank: int, last: RankRecord | None, silent_for: float, broken: set[int]
@@ -345,7 +375,7 @@ class HangRoot:
                 r.steps > self._steps_at_open.get(r.rank, r.steps) or _progressing(r)
             ):
                 self._recovered.add(r.rank)
-        living = {r.rank for r in records if r.state != DEAD}
+        living = {r.rank for r in records if r.state not in (DEAD, LEFT)}
         if living and living <= self._recovered:
             self.open = None
             self.open_evidence = None

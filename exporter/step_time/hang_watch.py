@@ -13,11 +13,16 @@ job move on. With ``artifact_dir`` set the same record (and its frames) is kept 
 ``hang-rank<R>-<pid>.json`` while the rank is suspect, refreshed on SIGTERM
 (:mod:`.hang_file`), and removed when the rank progresses again.
 
+When the rank closes rankwatch, or its interpreter exits without an uncaught error, it writes a
+last record that says it *left*: the root then never calls it dead, and opens a hang for it only
+when a living rank waits for it (see :mod:`rankwatch.diagnosis.hang.classify`).
+
 On the root the same thread runs the group's hang loop (:class:`.hang_root.HangRoot`).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -26,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -128,16 +134,46 @@ class HangWatcher:
 
     def start(self) -> None:
         self._thread.start()
+        atexit.register(self._at_exit)
 
-    def stop(self, timeout_seconds: float) -> None:
-        """End the thread (bounded)."""
+    def stop(self, timeout_seconds: float, *, how: str = "closed rankwatch") -> None:
+        """End the thread (bounded), then tell the root this rank left (``how``)."""
+        atexit.unregister(self._at_exit)
+        deadline = time.monotonic() + max(0.0, timeout_seconds)
         self._stop.set()
         if self.timer.on_wait_error == self._wait_failed:
             self.timer.on_wait_error = None
         if self.timer.on_wait_done == self.finished.note:
             self.timer.on_wait_done = None
         if self._thread.is_alive():
-            self._thread.join(max(0.0, timeout_seconds))
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self.store is not None and not self._thread.is_alive():
+            self._leave(how, max(0.05, deadline - time.monotonic()))
+
+    def _at_exit(self) -> None:
+        """The interpreter exits without ``close()``: a rank that ends normally left; one ended
+        by an uncaught error did not (the root names it dead once its process is gone)."""
+        if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None):
+            self._stop.set()
+            return
+        self.stop(1.0, how="its process exited")
+
+    def _leave(self, how: str, timeout_seconds: float) -> None:
+        """The last record, marked as left, written from a helper thread so that a store that
+        stopped answering cannot hold up the close or the exit beyond ``timeout_seconds``."""
+        now = time.perf_counter_ns()
+        seqs, sizes = self.groups.read()
+        record = replace(
+            self._record(now, frames=False),
+            group_seqs=seqs,
+            group_sizes=sizes,
+            finished_calls=self.finished.calls(own_group_names()),
+        )
+        writer = threading.Thread(
+            target=self._write, args=(record, how), name=f"rankwatch-left-{self.rank}", daemon=True
+        )
+        writer.start()
+        writer.join(timeout_seconds)
 
     # ---- the thread ----------------------------------------------------------------------
 
@@ -312,11 +348,13 @@ class HangWatcher:
         group, seq = found if found is not None else ("", 0)
         return Collective(group=group, op="device_wait", seq=seq, seconds=round(seconds, 3))
 
-    def _write(self, record: RankRecord) -> None:
+    def _write(self, record: RankRecord, left: str = "") -> None:
         payload = record.to_dict()
         payload["beat"] = self._beat
         payload["pidns"] = self.pidns
         payload["written_at_s"] = time.time()  # the root ages the record by it (bounded)
+        if left:
+            payload["left"] = left
         try:
             self.store.set(record_key(self.rank), json.dumps(payload))
         except Exception as exc:  # the store is gone: the root will name this rank silent

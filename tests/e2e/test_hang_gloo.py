@@ -44,7 +44,10 @@ def _train(rank: int, out: str, plan: str, done: Any = _opened) -> dict[str, Any
       rank 1 in a declared 2-budget checkpoint phase at step 14 (its own budget 10 budgets),
       rank 2 calling one ``all_reduce`` the others never call at step 22;
     * ``kill``: rank 2 kills itself (SIGKILL) at step 6; the others' collectives fail and the
-      script keeps the process alive, as a launcher's grace period would.
+      script keeps the process alive, as a launcher's grace period would;
+    * ``uneven``: the job ends at step 8; ranks 1 and 2 close rankwatch and stay alive (a slow
+      exit), rank 0 works on outside any collective for 3 budgets (its final checkpoint: no
+      hang), then calls one ``all_reduce`` the others never will (a batch more than they had).
     """
     import torch
     import torch.distributed as dist
@@ -92,6 +95,14 @@ def _train(rank: int, out: str, plan: str, done: Any = _opened) -> dict[str, Any
             if plan == "kill" and rank == CULPRIT and step == HANG_STEP:
                 os.kill(os.getpid(), signal.SIGKILL)
             dist.broadcast(flag, 0)
+            if plan == "uneven" and step == 8:
+                break
+        if plan == "uneven" and rank != 0:
+            rw.close()
+        elif plan == "uneven":
+            time.sleep(3 * BUDGET_S)  # the final checkpoint, the others gone: no hang
+            root.hang_at = time.monotonic()
+            dist.all_reduce(torch.ones(1))  # one batch more than the others had
     except RuntimeError:
         pass  # a peer died: Gloo's error is the script's, the process stays up
     time.sleep(600)  # the parent kills the world
@@ -104,6 +115,24 @@ def scenario_journey(rank: int, world: int, out: str) -> dict[str, Any]:
 
 def scenario_kill(rank: int, world: int, out: str) -> dict[str, Any]:
     return _train(rank, out, "kill")
+
+
+def scenario_uneven(rank: int, world: int, out: str) -> dict[str, Any]:
+    return _train(rank, out, "uneven")
+
+
+def test_ranks_that_closed_are_no_hang_until_a_rank_waits_for_them(tmp_path: Path) -> None:
+    res = run_hang_world("tests.e2e.test_hang_gloo:scenario_uneven", WORLD, tmp_path, WAIT_S)
+    opened = [e for e in res["events"] if e["action"] == "open" and e["cls"] == "hang"]
+    # Nothing while rank 0 worked on alone; one hang once it waited in a call for them.
+    assert len(opened) == 1, res["events"]
+    inc = opened[0]
+    assert inc["at"] >= res["hang_at"], (inc["at"], res["hang_at"])
+    assert inc["cause"] == "stuck_alive" and inc["ranks"] == [1, 2], inc
+    ev = inc["evidence"]
+    assert ev["phase"] == "left" and "left the job" in ev["detail"], ev
+    assert ev["collective"]["op"] == "all_reduce" and ev["waiting_ranks"] == [0], ev
+    assert "stack unavailable: the rank left (closed rankwatch)" in str(ev["frames"]), ev
 
 
 def test_stuck_then_moving_on_then_a_quiet_long_phase_then_an_extra_all_reduce(

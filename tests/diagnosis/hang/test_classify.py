@@ -19,7 +19,7 @@ from rankwatch.diagnosis.hang.artifact import (
     load_hang_file,
 )
 from rankwatch.diagnosis.hang.classify import HangReport
-from rankwatch.diagnosis.hang.records import DEAD, NO_ANSWER
+from rankwatch.diagnosis.hang.records import DEAD, LEFT, NO_ANSWER
 from rankwatch.diagnosis.hang.words import hang_line
 from rankwatch.diagnosis.untrusted_files import ArtifactError
 
@@ -60,6 +60,62 @@ def _stuck(rank: int = 2, phase: str = "input") -> RankRecord:
         group_seqs={"0": 6},
         frames=("data.py:12 __getitem__", "train.py:8 step"),
     )
+
+
+def _left(rank: int, seq: int = 7) -> RankRecord:
+    return RankRecord(
+        rank=rank,
+        state=LEFT,
+        phase="left",
+        phase_seconds=30.0,
+        stalled_seconds=STALL + 30,
+        group_seqs={"0": seq},
+        frames_note="stack unavailable: the rank left (closed rankwatch)",
+    )
+
+
+def test_ranks_that_left_while_the_root_works_on_outside_any_collective_are_no_hang() -> None:
+    # Rank 0 writes the final checkpoint (or waits for its last window) after ranks 1 and 2
+    # closed rankwatch at the end of the job: nobody waits in anything.
+    outside = RankRecord(rank=0, phase="outside_step", phase_seconds=STALL,
+                         stalled_seconds=STALL, group_seqs={"0": 7})  # fmt: skip
+    for bound in (False, True):
+        assert (
+            classify_hang([outside, _left(1), _left(2)], stalled_seconds=STALL, mismatch_only=bound)
+            is None
+        )
+    # Without sequence numbers (a rank that left after destroying its groups): still none.
+    gone = [replace(_left(r), group_seqs={}) for r in (1, 2)]
+    assert classify_hang([outside, *gone], stalled_seconds=STALL) is None
+
+
+def test_a_rank_waiting_for_ranks_that_left_names_them_stuck_in_phase_left() -> None:
+    # Uneven inputs: rank 0 has one batch more; its gradient all-reduce (#8) waits for ranks
+    # that ran out of batches at #7 and left.
+    ahead = _waiting(0, collective=_coll(seq=8), group_seqs={"0": 8})
+    v = classify_hang([ahead, _left(1), _left(2)], stalled_seconds=STALL)
+    assert v is not None and v.hang_class == "STUCK_ALIVE", v
+    assert v.ranks == (1, 2) and v.phase == "left" and v.waiting_ranks == (0,)
+    assert v.collective is not None and v.collective.ident()["seq"] == 8
+    assert "left the job" in v.detail and v.frames == (
+        "stack unavailable: the rank left (closed rankwatch)"
+    )
+    assert "left the job" in hang_line(v, group="world", budget_seconds=15.0)
+    # Issued in C++ (DDP's reducer): no call seen from Python, the number ahead says it.
+    ahead_cpp = replace(ahead, collective=None)
+    v = classify_hang([ahead_cpp, _left(1), _left(2)], stalled_seconds=STALL)
+    assert v is not None and (v.hang_class, v.ranks) == ("STUCK_ALIVE", (1, 2)), v
+    # Inside a call whose numbers say nothing (the ranks that left sent none): still named.
+    blind = _waiting(0, group_seqs={})
+    gone = [replace(_left(r), group_seqs={}) for r in (1, 2)]
+    v = classify_hang([blind, *gone], stalled_seconds=STALL)
+    assert v is not None and (v.hang_class, v.ranks) == ("STUCK_ALIVE", (1, 2)), v
+
+
+def test_a_rank_stuck_in_a_phase_is_named_even_after_others_left() -> None:
+    # Rank 1 left; rank 0 waits in its all-reduce for rank 2, stuck in its data loader.
+    v = classify_hang([_waiting(0), _left(1, seq=7), _stuck(2)], stalled_seconds=STALL)
+    assert v is not None and (v.hang_class, v.ranks, v.phase) == ("STUCK_ALIVE", (2,), "input")
 
 
 def test_stuck_alive_names_the_rank_behind_its_phase_and_what_the_others_wait_in() -> None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -145,6 +146,45 @@ def test_a_rank_that_stops_answering_is_silent_and_a_gone_process_is_dead(store:
     root.tick(_me(4.0))
     assert len(reports) == 1 and reports[0].verdict is not None
     assert reports[0].verdict.hang_class == "RANK_DEAD" and reports[0].verdict.ranks == (1,)
+
+
+def test_a_rank_that_closed_and_exited_is_not_dead_and_no_hang_while_nobody_waits(
+    store: Any,
+) -> None:
+    # Rank 1 closes rankwatch (its watcher writes the record that says it left) and its
+    # process ends, while the root works on outside any collective for longer than its budget.
+    cfg = RankwatchConfig.from_env({}, hang_budget_seconds=3.0)
+    timer = StepTimer(16)
+    for _ in range(3):
+        timer.start_step()
+        timer.end_step()
+    leaving = HangWatcher(1, timer, cfg, store, "h", 0)
+    leaving.start()
+    leaving.stop(1.0)
+    payload = json.loads(store.get(record_key(1)))
+    assert payload["left"] == "closed rankwatch" and payload["rank"] == 1
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    # (its groups' numbers as a rank of a real job would have sent them)
+    payload = {**payload, "pid": gone.pid, "pidns": 0, "group_seqs": {"0": 9}}
+    store.set(record_key(1), json.dumps(payload))
+    reports: list[HangReport] = []
+    root = HangRoot((0, 1), 0, store, 0.05, reports.append, group="world", host="h", pidns=0,
+                    broken=lambda: {1}, log_lines=False)  # fmt: skip
+    for stalled in (4.0, 5.0, 30.0):
+        root.tick(_me(stalled))
+    assert reports == [] and root.reads == 3
+    assert root.seen[1].state == "left" and root.seen[1].phase == "left"
+    # The root then calls a collective rank 1 never will (one batch more): rank 1 is named.
+    root.tick(replace(_me(31.0), group_seqs={"0": 10}))
+    assert len(reports) == 1 and reports[0].verdict is not None
+    v = reports[0].verdict
+    assert (v.hang_class, v.ranks, v.phase) == ("STUCK_ALIVE", (1,), "left"), v
+    assert "left the job" in v.detail
+    # A rankwatch started again in that rank writes an ordinary record: it counts again.
+    store.set(record_key(1), json.dumps({**payload, "beat": 99, "left": ""}))
+    root.tick(_me(32.0))
+    assert root.seen[1].state != "left"
 
 
 def test_a_silent_rank_on_another_host_is_named_with_why_there_is_no_stack(store: Any) -> None:
