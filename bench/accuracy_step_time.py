@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import math
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -32,6 +31,7 @@ from typing import Any
 
 from bench.accuracy_frameworks import FRAMEWORK_ROWS, run_cell, sleeper, torchrun_env
 from bench.accuracy_parallel import generated_tail, names_of
+from tests.rank_processes import rank_process
 
 WORLD = 3
 SLOW_RANK = 1
@@ -284,9 +284,10 @@ def _free_port() -> int:
 
 
 def _group_leader(worker: Any, *args: Any) -> None:
-    """A spawned rank: the leader of a process group of its own (its children, e.g. compile
-    workers, join it, so one ``killpg`` ends them all), killed by the kernel if the parent
-    dies first (no rank outlives a killed harness), then ``worker(*args)``."""
+    """A rank (:mod:`tests.rank_processes`): the leader of a process group of its own (its
+    children, e.g. compile workers, join it, so one ``killpg`` ends them all), killed by the
+    kernel if the parent dies first (no rank outlives a killed harness), then
+    ``worker(*args)``."""
     os.setpgid(0, 0)
     try:
         import ctypes
@@ -326,16 +327,12 @@ def kill_world(procs: list[Any], grace_s: float = 0.0) -> None:
 
 @contextlib.contextmanager
 def started_world(worker: Any, world: int, work: Any) -> Iterator[tuple[list[Any], str]]:
-    """Spawn ``world`` processes running ``worker(rank, port, work, out)``, each the leader of
+    """Start ``world`` processes running ``worker(rank, port, work, out)``, each the leader of
     its own process group; yield them and ``out`` (a temporary folder), and on leaving kill
     whatever is left of every group, in every outcome."""
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
-        procs = [
-            ctx.Process(target=_group_leader, args=(worker, r, port, work, out))
-            for r in range(world)
-        ]
+        procs = [rank_process(_group_leader, (worker, r, port, work, out)) for r in range(world)]
         try:
             for p in procs:
                 p.start()

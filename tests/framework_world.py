@@ -1,10 +1,10 @@
 """Spawn a small CPU world the way torchrun does, for the framework integration tests.
 
-Each rank is a spawned process with torchrun's environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``...), so the framework under test initialises
-``torch.distributed`` (Gloo) itself. A scenario is a module-level function
-``scenario(rank, world, out_dir) -> dict``; its result (or the traceback) is written to
-``out_dir/<rank>.json`` and the parent gets them all back.
+Each rank is a process of its own (:mod:`tests.rank_processes`) with torchrun's environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``...), so the
+framework under test initialises ``torch.distributed`` (Gloo) itself. A scenario is a
+module-level function ``scenario(rank, world, out_dir) -> dict``; its result (or the traceback)
+is written to ``out_dir/<rank>.json`` and the parent gets them all back.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import gc
 import importlib
 import json
 import logging
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 
 from bench.accuracy_frameworks import torchrun_env
+from tests.rank_processes import rank_process
 from tests.servers import free_port
 
 JOIN_TIMEOUT_S = 240.0
@@ -81,12 +81,8 @@ def _quiesce() -> None:
 
 def run_world(scenario: str, world: int, out_dir: Path) -> dict[int, dict[str, Any]]:
     """Run ``scenario`` ("module:function") on ``world`` ranks; each rank's result by rank."""
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, scenario, str(out_dir)))
-        for r in range(world)
-    ]
+    procs = [rank_process(_entry, (r, world, port, scenario, str(out_dir))) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + JOIN_TIMEOUT_S

@@ -1,6 +1,6 @@
 """Worlds that hang on purpose, for the hang watcher's tests.
 
-Each rank is a spawned process with torchrun's environment (as in :mod:`tests.framework_world`).
+Each rank is a process of its own with torchrun's environment (as in :mod:`tests.framework_world`).
 A scenario hangs its training; the root's ``on_incident`` callback (the publishing thread)
 reads ``/metrics`` and writes ``root.json`` once the hang incident it waits for has opened (and,
 for a scenario that moves on, closed). The parent waits for that file (bounded) and then kills
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.framework_world import _entry, _stderr_tails
+from tests.rank_processes import rank_process
 from tests.servers import free_port
 
 __all__ = ["HangRoot", "run_hang_world"]
@@ -38,12 +38,8 @@ def run_hang_world(
     """Run ``scenario`` on ``world`` ranks until the root wrote ``root.json`` (at most
     ``wait_s``), then kill every rank; the root's result. ``during(procs)`` runs in the parent
     once every rank is up (to signal one)."""
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, scenario, str(out_dir)))
-        for r in range(world)
-    ]
+    procs = [rank_process(_entry, (r, world, port, scenario, str(out_dir))) for r in range(world)]
     result = out_dir / "root.json"
     try:
         for p in procs:

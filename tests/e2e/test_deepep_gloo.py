@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rankwatch.diagnosis.deepep.artifact import load_window_artifact
 from rankwatch.diagnosis.deepep.log_lines import parse_log_line
 from rankwatch.diagnosis.deepep.normal import NormalSimulator, NormalWindow, snapshot_counters
 from rankwatch.diagnosis.deepep.normal.schema import COMBINE_BUNDLE, DISPATCH_BUNDLE, counter_slots
 from rankwatch.diagnosis.report import WindowReport
+from tests.rank_processes import rank_process
 from tests.servers import free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.parallel_safe, pytest.mark.timeout(180)]
@@ -66,11 +66,9 @@ def _entry(fn: Callable[[int, int], Any], rank: int, world: int, port: int, out:
 
 def run_world(fn: Callable[[int, int], Any], world: int, tmp_path: Path) -> list[Any]:
     """Run ``fn(rank, world)`` in ``world`` spawned Gloo ranks; return each rank's result."""
-    ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp_path)), daemon=True)
-        for r in range(world)
+        rank_process(_entry, (fn, r, world, port, str(tmp_path)), daemon=True) for r in range(world)
     ]
     for p in procs:
         p.start()

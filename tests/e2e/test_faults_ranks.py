@@ -19,7 +19,6 @@ serves ``/metrics`` on the same port at once.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -31,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from tests.rank_processes import rank_process
 from tests.servers import free_port
 
 pytestmark = pytest.mark.multiproc
@@ -273,12 +273,10 @@ class World:
     """Spawned ranks plus the handles the parent uses to hurt them."""
 
     def __init__(self, scenario: str, world: int, out: Path, extra: dict[str, Any]) -> None:
-        ctx = mp.get_context("spawn")
         port = free_port()
         self.out = out
         self.procs = [
-            ctx.Process(target=_entry, args=(scenario, r, world, port, str(out), extra))
-            for r in range(world)
+            rank_process(_entry, (scenario, r, world, port, str(out), extra)) for r in range(world)
         ]
         for p in self.procs:
             p.start()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.rank_processes import rank_process
 from tests.servers import free_port
 
 # Not parallel_safe: the sockets are counted while the ranks train, so a mesh that is still
@@ -133,10 +133,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
 def _run_world(target: Any, tmp_path: Path) -> list[dict[str, Any]]:
     """Spawn WORLD ranks running ``target(rank, world, port, out)``; what each wrote."""
-    ctx = mp.get_context("spawn")
     port = free_port()
     outs = [str(tmp_path / f"r{r}.json") for r in range(WORLD)]
-    procs = [ctx.Process(target=target, args=(r, WORLD, port, outs[r])) for r in range(WORLD)]
+    procs = [rank_process(target, (r, WORLD, port, outs[r])) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:

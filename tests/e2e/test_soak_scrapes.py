@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import multiprocessing as mp
 import os
 import statistics
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.rank_processes import rank_process
 from tests.servers import free_port
 
 pytestmark = pytest.mark.multiproc
@@ -101,11 +101,8 @@ def test_fifty_concurrent_scrapers_for_thirty_seconds_during_a_running_job(
     tmp_path: Path,
 ) -> None:
     metrics_port = free_port()
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [
-        ctx.Process(target=_job, args=(r, 2, port, metrics_port, str(tmp_path))) for r in range(2)
-    ]
+    procs = [rank_process(_job, (r, 2, port, metrics_port, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.rank_processes import rank_process
 from tests.servers import free_port
 
 pytestmark = pytest.mark.multiproc
@@ -384,12 +384,8 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
 
 
 def run_world(scenario: str, world: int, tmp_path: Path) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, scenario, str(tmp_path)))
-        for r in range(world)
-    ]
+    procs = [rank_process(_entry, (r, world, port, scenario, str(tmp_path))) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + JOIN_TIMEOUT_S
