@@ -187,6 +187,40 @@ def test_a_rank_that_closed_and_exited_is_not_dead_and_no_hang_while_nobody_wait
     assert root.seen[1].state != "left"
 
 
+_EXITING_RANK = """
+import sys, threading
+from datetime import timedelta
+import torch.distributed as dist
+from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.step_time.hang_watch import HangWatcher
+from rankwatch.exporter.step_time.timer import StepTimer
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, False, timeout=timedelta(seconds=10))
+watcher = HangWatcher(1, StepTimer(8), RankwatchConfig.from_env({}), store, "h",
+                      threading.get_ident())
+watcher.start()
+if sys.argv[2] == "error":
+    raise RuntimeError("the training script failed")
+"""
+
+
+@pytest.mark.parametrize("end", ["normal", "error"])
+def test_a_process_that_ends_without_close_left_only_when_it_ended_without_an_error(
+    end: str,
+) -> None:
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXITING_RANK, str(port), end],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == (0 if end == "normal" else 1), proc.stderr[-2000:]
+    payload = json.loads(store.get(record_key(1)))  # its first record, at least
+    if end == "normal":
+        assert payload.get("left") == "its process exited", payload
+    else:  # a crash: no word of leaving; the root names it dead once the process is gone
+        assert "left" not in payload, payload
+
+
 def test_a_silent_rank_on_another_host_is_named_with_why_there_is_no_stack(store: Any) -> None:
     reports: list[HangReport] = []
     root = _root(store, reports, ranks=(0, 1))
