@@ -319,7 +319,6 @@ def classify_hang(
         # Nobody waits on a known rank, yet some ranks do not answer: they are the ones to look
         # at. The others wait in their own call, else (issued in C++) in the group a member is
         # missing from, at its highest number.
-        inside = [r for r in answered if r.collective is not None]
         coll = inside[0].collective if inside else _missing_member_group(graph)
         return verdict(STUCK_ALIVE, silent, answered, coll)
     if inside:

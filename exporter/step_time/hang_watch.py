@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -161,14 +160,7 @@ class HangWatcher:
     def _leave(self, how: str, timeout_seconds: float) -> None:
         """The last record, marked as left, written from a helper thread so that a store that
         stopped answering cannot hold up the close or the exit beyond ``timeout_seconds``."""
-        now = time.perf_counter_ns()
-        seqs, sizes = self.groups.read()
-        record = replace(
-            self._record(now, frames=False),
-            group_seqs=seqs,
-            group_sizes=sizes,
-            finished_calls=self.finished.calls(own_group_names()),
-        )
+        record = self._record(time.perf_counter_ns(), frames=False, calls=True)
         writer = threading.Thread(
             target=self._write, args=(record, how), name=f"rankwatch-left-{self.rank}", daemon=True
         )
@@ -268,7 +260,9 @@ class HangWatcher:
             budget = max(budget, declared)
         return budget
 
-    def _record(self, now_ns: int, *, frames: bool) -> RankRecord:
+    def _record(self, now_ns: int, *, frames: bool, calls: bool = False) -> RankRecord:
+        """This rank's record now; with ``frames`` its frames and the collective it is in;
+        with ``frames`` or ``calls`` its groups' sequence numbers and finished calls."""
         timer = self.timer
         phase, phase_seconds = current_phase(timer, now_ns, self._progress_ns)
         top: list[str] = []
@@ -302,8 +296,8 @@ class HangWatcher:
             if collective is None:
                 collective = self._device_collective(now_ns)
         self._beat += 1
-        seqs, sizes = self.groups.read() if frames else ({}, {})
-        finished = self.finished.calls(own_group_names()) if frames else ()
+        seqs, sizes = self.groups.read() if frames or calls else ({}, {})
+        finished = self.finished.calls(own_group_names()) if frames or calls else ()
         return RankRecord(
             rank=self.rank,
             host=self.host,
