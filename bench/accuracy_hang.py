@@ -50,7 +50,8 @@ from typing import Any, cast
 
 from bench.accuracy_frameworks import sleeper
 from bench.accuracy_parallel import Job, _mlp, _plain_step, write_section
-from bench.accuracy_step_time import _free_port, kill_world, read_results, started_world
+from bench.accuracy_step_time import kill_world, read_results, started_world
+from rankwatch.exporter.cli.ports import free_port
 
 WORLD = 4
 COMPUTE_S = 0.01  # every rank's forward sleeps this long per step (a stand-in for compute)
@@ -714,7 +715,7 @@ def run_cell(spec: CellSpec, keep: Path | None = None) -> Cell:
     want_cls, want_ranks, want_phase = expected_of(spec)
     cell = Cell(spec, want_cls, want_ranks, want_phase)
     start = time.monotonic()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     pgids: set[int] = set()
     with started_world(_rank, WORLD, spec) as (procs, out):
         Path(out, "metrics_port").write_text(str(metrics_port))
@@ -790,8 +791,8 @@ def _wait_for_fault(procs: list[Any], out: str) -> float:
             # every faulting rank has written its mark (all_stalled: every rank)
             time.sleep(1.0)
             return _fault_time(out) or t
-        if not any(p.is_alive() for p in procs):
-            raise RuntimeError("every rank exited before the fault")
+        if not procs[0].is_alive():  # the root: nobody can classify, no need to wait on
+            raise RuntimeError("rank 0 exited before the fault")
         time.sleep(0.2)
     raise RuntimeError(f"no fault within {START_TIMEOUT_S:.0f} s of the start")
 

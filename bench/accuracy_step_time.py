@@ -19,7 +19,6 @@ import math
 import os
 import queue
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -31,6 +30,7 @@ from typing import Any
 
 from bench.accuracy_frameworks import FRAMEWORK_ROWS, run_cell, sleeper, torchrun_env
 from bench.accuracy_parallel import generated_tail, names_of
+from rankwatch.exporter.cli.ports import free_port
 from tests.rank_processes import rank_process
 
 WORLD = 3
@@ -277,12 +277,6 @@ def _worker(rank: int, port: int, cells: list[tuple[str, str]], out: str) -> Non
 # ---- in the parent ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _group_leader(worker: Any, *args: Any) -> None:
     """A rank (:mod:`tests.rank_processes`): the leader of a process group of its own (its
     children, e.g. compile workers, join it, so one ``killpg`` ends them all), killed by the
@@ -331,7 +325,7 @@ def started_world(worker: Any, world: int, work: Any) -> Iterator[tuple[list[Any
     its own process group; yield them and ``out`` (a temporary folder), and on leaving kill
     whatever is left of every group, in every outcome."""
     with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
+        port = free_port()
         procs = [rank_process(_group_leader, (worker, r, port, work, out)) for r in range(world)]
         try:
             for p in procs:

@@ -55,6 +55,7 @@ import numpy as np
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays
 from rankwatch.diagnosis.step_time.artifact import example_window
+from rankwatch.exporter.cli.ports import free_port
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.publish.hub import PublisherHub
 from rankwatch.exporter.step_time.collector import (
@@ -454,19 +455,11 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _world(world: int, mode: str, seconds: float = 0.0) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(_WORKER)
-        port = _free_port()
+        port = free_port()
         outs = [Path(tmp) / f"{r}.json" for r in range(world)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [

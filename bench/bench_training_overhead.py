@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 from typing import Any
+
+from rankwatch.exporter.cli.ports import free_port
 
 WORLD = 4
 PAIRS = 20
@@ -31,12 +32,6 @@ BLOCK_STEPS = 40
 WARMUP_STEPS = 5
 INTERVAL_S = 0.5
 TARGET_PCT = 1.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _block(
@@ -118,7 +113,7 @@ def run() -> list[dict[str, Any]]:
     """Two rows: step time with rankwatch (ms, baseline without) and the overhead (%)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()

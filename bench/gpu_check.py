@@ -41,7 +41,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.device_deepxtrace import sleep_cycles_per_ms
+from rankwatch.exporter.cli.ports import free_port
 
 PROG = "gpu_check"
 REPO = Path(__file__).resolve().parents[1]  # ``python -m bench.gpu_check`` runs from here
@@ -348,9 +348,7 @@ def _run_ranks(target: Any, args_per_rank: list[tuple[Any, ...]], job: str) -> N
 def cell_ddp(out: Path, backend: str) -> None:
     """Two ranks, four scenarios; writes each scenario's verdict."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     parts = [str(out) + f".rank{r}" for r in range(2)]
     _run_ranks(_ddp_worker, [(r, 2, port, backend, parts[r]) for r in range(2)], backend)
     per_rank = [json.loads(Path(p).read_text()) for p in parts]
@@ -431,9 +429,7 @@ def cell_accelerate(out: Path) -> None:
 
     results = {}
     for scenario in ACCELERATE_SCENARIOS:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         part = f"{out}.{scenario}"
         ranks = [(r, port, scenario, part) for r in range(ACCELERATE_WORLD)]
         _run_ranks(_accelerate_worker, ranks, f"Accelerate {scenario}")
@@ -502,9 +498,7 @@ def cell_hang(out: Path) -> None:
     results: dict[str, Any] = {}
     ctx = mp.get_context("spawn")
     for scenario in HANG_SCENARIOS:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         part = f"{out}.{scenario}"
         procs = [
             ctx.Process(target=_hang_worker, args=(r, 2, port, scenario, part)) for r in range(2)

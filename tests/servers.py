@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from rankwatch.exporter.cli.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,12 +51,6 @@ def require_binary(name: str) -> str:
             pytest.fail(msg)
         pytest.skip(msg)
     return path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def self_signed_cert(directory: Path) -> tuple[str, str]:

@@ -32,6 +32,7 @@ from rankwatch.exporter.cli.demo_plan import (
     DemoOptions,
 )
 from rankwatch.exporter.cli.demo_rank import rank_config, run_worker
+from rankwatch.exporter.cli.ports import free_port
 
 __all__ = ["preflight", "run_demo"]
 
@@ -72,12 +73,6 @@ class _Interrupts:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def check_port(addr: str, port: int) -> None:
@@ -134,7 +129,7 @@ def run_demo(options: DemoOptions) -> int:
     ctx = mp.get_context("spawn")
     channel = ctx.Queue(maxsize=4096)
     stop_event = ctx.Event()
-    master_port = _free_port()
+    master_port = free_port()
     interrupts = _Interrupts()
     state = _RunState()
     header = (
