@@ -3,9 +3,9 @@
 A port from ``bind(0)`` comes from the kernel's ephemeral range, the same range it hands out
 for every outgoing connection and every listener bound to port 0. Between choosing such a port
 and the child binding it, any of those can take it: a 4-rank Gloo world opens dozens of them
-(its pairs, its store clients) before rank 0 serves ``/metrics``, and one run in a few hundred
-lost its port that way. A port chosen outside the ephemeral range can only be taken by another
-program that asks for that very number.
+(its pairs, its store clients) before rank 0 serves ``/metrics``, and a hang-matrix cell's rank 0
+once found its ``/metrics`` port taken. A port chosen outside the ephemeral range can only be
+taken by another program that asks for that very number.
 """
 
 from __future__ import annotations
