@@ -48,8 +48,9 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+MYPY := $(VENV)/bin/mypy diagnosis exporter rankwatch
 typecheck: venv
-	$(VENV)/bin/mypy diagnosis exporter rankwatch
+	$(MYPY)
 
 # Two pytest runs. First, on two workers, everything that can share the machine: the tests
 # that start no process world and no server, and the world and server tests marked
@@ -84,10 +85,10 @@ test-fast: venv
 # either failing fails make test.
 IDLE := $(shell chrt -i 0 true 2>/dev/null && echo chrt -i 0 || echo nice -n 19)
 test: venv backends lint
-	@{ $(IDLE) $(VENV)/bin/mypy diagnosis exporter rankwatch > $(VENV)/typecheck.log 2>&1; \
+	@{ $(IDLE) $(MYPY) > $(VENV)/typecheck.log 2>&1; \
 		echo $$? > $(VENV)/typecheck.rc; } & \
 	$(MAKE) --no-print-directory unit; unit=$$?; wait; \
-	echo "$(VENV)/bin/mypy diagnosis exporter rankwatch"; cat $(VENV)/typecheck.log; \
+	echo "$(MYPY)"; cat $(VENV)/typecheck.log; \
 	types=$$(cat $(VENV)/typecheck.rc); [ $$unit -eq 0 ] && [ $$types -eq 0 ]
 
 # The property tests (every test file that uses hypothesis) with fresh randomness: `make test`

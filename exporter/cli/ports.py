@@ -48,13 +48,23 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def _port_at(spans: list[range], index: int) -> int:
+    for span in spans:
+        if index < len(span):
+            return span[index]
+        index -= len(span)
+    raise IndexError(index)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port on ``host`` that nothing listens on now, outside the ephemeral range where the
-    system leaves room for one; never the same one twice in this process."""
+    system leaves room for one; never the same one twice in this process. The candidates are
+    tried in order from a random one, so a free one among few is found."""
     spans = _outside_ephemeral()
-    for _ in range(_TRIES if spans else 0):
-        span = _draw.choices(spans, weights=[len(span) for span in spans])[0]
-        port = _draw.choice(span)
+    total = sum(len(span) for span in spans)
+    start = _draw.randrange(total) if total else 0
+    for step in range(min(total, _TRIES)):
+        port = _port_at(spans, (start + step) % total)
         if port not in _handed_out and _bindable(host, port):
             _handed_out.add(port)
             return port
