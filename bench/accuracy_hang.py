@@ -356,12 +356,18 @@ def _metrics(scenario: str, step: int, culprit: bool, out: str, rank: int) -> li
 class _LogFile(logging.Handler):
     """WARNING lines of the rankwatch loggers, as JSON lines with their wall time."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, rank: int) -> None:
         super().__init__(logging.WARNING)
         self.path = path
+        self.rank = rank
 
     def emit(self, record: logging.LogRecord) -> None:
-        line = {"t": time.time(), "logger": record.name, "message": record.getMessage()}
+        line = {
+            "t": time.time(),
+            "rank": self.rank,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -439,6 +445,8 @@ def _rank(rank: int, port: int, spec: CellSpec, out: str) -> None:
     os.environ.update(
         OMP_NUM_THREADS="1",
         LOCAL_RANK=str(rank),
+        # torchrun's layout: its agent (here the harness) serves the store, not rank 0.
+        TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHINDUCTOR_COMPILE_THREADS="1",  # compile in the rank (no worker pool)
         RANKWATCH_ARTIFACT_DIR=str(Path(out, "artifacts")),
     )
@@ -504,8 +512,8 @@ def _train(rank: int, port: int, spec: CellSpec, out: str) -> dict[str, Any]:
         if quiet:
             overrides.update(interval_seconds=QUIET_INTERVAL_S)
             os.environ["RANKWATCH_LIVE_WINDOW_STEPS"] = str(QUIET_WINDOW_STEPS)
-        if rank == 0:
-            logging.getLogger("rankwatch").addHandler(_LogFile(Path(out, "log.jsonl")))
+        # Every rank's: a rank standing in for a root that is gone logs the incident.
+        logging.getLogger("rankwatch").addHandler(_LogFile(Path(out, "log.jsonl"), rank))
         # What init(on_incident=...) builds, plus a counter of the root's live windows.
         config = RankwatchConfig.from_env(
             metrics_port=int(Path(out, "metrics_port").read_text()),
@@ -665,16 +673,20 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 _HANG_ACTIVE = re.compile(r"^rankwatch_hang_active\{([^}]*)\}\s+([0-9.eE+-]+)", re.M)
 
 
-def _scrape(port: int) -> str | None:
-    """The labels of a ``rankwatch_hang_active`` series at 1 on the root's /metrics."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-    except OSError:
-        return None
-    for labels, value in _HANG_ACTIVE.findall(text):
-        if float(value) >= 1:
-            return labels
+def _scrape(base_port: int, root_alive: bool) -> str | None:
+    """The labels of a ``rankwatch_hang_active`` series at 1 on the root's /metrics (port base
+    + local rank), or once the root's process is gone on the other ranks' (a stand-in's). Not
+    theirs while the root lives: a stopped rank's server would hold each look for its timeout."""
+    ports = [base_port] if root_alive else range(base_port + 1, base_port + WORLD)
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        for labels, value in _HANG_ACTIVE.findall(text):
+            if float(value) >= 1:
+                return labels
     return None
 
 
@@ -717,7 +729,7 @@ def run_cell(spec: CellSpec, keep: Path | None = None) -> Cell:
     start = time.monotonic()
     metrics_port = free_port()
     pgids: set[int] = set()
-    with started_world(_rank, WORLD, spec) as (procs, out):
+    with started_world(_rank, WORLD, spec, agent_store=True) as (procs, out):
         Path(out, "metrics_port").write_text(str(metrics_port))
         os.mkfifo(Path(out, "shared.fifo"))
         pgids = {p.pid for p in procs if p.pid is not None}
@@ -817,7 +829,7 @@ def _watch_fault(cell: Cell, procs: list[Any], out: str, metrics_port: int) -> N
             continue
         now = time.time()
         if cell.metrics_s is None:
-            labels = _scrape(metrics_port)
+            labels = _scrape(metrics_port, procs[0].is_alive())
             if labels is not None:
                 cell.metrics_s, cell.metrics_labels = now - fault_t, labels
         if cell.log_s is None:
@@ -1224,29 +1236,34 @@ NOTES = """### Reading the hang matrix
 EXPLAIN = f"""Every cell is a real run of {
     WORLD
 } processes under `torch.distributed` (Gloo, CPU) on one
-machine. Each rank starts rankwatch with the publishers `init(on_incident=...)` builds
-(`RankWatch` over `default_publishers`, plus a counter of the root's live windows; `/metrics`
-on, the hang budget at its default of {BUDGET_S:.0f} s) and `watch()`es its model, optimizer and
-loader (a map-style dataset read in the training thread); every rank's forward sleeps {
+machine, laid out as `torchrun` lays out a job: the harness serves the c10d store, as the
+agent does, and every rank is its client (`TORCHELASTIC_USE_AGENT_STORE=True`). Each rank
+starts rankwatch with the publishers `init(on_incident=...)` builds (`RankWatch` over
+`default_publishers`, plus a counter of the root's live windows; `/metrics` on, the hang
+budget at its default of {BUDGET_S:.0f} s) and `watch()`es its model, optimizer and loader
+(a map-style dataset read in the training thread); every rank's forward sleeps {
     COMPUTE_S * 1e3:.0f} ms per step and every step ends with an `all_reduce` of a 2-float metric (a
 logged loss) on a group of all ranks made for it. At step {FAULT_STEP} the fault starts on the
 culprit rank (never rank 0, the root that classifies). The harness records the time the fault
 started (the last rank's, when all stall), then polls what a person sees: the first `hang`
-incident (`on_incident` on the root), the first WARNING line of a `rankwatch` logger about the
-hang (it must name the culprit rank), and `rankwatch_hang_active` at 1 on the root's `/metrics`;
-latencies are from the fault. It stops at all three or {CELL_TIMEOUT_S:.0f} s after the fault,
-sends SIGTERM (and SIGCONT) to every rank's process group, waits {TERM_GRACE_S:.0f} s, counts
-the hang records written and reads them back as `rankwatch replay` does ("offline verdict":
-what a user has of a job whose root did not survive), then SIGCONT and SIGKILL to every
-group, and counts the job's
-processes still alive afterwards ("left": 0 everywhere is the goal). A cell is right when class,
-named ranks, phase (where one is expected) and a collective (where one is expected) match and
-the log line (naming the rank) and the gauge were seen, with no hang incident before the fault;
-the last column says whether all three came within {IN_TIME_S:g} s of the fault (the budget
-and one poll of the records: see "Latency" below). A rank whose
-collective raised (Gloo refuses some mismatches, and a dead peer's closed socket fails the
-others' collectives) is kept alive by the harness, as a launcher's grace period would, so the
-root can still speak; the errors are listed below the table."""
+incident (`on_incident` on any rank: the root, or a rank standing in for a root that is gone),
+the first WARNING line of a `rankwatch` logger about the hang on any rank (it must name the
+culprit rank), and `rankwatch_hang_active` at 1 on the root's `/metrics` (once the root's
+process is gone, on the other ranks'); latencies are from the fault. It stops at all three
+or {CELL_TIMEOUT_S:.0f} s after the fault, sends SIGTERM (and SIGCONT) to every rank's process
+group, waits {TERM_GRACE_S:.0f} s, counts the hang records written and reads them back as
+`rankwatch replay` does ("offline verdict": what a user has of a job whose root did not
+survive), then SIGCONT and SIGKILL to every group, and counts the job's processes still alive
+afterwards ("left": 0 everywhere is the goal). A cell is right when class, named ranks, phase
+(where one is expected) and a collective (where one is expected) match and the log line
+(naming the rank) and the gauge were seen, with no hang incident before the fault; the last
+column says whether all three came within {IN_TIME_S:g} s of the fault (the budget and one
+poll of the records: see "Latency" below). A rank whose collective raised (Gloo refuses some
+mismatches, and a dead peer's closed socket fails the others' collectives) is kept alive by
+the harness, as a launcher's grace period would (a rank blocked in a collective outlives
+`torchrun`'s SIGTERM for its 30 s when a Python handler is installed, as rankwatch's is with
+the artifact folder set), so the root, or a rank standing in for it, can still speak; the
+errors are listed below the table."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -320,12 +320,23 @@ def kill_world(procs: list[Any], grace_s: float = 0.0) -> None:
 
 
 @contextlib.contextmanager
-def started_world(worker: Any, world: int, work: Any) -> Iterator[tuple[list[Any], str]]:
+def started_world(
+    worker: Any, world: int, work: Any, *, agent_store: bool = False
+) -> Iterator[tuple[list[Any], str]]:
     """Start ``world`` processes running ``worker(rank, port, work, out)``, each the leader of
     its own process group; yield them and ``out`` (a temporary folder), and on leaving kill
-    whatever is left of every group, in every outcome."""
+    whatever is left of every group, in every outcome. With ``agent_store`` this process serves
+    the job's c10d store on ``port``, as ``torchrun``'s agent does (the workers then set
+    ``TORCHELASTIC_USE_AGENT_STORE=True``: rank 0 connects to it instead of serving it)."""
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
+        store = None
+        if agent_store:
+            import torch.distributed as dist
+
+            store = dist.TCPStore(
+                "127.0.0.1", port, world, is_master=True, wait_for_workers=False, multi_tenant=True
+            )
         procs = [rank_process(_group_leader, (worker, r, port, work, out)) for r in range(world)]
         try:
             for p in procs:
@@ -333,6 +344,7 @@ def started_world(worker: Any, world: int, work: Any) -> Iterator[tuple[list[Any
             yield procs, out
         finally:
             kill_world(procs)
+            del store
 
 
 def read_results(out: str, world: int) -> list[dict[str, Any]]:

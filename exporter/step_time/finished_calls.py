@@ -58,7 +58,8 @@ class FinishedCalls:
         entry = self._codes.get(id(code))
         if entry is None or entry[0] is not code:
             entry = self._learn(code)
-        if not entry[1]:
+        op = entry[1]
+        if not op:
             return
         try:
             local_vars = f.f_locals
@@ -68,8 +69,10 @@ class FinishedCalls:
             )._get_sequence_number_for_group()
             tensor_vars = entry[3]
             if len(tensor_vars) == 1:  # most calls: one tensor argument
-                value = local_vars.get(tensor_vars[0])
-                if value is None or isinstance(value, (list, tuple)):
+                value: Any = local_vars.get(tensor_vars[0])
+                if type(value) is _TENSOR[0]:  # the common case first: one plain tensor
+                    tensors: tuple[tuple[Any, Any], ...] = ((value.shape, value.dtype),)
+                elif value is None or isinstance(value, (list, tuple)):
                     tensors = _raw(value)
                 else:
                     tensors = ((value.shape, value.dtype),)
@@ -78,13 +81,17 @@ class FinishedCalls:
         except Exception:  # torn down, a fake group, an odd argument: nothing noted
             return
         last = self._last
-        if group not in last and len(last) >= MAX_GROUPS:
+        if len(last) >= MAX_GROUPS and group not in last:
             last.pop(next(iter(last)))
-        last[group] = (entry[1], seq, tensors)
+        last[group] = (op, seq, tensors)
 
     def _learn(self, code: CodeType) -> _Entry:
         entry: _Entry = (code, "", "", ())
         if code.co_name in C10D_OPS and code.co_filename.endswith(_C10D_FILE):
+            if _TENSOR[0] is None:
+                import torch
+
+                _TENSOR[0] = torch.Tensor
             names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
             group_var = "group" if "group" in names else "process_group"
             tensor_vars = tuple(n for n in TENSOR_ARGS if n in names)
@@ -137,6 +144,8 @@ def _raw(value: Any) -> tuple[tuple[Any, Any], ...]:
 
 
 _WORLD: list[Any] = []
+# torch.Tensor, once torch is imported (this module imports nothing of torch at import time).
+_TENSOR: list[Any] = [None]
 
 
 def _world() -> Any:

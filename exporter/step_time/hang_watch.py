@@ -17,7 +17,8 @@ When the rank closes rankwatch, or its interpreter exits without an uncaught err
 last record that says it *left*: the root then never calls it dead, and opens a hang for it only
 when a living rank waits for it (see :mod:`rankwatch.diagnosis.hang.classify`).
 
-On the root the same thread runs the group's hang loop (:class:`.hang_root.HangRoot`).
+On the root the same thread runs the group's hang loop (:class:`.hang_root.HangRoot`); on the
+others it stands in for a root that is gone (:class:`.hang_standin.StandIn`).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def pid_namespace() -> int:
 class HangWatcher:
     """The hang watcher of one rank (see the module docstring). ``store``: rankwatch's own
     group's store (None: a group of one, nothing shipped). ``root``: the group's hang loop,
-    on the root only, called every poll with this rank's record."""
+    on the root only, called every poll with this rank's record. ``standin``: on the other
+    ranks, a :class:`.hang_standin.StandIn`, called every poll while this rank is suspect."""
 
     def __init__(
         self,
@@ -95,11 +97,13 @@ class HangWatcher:
         root: Any = None,
         on_suspect: Callable[[RankRecord | None], None] | None = None,
         file: HangFileWriter | None = None,
+        standin: Any = None,
     ) -> None:
         self.rank, self.timer, self.config, self.store = rank, timer, config, store
         self.host = host
         self.training_thread = training_thread
         self.root = root
+        self.standin = standin
         self.on_suspect = on_suspect
         self.file = file
         self.groups = GroupSeqs()
@@ -179,9 +183,20 @@ class HangWatcher:
             except Exception:  # the watcher must never take training down with it
                 log.exception("rankwatch: rank %d hang watcher failed; it stops", self.rank)
                 return
-            if self.root is not None:
+            loop = self.loop
+            if loop is not None:
                 # The root looks again when the group's budget runs out, if that is sooner.
-                wait = min(poll, max(0.01, self.root.next_check - time.monotonic()))
+                wait = min(poll, max(0.01, loop.next_check - time.monotonic()))
+
+    @property
+    def loop(self) -> Any:
+        """The group's hang loop this rank runs: the root's, or a stand-in's once the root is
+        gone (None otherwise)."""
+        if self.root is not None:
+            return self.root
+        if self.standin is not None and self.standin.acting:
+            return self.standin.loop
+        return None
 
     def tick(self) -> None:
         """One look: progress, suspicion, the record shipped, and on the root its loop."""
@@ -223,6 +238,9 @@ class HangWatcher:
                 self.on_suspect(record if self.suspect else None)
         if self.root is not None:
             self.root.tick(self._record(now, frames=False) if record is None else record)
+        elif self.standin is not None and (self.suspect or self.standin.acting):
+            # A suspect rank looks whether the root is gone (and then stands in for it).
+            self.standin.tick(self._record(now, frames=False) if record is None else record)
         if self.suspect and record is not None and self.file is not None:
             self.write_file("suspect", force=False)
 
@@ -233,9 +251,10 @@ class HangWatcher:
             return
         records = [self.latest]
         verdict = None
-        if self.root is not None:
-            records += [r for r in self.root.seen if r.rank != self.rank]
-            verdict = self.root.open_evidence
+        loop = self.loop
+        if loop is not None:
+            records += [r for r in loop.seen if r.rank != self.rank]
+            verdict = loop.open_evidence
         self.file.write(records, verdict, reason, force=force)
 
     def on_sigterm(self) -> None:

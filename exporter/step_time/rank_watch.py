@@ -50,6 +50,7 @@ from rankwatch.exporter.step_time.gpu_events import (
 from rankwatch.exporter.step_time.hang_file import HangFileWriter, install_sigterm
 from rankwatch.exporter.step_time.hang_record import DeclaredPhase, install_checkpoint_phases
 from rankwatch.exporter.step_time.hang_root import HangRoot
+from rankwatch.exporter.step_time.hang_standin import StandIn
 from rankwatch.exporter.step_time.hang_watch import HangWatcher, pid_namespace
 from rankwatch.exporter.step_time.hooks import (
     WatchedLoader,
@@ -268,28 +269,35 @@ class RankWatch:
     def _start_hang_watch(
         self, layout: GroupLayout, transport: Transport | None, host: str
     ) -> None:
-        """Every rank's hang watcher; the root's runs the group's hang loop (see docs/hang.md)."""
+        """Every rank's hang watcher; the root's runs the group's hang loop, the others' stand in
+        for a root that is gone (see docs/hang.md)."""
         collector, config, timer = self._collector, self.config, self.timer
         assert collector is not None and timer is not None
         store = transport.store if transport is not None else None
-        root = None
+        root = standin = None
+        loop = HangRoot(
+            layout.ranks,
+            layout.rank,
+            store,
+            config.hang_poll_seconds,
+            collector.publish_hang,
+            group=config.group_name,
+            host=host,
+            pidns=pid_namespace(),
+            broken=(lambda: transport.broken | transport.closed) if transport is not None else set,
+            progress_age=collector.progress_age,
+            # The hub logs the incident's line; without one the hang loop logs it.
+            log_lines=not _has_hub(self.publishers),
+            warmup_steps=config.hang_warmup_steps,
+        )
         if layout.is_root:
-            root = HangRoot(
+            root = loop
+        elif store is not None:
+            standin = StandIn(
+                loop,
+                layout.root,
                 layout.ranks,
-                layout.rank,
-                store,
-                config.hang_poll_seconds,
-                collector.publish_hang,
-                group=config.group_name,
-                host=host,
-                pidns=pid_namespace(),
-                broken=(lambda: transport.broken | transport.closed)
-                if transport is not None
-                else set,
-                progress_age=collector.progress_age,
-                # The hub logs the incident's line; without one the hang loop logs it.
-                log_lines=not _has_hub(self.publishers),
-                warmup_steps=config.hang_warmup_steps,
+                root_unreachable=lambda: transport is not None and transport.failed,
             )
         folder = config.artifact_dir
         writer = None
@@ -312,7 +320,15 @@ class RankWatch:
                 guard,
             )
         self._hang = HangWatcher(
-            layout.rank, timer, config, store, host, threading.get_ident(), root=root, file=writer
+            layout.rank,
+            timer,
+            config,
+            store,
+            host,
+            threading.get_ident(),
+            root=root,
+            file=writer,
+            standin=standin,
         )
         if writer is not None:
             self._undo_sigterm = install_sigterm(self._hang.on_sigterm)

@@ -1,14 +1,15 @@
 """A representative subset of the hang accuracy matrix, on real 4-rank Gloo jobs.
 
-The whole matrix (``make accuracy-hang``) writes its section of ``docs/accuracy.md``. Here, two
-DDP cells. One job goes through the quiet rows' pauses in its first steps (a first step that
+The whole matrix (``make accuracy-hang``) writes its section of ``docs/accuracy.md``. Here, three
+cells. One job goes through the quiet rows' pauses in its first steps (a first step that
 compiles, an evaluation loop and a ``torch.distributed.checkpoint`` save, each longer than the
 lowered hang budget), then rank 2 sticks in its dataset's ``__getitem__``: the pauses must open
 no hang, the stuck rank a ``stuck_alive`` hang naming rank 2 in its input phase, in the incident,
 the log line and on ``/metrics``. In another, rank 2 SIGKILLs itself: ``rank_dead`` naming it.
-In the third, rank 2 all-reduces float64 against the others' float32: Gloo aborts a receiving
-rank, one rank's call fails and one waits, one against one: the rank that finished its side
-says which call was the odd one, and ``collective_mismatch`` names rank 2 alone.
+In the third, under TP x DP, rank 1 all-reduces float64 against the others' float32: Gloo
+aborts the rank that receives its bytes, rank 0, the root; the store outlives it (served by the
+harness, as by ``torchrun``'s agent), rank 1 stands in for it, and ``collective_mismatch`` names
+rank 1 alone.
 Each world is ended whole (its process groups, SIGKILL after a grace) whatever happens, and no
 process of it may be left.
 """
@@ -63,10 +64,13 @@ def test_a_killed_rank_is_rank_dead() -> None:
     assert isinstance(cell.frames, str) and "unavailable" in cell.frames, table
 
 
-def test_a_dtype_mismatch_names_the_odd_rank_alone() -> None:
-    cell = run_cell(CellSpec("ddp", "dtype_mismatch"))
+def test_a_dtype_mismatch_that_aborts_the_root_is_named_by_a_stand_in() -> None:
+    cell = run_cell(CellSpec("tp_dp", "dtype_mismatch"))
     table = render([cell])
     assert cell.error is None, table + (cell.error or "")
     assert cell.left_behind == 0, table
-    assert (cell.cls, cell.ranks) == ("COLLECTIVE_MISMATCH", [2]), table
+    # Gloo aborted the root (SIGABRT): the verdict below came from the rank standing in.
+    assert cell.exit_codes.get("0") == -6, table
+    assert (cell.cls, cell.ranks) == ("COLLECTIVE_MISMATCH", [1]), table
+    assert 'culprit_rank="1"' in cell.metrics_labels, table
     assert cell.right, table

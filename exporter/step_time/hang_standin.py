@@ -1,0 +1,140 @@
+"""A stand-in for a group root that is gone: the lowest living rank runs the group's hang loop.
+
+The root classifies hangs (:mod:`.hang_root`). When the root's own process ends without leaving
+(a crash, SIGKILL, Gloo aborting it on a mismatched collective) nobody would; yet the records
+still reach the store whenever the store outlives the root: under ``torchrun`` the agent serves
+it (``TORCHELASTIC_USE_AGENT_STORE``), not rank 0, and the agent gives the other workers a grace
+(SIGTERM, then SIGKILL after a timeout) in which their watchers still run. So on every other
+rank, once that rank is itself suspect, :class:`StandIn` looks whether the root is gone:
+
+- its process is gone, where that can be told (same host and pid namespace, from the pid in the
+  root's first record: ``/proc``), or
+- this rank's shipments to the root failed (its Gloo connection to rankwatch's group broke),
+
+and its record does not say it *left* (a root that closed rankwatch or exited normally is the
+end of a run, not a fault). The stand-in is the lowest rank after the root whose process is not
+known to be gone; once it stands in it stays (a root does not come back). From then on it runs
+the same :class:`.hang_root.HangRoot` loop the root would have run, publishing through its own
+process's publishers, and the root is one of the ranks it judges (dead, normally).
+
+A root on another host whose connection to this rank did not fail, or a root that is stopped
+rather than gone, is not stood in for (docs/hang.md, "What it cannot see").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rankwatch.diagnosis.hang import RankRecord
+from rankwatch.exporter.step_time.hang_root import HangRoot, process_state
+from rankwatch.exporter.step_time.hang_watch import SUSPECT_FRACTION, record_key
+
+__all__ = ["StandIn"]
+
+log = logging.getLogger("rankwatch.hang")
+
+_MAX_RECORD_BYTES = 64 * 1024
+
+
+class StandIn:
+    """A non-root rank's readiness to run the group's hang loop (see the module docstring).
+
+    ``loop``: the :class:`HangRoot` this rank runs once it stands in (built for this rank).
+    ``root_rank``: the group's root; ``ranks``: the group's ranks, root first.
+    ``root_unreachable()``: this rank's shipments to the root failed.
+    """
+
+    def __init__(
+        self,
+        loop: HangRoot,
+        root_rank: int,
+        ranks: Sequence[int],
+        *,
+        root_unreachable: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.loop = loop
+        self.root_rank = root_rank
+        me = loop.rank
+        # The ranks before this one that would stand in first (the root excluded).
+        self.before = tuple(r for r in ranks if r != root_rank and r < me)
+        self.root_unreachable = root_unreachable
+        # The loop judges the root as the root judges a rank whose connection failed: dead.
+        broken = loop.broken
+        loop.broken = lambda: broken() | ({root_rank} if root_unreachable() else set())
+        self.acting = False
+        self.looks = 0  # checks made (none while this rank progresses)
+
+    @property
+    def next_check(self) -> float:
+        return self.loop.next_check
+
+    def tick(self, own: RankRecord) -> None:
+        """One poll with this rank's own record: look whether to stand in (only while this rank
+        is suspect), and once standing in, the group's hang loop."""
+        if not self.acting:
+            if own.stalled_seconds < own.budget_seconds * SUSPECT_FRACTION:
+                return
+            self.looks += 1
+            why = self._root_gone()
+            if not why or not all(self._gone(r) for r in self.before):
+                return
+            self.acting = True
+            log.warning(
+                "rankwatch: rank %d, the root of group %s, is gone (%s); rank %d classifies "
+                "the group's stalls in its place",
+                self.root_rank,
+                self.loop.group,
+                why,
+                self.loop.rank,
+            )
+        self.loop.tick(own)
+
+    def _root_gone(self) -> str:
+        """Why the root is gone (its process ended, its connection failed), or ``""``. Never
+        without the root's record read from the store now: a store that does not answer has
+        nothing to classify with (and where rank 0 served it, it went with the root)."""
+        meta = self._read(self.root_rank)
+        if meta is None or meta[3]:
+            return ""  # unreadable, or it left: the run ended there, no fault
+        gone = self._gone(self.root_rank, meta)
+        if gone:
+            return gone
+        if self.root_unreachable():
+            return "its connection to rankwatch's group failed"
+        return ""
+
+    def _gone(self, rank: int, meta: tuple[int, int, str, bool] | None = None) -> str:
+        """``"its process ended"`` when ``rank``'s process is known to be gone, else ``""``."""
+        meta = meta if meta is not None else self._read(rank)
+        if meta is None:
+            return ""
+        pid, pidns, host, _ = meta
+        same = pid and host == self.loop.host and pidns == self.loop.pidns
+        return "its process ended" if same and process_state(pid) == "gone" else ""
+
+    def _read(self, rank: int) -> tuple[int, int, str, bool] | None:
+        """(pid, pid namespace, host, left) from ``rank``'s latest record in the store, or None
+        (no record, an unreadable one, a store that does not answer)."""
+        key = record_key(rank)
+        try:
+            if not self.loop.store.check([key]):
+                return None
+            raw = self.loop.store.get(key)
+        except Exception as exc:  # the store is gone
+            log.debug("rankwatch: cannot read the record of rank %d: %s", rank, exc)
+            return None
+        if len(raw) > _MAX_RECORD_BYTES:
+            return None
+        try:
+            payload: Any = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(payload, dict):
+            return None
+        pid, pidns, host = payload.get("pid"), payload.get("pidns"), payload.get("host")
+        if isinstance(pid, bool) or not isinstance(pid, int) or not isinstance(host, str):
+            return None
+        return pid, pidns if isinstance(pidns, int) else 0, host, bool(payload.get("left"))
