@@ -152,9 +152,10 @@ accuracy-trainers: venv
 	$(PY) -m bench.accuracy_trainers --out docs/accuracy.md
 
 # The hang matrix: real 4-rank Gloo jobs that hang (a rank stuck in its loader or forward, an
-# extra or mismatched collective, a rank killed or stopped, every rank stalled) on DDP, FSDP2,
-# TP x DP and PP x DP, and a long quiet run per shape (compile, evaluation, a 60 s checkpoint)
-# -> its section of docs/accuracy.md (about an hour on 2 cores). Every job is killed at the end.
+# extra or mismatched collective, a rank killed or stopped, the root killed, every rank
+# stalled) on DDP, FSDP2, TP x DP and PP x DP, and a long quiet run per shape (compile,
+# evaluation, a 60 s checkpoint) -> its section of docs/accuracy.md (about half an hour on 2
+# cores). Every job is killed at the end.
 accuracy-hang: venv
 	$(PY) -m bench.accuracy_hang --out docs/accuracy.md
 

@@ -88,7 +88,7 @@ QUIET = "quiet"
 @dataclass(frozen=True)
 class Shape:
     """A parallel shape: its mesh (dimension -> size, outermost first), the rank a fault is put
-    on (never the root, rank 0: see the notes) and where that rank sits."""
+    on (not the root, rank 0, which classifies: see the notes) and where that rank sits."""
 
     description: str
     mesh: tuple[tuple[str, int], ...]
@@ -125,7 +125,8 @@ SHAPES: dict[str, Shape] = {
 class Scenario:
     """A way a job hangs, and the verdict it should get, decided before any run: the class,
     whether the culprit is named (``ALL_STALLED``: no one), the culprit's phase (None: not
-    judged) and whether the incident must name a collective."""
+    judged) and whether the incident must name a collective. ``on_root``: the fault is put on
+    rank 0, the root, instead of the shape's culprit."""
 
     description: str
     cls: str
@@ -133,6 +134,7 @@ class Scenario:
     phase: str | None
     collective: bool
     why: str
+    on_root: bool = False
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -209,6 +211,16 @@ SCENARIOS: dict[str, Scenario] = {
         "it); it never enters the collective the others wait in. Nothing of it runs after the "
         "stop, its watcher included, so its phase and frames cannot be read: the incident must "
         "say so (the phase is not judged: see below)",
+    ),
+    "root_sigkill": Scenario(
+        "rank 0, the root that classifies, SIGKILLs itself at the start of a forward",
+        RANK_DEAD,
+        True,
+        None,
+        False,
+        "the root's process is gone; the store outlives it (the launcher serves it), so the "
+        "lowest rank left stands in for it and names it",
+        on_root=True,
     ),
     "all_stalled": Scenario(
         "every rank's dataset `__getitem__` opens a FIFO nobody writes (a storage outage seen "
@@ -327,9 +339,9 @@ def _forward_fault(scenario: str, out: str, rank: int) -> Callable[..., None]:
             n = 0
             while True:
                 n += 1
-        elif scenario in ("sigkill", "sigstop"):
+        elif scenario in ("sigkill", "sigstop", "root_sigkill"):
             _mark_fault(out, rank)
-            os.kill(os.getpid(), signal.SIGKILL if scenario == "sigkill" else signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP if scenario == "sigstop" else signal.SIGKILL)
 
     return hook
 
@@ -478,9 +490,8 @@ def _train(rank: int, port: int, spec: CellSpec, out: str) -> dict[str, Any]:
     # The logged metric has a group of its own (a call on the world group would pair with
     # DDP's or FSDP's own collectives there, and Gloo aborts on the size difference).
     metric_group = dist.new_group(backend="gloo")
-    shape = SHAPES[spec.shape]
     scenario = spec.scenario
-    culprit = rank == shape.culprit
+    culprit = rank == culprit_of(spec)
     quiet = scenario == QUIET
     job = _build(spec.shape)
     names = job.mesh.mesh_dim_names or ()
@@ -530,7 +541,13 @@ def _train(rank: int, port: int, spec: CellSpec, out: str) -> dict[str, Any]:
     if job.forward_module is not None:
         per_call = 1.0 / job.forward_sleeps
         job.forward_module.register_forward_pre_hook(sleeper(COMPUTE_S * per_call))
-        if culprit and scenario in ("forward_sleep", "busy_gil", "sigkill", "sigstop"):
+        if culprit and scenario in (
+            "forward_sleep",
+            "busy_gil",
+            "sigkill",
+            "sigstop",
+            "root_sigkill",
+        ):
             job.forward_module.register_forward_pre_hook(_forward_fault(scenario, out, rank))
     if pauses:  # the first step compiles (inductor, C++ on CPU)
         prep = torch.compile(lambda t: torch.tanh(t) * 0.5 + t * torch.sigmoid(t))
@@ -657,7 +674,13 @@ def expected_of(spec: CellSpec) -> tuple[str, list[int], str | None]:
     if spec.scenario == QUIET:
         return "none", [], None
     sc = SCENARIOS[spec.scenario]
-    return sc.cls, [SHAPES[spec.shape].culprit] if sc.names_culprit else [], sc.phase
+    return sc.cls, [culprit_of(spec)] if sc.names_culprit else [], sc.phase
+
+
+def culprit_of(spec: CellSpec) -> int:
+    """The rank the cell's fault is put on: the shape's culprit, or the root (``on_root``)."""
+    sc = SCENARIOS.get(spec.scenario)
+    return 0 if sc is not None and sc.on_root else SHAPES[spec.shape].culprit
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -803,7 +826,7 @@ def _wait_for_fault(procs: list[Any], out: str) -> float:
             # every faulting rank has written its mark (all_stalled: every rank)
             time.sleep(1.0)
             return _fault_time(out) or t
-        if not procs[0].is_alive():  # the root: nobody can classify, no need to wait on
+        if not procs[0].is_alive() and _fault_time(out) is None:  # not its own fault
             raise RuntimeError("rank 0 exited before the fault")
         time.sleep(0.2)
     raise RuntimeError(f"no fault within {START_TIMEOUT_S:.0f} s of the start")
@@ -1049,6 +1072,10 @@ def _cellv(text: str) -> str:
 
 def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> str:
     fault = [c for c in cells if c.spec.scenario != QUIET and not c.spec.mechanics]
+    # Shape by shape, scenarios in their order, however the runs were split.
+    order = {name: i for i, name in enumerate(SCENARIOS)}
+    shapes = list(SHAPES)
+    fault.sort(key=lambda c: (shapes.index(c.spec.shape), order.get(c.spec.scenario, 99)))
     quiet = [c for c in cells if c.spec.scenario == QUIET]
     mech = [c for c in cells if c.spec.mechanics]
     lines = [
@@ -1066,7 +1093,7 @@ def render(cells: list[Cell], commit: str | None = None, machine: str = "") -> s
         lines.append(f"- `{name}`: {sh.description}; culprit rank {sh.culprit} ({sh.where})")
     lines += ["", "Scenarios, and the verdict decided for each before any run:", ""]
     for name, sc in SCENARIOS.items():
-        culprit = "the culprit" if sc.names_culprit else "no rank"
+        culprit = "rank 0" if sc.on_root else "the culprit" if sc.names_culprit else "no rank"
         phase = f", phase `{sc.phase}`" if sc.phase else ""
         lines.append(
             f"- `{name}`: {sc.description}. Expected `{sc.cls}` naming {culprit}{phase}: {sc.why}."
@@ -1219,18 +1246,20 @@ NOTES = """### Reading the hang matrix
   which call they agreed to: 2 floats); a float64 all-reduce against float32 where the root
   survives (Gloo aborts a *receiving* rank; one rank's call fails and one waits, one against
   one, and the rank that finished its side, or whose call failed with the others' dtype, makes
-  the float64 rank the odd one); SIGKILL (`RANK_DEAD` in about 6 s), SIGSTOP (named, "the
+  the float64 rank the odd one), and under TP x DP, where the rank Gloo aborts is rank 0, the
+  root: rank 1 sees the root's process gone, stands in for it (the store is the launcher's)
+  and names itself the odd one from the same records; SIGKILL (`RANK_DEAD` in about 6 s), the
+  root SIGKILLed (`RANK_DEAD` naming rank 0, from rank 1 standing in; these four cells ran
+  right after the others, on the same code), SIGSTOP (named, "the
   process is stopped") and every rank blocked (`ALL_STALLED`, nobody named) everywhere; the
   four quiet rows (the 60 s `torch.distributed.checkpoint` save, the 20 s evaluation and the
-  compiling first step open no hang). Wrong: under TP x DP the float64 all-reduce makes Gloo
-  abort rank 0, the root, and nobody classifies live ("What it cannot see" in docs/hang.md);
-  the hang records the other ranks leave when the job is ended name the culprit offline
-  (`rankwatch replay`, the "offline verdict" column). Every budget-bound incident came 15.0
-  to 15.2 s after the fault (the budget runs from the last step, which ends before the fault
-  begins).
-- **Limits.** CPU and Gloo only, 4 ranks on one machine, the culprit never the root; NCCL
-  behaves differently on mismatches (it hangs where Gloo aborts or completes). Never run on
-  GPUs."""
+  compiling first step open no hang). Every budget-bound incident came 15.0 to 15.2 s after
+  the fault (the budget runs from the last step, which ends before the fault begins).
+- **Limits.** CPU and Gloo only, 4 ranks on one machine; the root is the culprit only in
+  `root_sigkill` (and is the rank Gloo aborts in TP x DP's dtype cell); every job's store is
+  the launcher's, as under `torchrun`: where rank 0 serves it, a root that is gone takes the
+  records with it and nobody classifies live (docs/hang.md). NCCL behaves differently on
+  mismatches (it hangs where Gloo aborts or completes). Never run on GPUs."""
 
 
 EXPLAIN = f"""Every cell is a real run of {
@@ -1244,20 +1273,20 @@ budget at its default of {BUDGET_S:.0f} s) and `watch()`es its model, optimizer 
 (a map-style dataset read in the training thread); every rank's forward sleeps {
     COMPUTE_S * 1e3:.0f} ms per step and every step ends with an `all_reduce` of a 2-float metric (a
 logged loss) on a group of all ranks made for it. At step {FAULT_STEP} the fault starts on the
-culprit rank (never rank 0, the root that classifies). The harness records the time the fault
-started (the last rank's, when all stall), then polls what a person sees: the first `hang`
-incident (`on_incident` on any rank: the root, or a rank standing in for a root that is gone),
-the first WARNING line of a `rankwatch` logger about the hang on any rank (it must name the
-culprit rank), and `rankwatch_hang_active` at 1 on the root's `/metrics` (once the root's
-process is gone, on the other ranks'); latencies are from the fault. It stops at all three
-or {CELL_TIMEOUT_S:.0f} s after the fault, sends SIGTERM (and SIGCONT) to every rank's process
-group, waits {TERM_GRACE_S:.0f} s, counts the hang records written and reads them back as
-`rankwatch replay` does ("offline verdict": what a user has of a job whose root did not
-survive), then SIGCONT and SIGKILL to every group, and counts the job's processes still alive
-afterwards ("left": 0 everywhere is the goal). A cell is right when class, named ranks, phase
-(where one is expected) and a collective (where one is expected) match and the log line
-(naming the rank) and the gauge were seen, with no hang incident before the fault; the last
-column says whether all three came within {IN_TIME_S:g} s of the fault (the budget and one
+culprit rank (rank 0, the root that classifies, only in `root_sigkill`). The harness records
+the time the fault started (the last rank's, when all stall), then polls what a person sees:
+the first `hang` incident (`on_incident` on any rank: the root, or a rank standing in for a
+root that is gone), the first WARNING line of a `rankwatch` logger about the hang on any rank
+(it must name the culprit rank), and `rankwatch_hang_active` at 1 on the root's `/metrics`
+(once the root's process is gone, on the other ranks'); latencies are from the fault. It stops
+at all three or {CELL_TIMEOUT_S:.0f} s after the fault, sends SIGTERM (and SIGCONT) to every
+rank's process group, waits {TERM_GRACE_S:.0f} s, counts the hang records written and reads
+them back as `rankwatch replay` does ("offline verdict": what a user has of a job whose root
+did not survive), then SIGCONT and SIGKILL to every group, and counts the job's processes
+still alive afterwards ("left": 0 everywhere is the goal). A cell is right when class, named
+ranks, phase (where one is expected) and a collective (where one is expected) match and the
+log line (naming the rank) and the gauge were seen, with no hang incident before the fault;
+the last column says whether all three came within {IN_TIME_S:g} s of the fault (the budget and one
 poll of the records: see "Latency" below). A rank whose collective raised (Gloo refuses some
 mismatches, and a dead peer's closed socket fails the others' collectives) is kept alive by
 the harness, as a launcher's grace period would (a rank blocked in a collective outlives

@@ -16,13 +16,17 @@ of ``CALLS`` so both sides see the same machine load:
 * one poll of the watcher while the job progresses (its thread holds the interpreter lock for
   this long every ``hang_poll_seconds``);
 * one poll of a suspect rank: the training thread's frames, the collective read from them, the
-  group sequence numbers, the JSON record written to a real c10d store.
+  group sequence numbers, the JSON record written to a real c10d store; and the same on a
+  rank that also looks whether the root is gone (:mod:`rankwatch.exporter.step_time.hang_standin`:
+  the root's record read from the store, ``/proc``), interleaved with it.
 
 Usage: ``python -m bench.run_all --only bench_hang_watch``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import threading
 import time
@@ -86,10 +90,13 @@ def run() -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
 
+    from rankwatch.diagnosis.hang import RankRecord
     from rankwatch.exporter.config import RankwatchConfig
     from rankwatch.exporter.step_time.collectives import install_collective_waits
     from rankwatch.exporter.step_time.finished_calls import FinishedCalls
-    from rankwatch.exporter.step_time.hang_watch import HangWatcher
+    from rankwatch.exporter.step_time.hang_root import HangRoot
+    from rankwatch.exporter.step_time.hang_standin import StandIn
+    from rankwatch.exporter.step_time.hang_watch import HangWatcher, record_key
     from rankwatch.exporter.step_time.timer import StepTimer
     from tests.servers import free_port
 
@@ -159,17 +166,41 @@ def run() -> list[dict[str, Any]]:
                 watcher.tick()
                 healthy.append((time.perf_counter() - t0) * 1e6)
         watcher._progress_ns = time.perf_counter_ns() - 10**10  # 10 s without progress
+        # A suspect rank 1 of two, whose stand-in looks whether the root (alive: this process,
+        # by its first record) is gone, every poll; interleaved with the plain suspect poll.
+        root_record = RankRecord(rank=0, host="bench", pid=os.getpid(), budget_seconds=1.0)
+        store.set(record_key(0), json.dumps({**root_record.to_dict(), "beat": 1, "pidns": 0}))
+        loop = HangRoot((0, 1), 1, store, 0.5, lambda report: None, group="world", host="bench",
+                        pidns=0, log_lines=False)  # fmt: skip
+        standin = StandIn(loop, 0, (0, 1))
+        looking = HangWatcher(1, timer, cfg, store, "bench", threading.get_ident(), standin=standin)
+        looking._marks, looking._progress_ns = timer.marks, watcher._progress_ns
+        looks = []
         for _ in range(REPEATS * 20):
             t0 = time.perf_counter()
             watcher.tick()
             suspect.append((time.perf_counter() - t0) * 1e6)
-        assert watcher.suspect
+            t0 = time.perf_counter()
+            looking.tick()
+            looks.append((time.perf_counter() - t0) * 1e6)
+        assert watcher.suspect and looking.suspect
+        assert standin.looks == REPEATS * 20 and not standin.acting
         rows.append(_row("watcher poll while the job progresses", None, healthy, "us", healthy))
         rows.append(
             _row(
                 "watcher poll of a suspect rank (frames, record to the store)",
                 None,
                 suspect,
+                "us",
+                suspect,
+            )
+        )
+        rows.append(
+            _row(
+                "the same on a rank that also looks whether the root is gone (its record read, "
+                "/proc), against without",
+                None,
+                looks,
                 "us",
                 suspect,
             )
