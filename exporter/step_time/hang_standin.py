@@ -67,10 +67,6 @@ class StandIn:
         self.acting = False
         self.looks = 0  # checks made (none while this rank progresses)
 
-    @property
-    def next_check(self) -> float:
-        return self.loop.next_check
-
     def tick(self, own: RankRecord) -> None:
         """One poll with this rank's own record: look whether to stand in (only while this rank
         is suspect), and once standing in, the group's hang loop."""
