@@ -40,7 +40,7 @@ from rankwatch.diagnosis.hang.records import (
 from rankwatch.diagnosis.hang.words import hang_line
 from rankwatch.exporter.step_time.hang_watch import SUSPECT_FRACTION, record_key
 
-__all__ = ["HangRoot", "process_state"]
+__all__ = ["HangRoot", "process_state", "record_payload"]
 
 log = logging.getLogger("rankwatch.hang")
 
@@ -55,6 +55,18 @@ _FRESH_MIN_SECONDS = 2.0
 def _progressing(record: RankRecord) -> bool:
     """The rank progressed within a third of its budget when it wrote this record."""
     return record.stalled_seconds < record.budget_seconds * SUSPECT_FRACTION
+
+
+def record_payload(raw: bytes) -> dict[str, Any] | None:
+    """A rank's hang record as written to the store (a JSON object, bounded in size), or None
+    when it is too large or not one."""
+    if len(raw) > _MAX_RECORD_BYTES:
+        return None
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def process_state(pid: int) -> str:
@@ -344,13 +356,8 @@ class HangRoot:
             return {}
         out: dict[int, dict[str, Any]] = {}
         for rank, value in zip(ranks, values, strict=True):
-            if len(value) > _MAX_RECORD_BYTES:
-                continue
-            try:
-                obj = json.loads(value)
-            except ValueError:
-                continue
-            if isinstance(obj, dict):
+            obj = record_payload(value)
+            if obj is not None:
                 out[rank] = obj
         return out
 

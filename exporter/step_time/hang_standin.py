@@ -23,20 +23,16 @@ rather than gone, is not stood in for (docs/hang.md, "What it cannot see").
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from rankwatch.diagnosis.hang import RankRecord
-from rankwatch.exporter.step_time.hang_root import HangRoot, process_state
+from rankwatch.exporter.step_time.hang_root import HangRoot, process_state, record_payload
 from rankwatch.exporter.step_time.hang_watch import SUSPECT_FRACTION, record_key
 
 __all__ = ["StandIn"]
 
 log = logging.getLogger("rankwatch.hang")
-
-_MAX_RECORD_BYTES = 64 * 1024
 
 
 class StandIn:
@@ -122,13 +118,8 @@ class StandIn:
         except Exception as exc:  # the store is gone
             log.debug("rankwatch: cannot read the record of rank %d: %s", rank, exc)
             return None
-        if len(raw) > _MAX_RECORD_BYTES:
-            return None
-        try:
-            payload: Any = json.loads(raw)
-        except ValueError:
-            return None
-        if not isinstance(payload, dict):
+        payload = record_payload(raw)
+        if payload is None:
             return None
         pid, pidns, host = payload.get("pid"), payload.get("pidns"), payload.get("host")
         if isinstance(pid, bool) or not isinstance(pid, int) or not isinstance(host, str):
