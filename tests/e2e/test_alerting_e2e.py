@@ -14,8 +14,8 @@ One module-scoped stack serves four tests, in order:
 4. every selector of every alert rule matched series of the run.
 
 The rules are the shipped file rendered the supported way with the critical straggler's
-``for:`` and ``keep_firing_for:`` shortened from 1m to 20s (:func:`render_rules`; promtool's
-unit tests hold the shipped durations), so the run takes about a minute and a half; Prometheus
+``for:`` and ``keep_firing_for:`` shortened from 1m to 10s (:func:`render_rules`; promtool's
+unit tests hold the shipped durations), so the run takes about a minute; Prometheus
 scrapes and evaluates every second. Alertmanager runs the shipped routing
 (``deploy/compose/alertmanager.yml``) with its receivers pointed at the test's webhook and its
 grouping waits shortened.
@@ -74,8 +74,8 @@ DASHBOARDS = sorted((REPO / "dashboards").glob("rankwatch-*.json"))
 PAGE = "RankwatchStepTimeStragglerCritical"
 # The page's for: and keep_firing_for:, shortened from the shipped 1m each (promtool's unit
 # tests hold those); the demo's timeline below is sized from them.
-PAGE_FOR_S = 20
-PAGE_KEEP_FIRING_FOR_S = 20
+PAGE_FOR_S = 10
+PAGE_KEEP_FIRING_FOR_S = 10
 NOTIFY_PROBES = ("notify_dispatch", "cached_notify_dispatch", "cached_notify_combine")
 COMPLETION_PROBES = ("dispatch_final", "dispatch_rdma_recv", "combine_logical_recv")
 PHASES = ("input_wait", "h2d", "forward", "backward", "optimizer", "step", "residual", "visible")
@@ -432,12 +432,12 @@ class StandInWorkload(Workload):
 class DemoWorkload(Workload):
     """``rankwatch demo``: a real Gloo world with the straggler scripted on rank 2.
 
-    Timeline: 5 s balanced, 55 s with rank 2 slowed in its data loading, 40 s balanced. The
-    straggler phase outlasts the page's 20 s for: (the incident opens a couple of windows into
-    it) plus the query checks, with about 25 s to spare; the balanced tail outlasts the 20 s
+    Timeline: 5 s balanced, 35 s with rank 2 slowed in its data loading, 30 s balanced. The
+    straggler phase outlasts the page's 10 s for: (the incident opens a couple of windows into
+    it) plus the query checks, with about 10 s to spare; the balanced tail outlasts the 10 s
     keep_firing_for with about 15 s to spare for the incident to close. The simulated DeepEP
     group (EP 16 over two nodes, whatever --ranks is) runs its five phases across the same
-    100 s, so pre-stage arrival skew (from 20 s) happens while the straggler is still there.
+    70 s, so pre-stage arrival skew (from 14 s) happens while the straggler is still there.
     """
 
     deepep_classes = ("pre_stage_arrival_skew",)
@@ -459,7 +459,7 @@ class DemoWorkload(Workload):
             "--out",
             str(self.out),
             "--timeline",
-            "balanced:5,input:55,balanced:40",
+            "balanced:5,input:35,balanced:30",
             "--straggler-rank",
             str(CULPRIT),
             "--interval",
