@@ -32,6 +32,7 @@ __all__ = [
     "OUTSIDE_STEP",
     "PHASE_NAMES",
     "TENSOR_ARGS",
+    "CallsInFlight",
     "DeclaredPhase",
     "GroupSeqs",
     "collective_in_frames",
@@ -185,11 +186,13 @@ def collective_in_frames(
     frame: FrameType | None,
     seq_of: Callable[[Any], tuple[str, int] | None],
     entered_seconds: float | None,
+    in_flight: Callable[[FrameType, dict[str, Any]], bool] | None = None,
 ) -> Collective | None:
     """The c10d call the stack is blocked in (innermost first), or None: its op (the
     function's name), group and tensors (its arguments), the group's sequence number
     (``seq_of(group)``: (name, seq), None when unreadable) and the training code's call site
-    (the first frame outside torch and rankwatch)."""
+    (the first frame outside torch and rankwatch). ``in_flight(frame, locals)``: whether a
+    c10d function's call counts (None: every one does; see :class:`CallsInFlight`)."""
     frames = list(_frames(frame))
     for i, f in enumerate(frames):
         code = f.f_code
@@ -202,6 +205,8 @@ def collective_in_frames(
             op, local_vars = "wait_tensor", f.f_locals
         elif name in C10D_OPS and file.endswith("distributed_c10d.py"):
             op, local_vars = name, f.f_locals
+            if in_flight is not None and not in_flight(f, local_vars):
+                return None
         else:
             continue
         found = seq_of(local_vars.get("group", local_vars.get("process_group")))
@@ -226,6 +231,34 @@ def collective_in_frames(
             seconds=entered_seconds,
         )
     return None
+
+
+class CallsInFlight:
+    """Tells a c10d call in flight from one being entered or left, for a look at the frames
+    taken outside a timed wait (inside one, the call is in flight).
+
+    A c10d function is on the stack a little before it issues its work and a little after its
+    wait returned; the group's sequence number read then is the call before's or the call's
+    own, not the one the others wait in, so two ranks at the same point would seem to disagree
+    (a mismatch, which is reported on sight). The call counts when its ``work`` was issued and
+    is not finished, or when the same frame at the same instruction was seen at the look
+    before (blocked where no wait is timed, as in a communicator's set-up)."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[int, int, int] | None = None  # (look, frame id, instruction)
+
+    def check(self, look: int, frame: FrameType, local_vars: dict[str, Any]) -> bool:
+        """Whether the call of ``frame`` (whose locals are ``local_vars``) counts at look
+        number ``look`` (one more at each look)."""
+        work = local_vars.get("work")
+        if work is not None:
+            try:
+                if not work.is_completed():
+                    return True
+            except Exception:  # not a Work, or torn down: the frame alone decides
+                pass
+        before, self._seen = self._seen, (look, id(frame), frame.f_lasti)
+        return before == (look - 1, id(frame), frame.f_lasti)
 
 
 class GroupSeqs:

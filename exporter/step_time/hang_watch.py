@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -42,6 +43,7 @@ from rankwatch.exporter.gloo import own_group_names
 from rankwatch.exporter.step_time.finished_calls import FinishedCalls
 from rankwatch.exporter.step_time.hang_file import HangFileWriter
 from rankwatch.exporter.step_time.hang_record import (
+    CallsInFlight,
     DeviceWaitClock,
     GroupSeqs,
     collective_in_frames,
@@ -107,6 +109,7 @@ class HangWatcher:
         self.on_suspect = on_suspect
         self.file = file
         self.groups = GroupSeqs()
+        self.calls_in_flight = CallsInFlight()
         self.device_waits = DeviceWaitClock()
         self.pid = os.getpid()
         self.pidns = pid_namespace()
@@ -306,9 +309,12 @@ class HangWatcher:
                         else self.config.hang_warmup_budget_seconds,
                     )
                 wait_start = timer._sync_wait._start
-                entered = (now_ns - wait_start) / 1e9 if wait_start >= 0 else phase_seconds
+                in_wait = wait_start >= 0
+                entered = (now_ns - wait_start) / 1e9 if in_wait else phase_seconds
+                look = self._beat
+                in_flight = None if in_wait else partial(self.calls_in_flight.check, look)
                 try:
-                    collective = collective_in_frames(frame, self.groups.seq_of, entered)
+                    collective = collective_in_frames(frame, self.groups.seq_of, entered, in_flight)
                 except Exception as exc:  # a frame's arguments unreadable: frames still go
                     note = f"collective unreadable: {type(exc).__name__}"
             del frame
