@@ -7,8 +7,14 @@ VENV     ?= .venv
 PY       := $(VENV)/bin/python
 BACKENDS ?= $(CURDIR)/.cache/backends
 STAMP    := $(VENV)/.installed
+UV_PIP   := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
 
 export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
+# Bytecode is written (__pycache__, ignored by git) even where the environment asks otherwise:
+# the suite starts several hundred interpreters (ranks, command-line runs) that would each
+# compile the project again, and pytest caches its rewritten test modules only this way (a
+# collection of the suite took 6 s without, 3 s with).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv backends demo test test-fast test-floors fuzz lint typecheck unit generate bench bench-scale accuracy \
 	accuracy-parallel accuracy-trainers accuracy-hang accuracy-deepep reliability-matrix gpu-check clean
@@ -16,16 +22,19 @@ export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	# The CPU build first: a plain `torch` requirement would otherwise pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	# With torchtitan (the trainer matrix and its test; it names no torch itself, and imports
-	# triton unconditionally, CPU or not) in the same resolution: installed after the project,
-	# its datasets pin (huggingface-hub<2) would downgrade the hub under a transformers that
-	# needs a newer one, and the framework tests could not import transformers.
-	$(PY) -m pip install -q -e '.[dev]' 'torchtitan==0.3.0' 'triton>=3.5'
+	# The CPU build first, with pip: a plain `torch` requirement would otherwise pull a multi-GB
+	# CUDA build, and pip's configuration is where a machine keeps a local torch wheel.
+	$(PY) -m pip install -q torch==2.13.0 'uv>=0.9'
+	# The rest with uv, which keeps the torch above (it satisfies every requirement) and
+	# resolves the same versions as pip in half the time (20 s against 41 s measured here,
+	# bytecode compiled as pip does). With torchtitan (the trainer matrix and its test; it names
+	# no torch itself, and imports triton unconditionally, CPU or not) in the same resolution:
+	# installed after the project, its datasets pin (huggingface-hub<2) would downgrade the hub
+	# under a transformers that needs a newer one, and the framework tests could not import it.
+	$(UV_PIP) -e '.[dev]' 'torchtitan==0.3.0' 'triton>=3.5'
 	# DeepSpeed (its integration test) ships as source only: build it against the torch above,
 	# which an isolated build would replace with a download of another torch.
-	$(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.19.8'
+	$(UV_PIP) --no-build-isolation 'deepspeed>=0.19.8'
 	$(PY) -m pip check
 	touch $(STAMP)
 
