@@ -830,6 +830,9 @@ def test_every_rule_selector_matched_the_run(stack: Stack) -> None:
 # --- the stand-in: every panel with data ----------------------------------------------------
 
 
+# Shapes and counts of its own Prometheus's answers, no timing: it shares the machine (the
+# module's stack, and so its timed page, is not started for it).
+@pytest.mark.parallel_safe
 def test_every_panel_query_against_the_catalogue_shaped_stand_in() -> None:
     """All panels, DeepEP and low-latency included, on series shaped as the catalogue says.
 
@@ -883,6 +886,7 @@ def test_every_panel_query_against_the_catalogue_shaped_stand_in() -> None:
 # --- numeric rank order beyond 1,000 ranks ------------------------------------------------------
 
 
+@pytest.mark.parallel_safe  # rank order only, its own Prometheus
 def test_rank_order_of_a_1100_rank_group_in_a_real_prometheus() -> None:
     """The heatmap's rows, a per-rank time series panel's series and a completion matrix's
     cells, queried as the dashboards do, come in numeric rank order for a group of 1,100 ranks

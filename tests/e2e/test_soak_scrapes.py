@@ -1,4 +1,4 @@
-"""Load: 50 concurrent scrapers for 30 s against the root of a running training job.
+"""Load: 50 concurrent scrapers for 15 s against the root of a running training job.
 
 The job is a real 2-rank Gloo world (spawned processes) training with ``RankWatch``; the root
 serves ``/metrics`` from its ``PublisherHub`` while its training thread, its window thread and
@@ -28,7 +28,7 @@ from tests.servers import free_port
 pytestmark = pytest.mark.multiproc
 
 SCRAPERS = 50
-LOAD_SECONDS = 30.0
+LOAD_SECONDS = 15.0  # thousands of scrapes; the 30 s it was cost make test 15 s more
 P99_BOUND_S = 5.0  # generous: 50 clients back to back on 2 shared cores
 
 
@@ -97,7 +97,7 @@ def _job(rank: int, world: int, port: int, metrics_port: int, out: str) -> None:
     Path(out, f"{rank}.json").write_text(json.dumps(result))
 
 
-def test_fifty_concurrent_scrapers_for_thirty_seconds_during_a_running_job(
+def test_fifty_concurrent_scrapers_for_fifteen_seconds_during_a_running_job(
     tmp_path: Path,
 ) -> None:
     metrics_port = free_port()
