@@ -74,7 +74,8 @@ typecheck: venv
 # (a PYTEST_ARGS path on one side only).
 WORLDS := multiproc or servers or e2e
 unit: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not ($(WORLDS)) or parallel_safe" $(PYTEST_ARGS) \
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not ($(WORLDS)) or parallel_safe" \
+		$(PYTEST_ARGS) \
 		|| [ $$? -eq 5 ]
 	$(PY) -m pytest -q -m "($(WORLDS)) and not parallel_safe" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

@@ -45,6 +45,8 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS = ("diagnosis", "exporter", "dashboards", "deploy", "project", "e2e")
+# Tests that take seconds each: the files that hold one are started first (below).
+SLOW_MARKERS = ("slow", "multiproc", "servers", "e2e")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -60,6 +62,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             test._hypothesis_internal_use_settings = settings(  # type: ignore[union-attr]
                 own, max_examples=own.max_examples * FUZZ_EXAMPLES_FACTOR
             )
+    # The files that hold a slow test first, each file's tests in their order: the shared run's
+    # workers take whole files in this order (`--no-loadscope-reorder`), so the run does not
+    # end with one worker alone on a long file while the other has finished.
+    slow = {item.path for item in items if any(map(item.get_closest_marker, SLOW_MARKERS))}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(autouse=True)
