@@ -659,8 +659,9 @@ class StepTimer:
         ring = self._rows
         taken = ring[a:b] if a < b else ring[a:] + ring[:b]
         # The writer may have moved on while the slice was taken: drop every row whose slot it
-        # could have given to a newer row.
-        torn = self.written - cap - lo + 1
+        # could have given to a newer row. At most the rows taken: the rows after ``end`` that
+        # it wrote meanwhile are the next read's to read or count lost, not this one's.
+        torn = min(self.written - cap - lo + 1, end - lo)
         if torn > 0:
             taken = taken[torn:]
             lo += torn
