@@ -387,9 +387,25 @@ def test_a_ring_before_the_first_receive_is_recorded_is_not_skipped(tmp_path: Pa
 DEAD = (2, 3, 4)  # ranks that create their end of the group, then die before connecting
 
 
+def _all_joined(world: int, timeout_s: float) -> None:
+    """Wait until every rank has joined: neither ``init_process_group`` nor ``new_group``
+    waits for the others, and a rank that dies while a peer still connects the job's full
+    mesh fails that peer's join ("Connection closed by peer")."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    store.add("joined", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("joined", 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank joined in {timeout_s} s")
+        time.sleep(0.01)
+
+
 def _dead_before_connecting_rank(rank: int, world: int, port: int, out: str) -> None:
     try:
         layout, transport = _lazy_transport(rank, world, port, 30.0)
+        _all_joined(world, 30.0)
         result: dict[str, Any] = {}
         if rank in DEAD:
             Path(out).write_text(json.dumps(result))
