@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.parallel_safe]
 
 _CHILD = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     import torch
     import torch.distributed as dist
     from rankwatch.exporter.step_time.collectives import install_collective_waits
@@ -44,7 +44,11 @@ _CHILD = textwrap.dedent(
     for h in handles:
         h.remove()
     dist.destroy_process_group()
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
+    # Not through the interpreter's shutdown: a Gloo worker thread still freeing a finished
+    # work then aborts the process (torch's race, tests.framework_world._quiesce), 1 run in 80
+    # of this child under load. What the test checks is all printed by now.
+    os._exit(0)
     """
 )
 
