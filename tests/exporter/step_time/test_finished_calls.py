@@ -46,8 +46,8 @@ _CHILD = textwrap.dedent(
     dist.destroy_process_group()
     print(json.dumps(out), flush=True)
     # Not through the interpreter's shutdown: a Gloo worker thread still freeing a finished
-    # work then aborts the process (torch's race, tests.framework_world._quiesce), 1 run in 80
-    # of this child under load. What the test checks is all printed by now.
+    # work then aborts the process (the race tests.framework_world._quiesce describes), 1 run
+    # in 80 of this child under load. What the test checks is all printed by now.
     os._exit(0)
     """
 )
