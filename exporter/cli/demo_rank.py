@@ -74,6 +74,7 @@ def _tiny_model(features: int = 64, hidden: int = 256) -> Any:
 
     The loss is computed inside ``forward`` and the layers are big enough that forward and
     backward dominate the step, so the untimed rest of the loop stays a small residual.
+    ``model.device_s`` is every rank's device time (:attr:`DemoOptions.device_ms`).
     """
     import torch
 
@@ -88,10 +89,12 @@ def _tiny_model(features: int = 64, hidden: int = 256) -> Any:
                 torch.nn.Linear(hidden, 1),
             )
             self.delay_s = 0.0
+            self.device_s = 0.0
 
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if self.delay_s:
-                time.sleep(self.delay_s)  # the scripted compute straggler
+            if self.device_s + self.delay_s:
+                # the device's share of every rank's step, plus the scripted compute straggler
+                time.sleep(self.device_s + self.delay_s)
             return torch.nn.functional.mse_loss(self.net(x), y)
 
     return TinyModel()
@@ -298,6 +301,7 @@ def _run_rank(
         publishers = [hub, ChannelPublisher(channel)]
         channel.put(("ready", hub.metrics_url))
     model = DistributedDataParallel(_tiny_model())
+    model.module.device_s = options.device_ms / 1000.0
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batches = _Batches(rank, options.seed)
     rw = RankWatch(None, None, config, publishers)

@@ -121,6 +121,8 @@ def test_a_45_second_run_shows_every_phase() -> None:
         ({"straggler_ms": -1.0}, "DemoOptions.straggler_ms: must be a finite number > 0"),
         ({"interval_seconds": math.nan}, "DemoOptions.interval_seconds: must be a finite"),
         ({"step_pause_ms": -5.0}, "DemoOptions.step_pause_ms: must be >= 0, got -5.0"),
+        ({"device_ms": math.inf}, "DemoOptions.device_ms: must be >= 0, got inf"),
+        ({"device_ms": -1.0}, "DemoOptions.device_ms: must be >= 0, got -1.0"),
     ],
 )
 def test_demo_options_are_validated(kwargs: dict[str, object], message: str) -> None:
