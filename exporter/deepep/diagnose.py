@@ -496,9 +496,10 @@ class Diagnose:
         """Stop collecting and release the Gloo group; call it before destroying process groups.
 
         In asynchronous mode the stop travels with the next collective, so every member's
-        thread takes one final snapshot (nothing since the last interval is lost) and exits
-        together; the root then finishes diagnosing what was gathered. Waits at most
-        ``timeout_seconds`` (default: interval + 10 s) per thread. Idempotent.
+        thread takes one final snapshot (nothing written before the first member's stop is
+        lost) and exits together; the root then finishes diagnosing what was gathered. What a
+        member writes after that collective is not collected: members stop as training ends.
+        Waits at most ``timeout_seconds`` (default: interval + 10 s) per thread. Idempotent.
         """
         if timeout_seconds is not None and (
             isinstance(timeout_seconds, bool)

@@ -359,13 +359,18 @@ def _async_run(
     diag.start()
     write_normal(diag, wins[0], me)  # during warm-up: discarded
     write_ll(diag, lls[0], me)
-    time.sleep(float(env["DEEPEP_DIAGNOSE_WARMUP_SECONDS"]) + 0.5)
+    _wait_for_boundary(diag, group)
     write_normal(diag, wins[1], me)
     write_ll(diag, lls[1], me)
     time.sleep(0.5)
     write_normal(diag, wins[2], me)
     write_ll(diag, lls[2], me)
-    # Nothing collected since the last interval is lost: stop takes a final snapshot.
+    # Nothing written before the first member's stop is lost: every member takes a final
+    # snapshot at the collective that carries that stop. What a member writes after it is not
+    # collected, so every member finishes writing first, as training ends on every rank
+    # together. Without this barrier the root's last write was lost once in a fresh clone's
+    # run: rank 1 stopped while rank 0 had not yet written its last window.
+    dist.barrier(group)
     diag.stop()
     collector = diag._collector
     return {
@@ -381,6 +386,22 @@ def _async_run(
         "want": _sum_windows_of(wins[1:]),
         "ll_want": lls[1] + lls[2],
     }
+
+
+def _wait_for_boundary(diag: Any, group: Any, timeout_seconds: float = 60.0) -> None:
+    """Return on every member once the root holds the boundary snapshot of both parts.
+
+    The boundary is the first snapshot after warm-up, taken whenever the collector threads get
+    to it. Writing on a clock instead (warm-up plus 0.5 s) races it on a loaded host: a
+    boundary later than the next write would discard that write with the warm-up.
+    """
+    if diag.is_root:
+        windows = diag._root._windows
+        deadline = time.monotonic() + timeout_seconds
+        while not all(windows._has_boundary.values()):
+            assert time.monotonic() < deadline, f"no boundary snapshot in {timeout_seconds} s"
+            time.sleep(0.01)
+    dist.barrier(group)
 
 
 def _sum_windows_of(wins: list[NormalWindow]) -> dict[str, np.ndarray]:
