@@ -28,7 +28,7 @@ from rankwatch.diagnosis.deepep.normal import NormalSimulator, NormalWindow, sna
 from rankwatch.diagnosis.deepep.normal.schema import COMBINE_BUNDLE, DISPATCH_BUNDLE, counter_slots
 from rankwatch.diagnosis.report import WindowReport
 from tests.rank_processes import rank_process
-from tests.servers import free_port
+from tests.servers import free_port, wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.parallel_safe, pytest.mark.timeout(180)]
 
@@ -397,10 +397,12 @@ def _wait_for_boundary(diag: Any, group: Any, timeout_seconds: float = 60.0) -> 
     """
     if diag.is_root:
         windows = diag._root._windows
-        deadline = time.monotonic() + timeout_seconds
-        while not all(windows._has_boundary.values()):
-            assert time.monotonic() < deadline, f"no boundary snapshot in {timeout_seconds} s"
-            time.sleep(0.01)
+        wait_until(
+            lambda: all(windows._has_boundary.values()),
+            timeout_seconds,
+            interval=0.01,
+            what="the root's warm-up boundary snapshot",
+        )
     dist.barrier(group)
 
 
