@@ -117,6 +117,9 @@ class RankRecord:
     training thread's top frames (innermost first) or empty with ``frames_note`` saying why.
     ``state``: :data:`ANSWERED`, :data:`NO_ANSWER`, :data:`DEAD` or :data:`LEFT`;
     ``silent_seconds``: how long it has not answered (for a rank that left: since it left).
+    ``crossing_call``: the training thread was entering or leaving a c10d call when the record
+    was taken, so its group numbers may or may not count that call yet (its next record
+    settles it).
     """
 
     rank: int
@@ -137,6 +140,7 @@ class RankRecord:
     frames: tuple[str, ...] = ()
     frames_note: str = ""
     silent_seconds: float = 0.0
+    crossing_call: bool = False
 
     def frames_or_note(self) -> list[str] | str:
         """The frames, or the sentence saying why there are none (never silent)."""
@@ -166,6 +170,7 @@ class RankRecord:
             "frames": list(self.frames),
             "frames_note": self.frames_note,
             "silent_seconds": self.silent_seconds,
+            "crossing_call": self.crossing_call,
         }
 
 
@@ -204,6 +209,15 @@ def _text(obj: Mapping[str, Any], name: str, where: str) -> str:
         raise ValueError(
             f"hang record: field {_where(where, name)}: "
             f"value {str(value)[:80]!r} is not a text of at most {MAX_TEXT} characters"
+        )
+    return value
+
+
+def _flag(obj: Mapping[str, Any], name: str, where: str) -> bool:
+    value = obj.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"hang record: field {_where(where, name)}: value {str(value)[:80]!r} is not a bool"
         )
     return value
 
@@ -335,4 +349,5 @@ def record_from_dict(obj: object, where: str = "") -> RankRecord:
         frames=_texts(obj, "frames", where, MAX_FRAMES),
         frames_note=_text(obj, "frames_note", where),
         silent_seconds=_float(obj, "silent_seconds", where),
+        crossing_call=_flag(obj, "crossing_call", where),
     )

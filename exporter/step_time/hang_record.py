@@ -242,10 +242,12 @@ class CallsInFlight:
     own, not the one the others wait in, so two ranks at the same point would seem to disagree
     (a mismatch, which is reported on sight). The call counts when its ``work`` was issued and
     is not finished, or when the same frame at the same instruction was seen at the look
-    before (blocked where no wait is timed, as in a communicator's set-up)."""
+    before (blocked where no wait is timed, as in a communicator's set-up). ``refused_look``:
+    the last look at which a call did not count (the rank was crossing a call's edge)."""
 
     def __init__(self) -> None:
         self._seen: tuple[int, int, int] | None = None  # (look, frame id, instruction)
+        self.refused_look = -1
 
     def check(self, look: int, frame: FrameType, local_vars: dict[str, Any]) -> bool:
         """Whether the call of ``frame`` (whose locals are ``local_vars``) counts at look
@@ -258,7 +260,10 @@ class CallsInFlight:
             except Exception:  # not a Work, or torn down: the frame alone decides
                 pass
         before, self._seen = self._seen, (look, id(frame), frame.f_lasti)
-        return before == (look - 1, id(frame), frame.f_lasti)
+        if before == (look - 1, id(frame), frame.f_lasti):
+            return True
+        self.refused_look = look
+        return False
 
 
 class GroupSeqs:

@@ -133,6 +133,8 @@ class HangRoot:
         self._steps_at_open: dict[int, int] = {}
         self._recovered: set[int] = set()
         self._pending: tuple[str, tuple[int, ...]] | None = None
+        self._polls = 0
+        self._waited_at_poll = -1  # the poll whose verdict waited for a rank crossing a call
         self.reads = 0  # store reads made (none while the job progresses)
         self.seen: list[RankRecord] = []  # every rank's record at the last read (hang file)
         self.open_evidence: dict[str, Any] | None = None
@@ -144,6 +146,7 @@ class HangRoot:
 
     def tick(self, own: RankRecord) -> None:
         """One poll with the root's own record."""
+        self._polls += 1
         suspect = own.stalled_seconds >= own.budget_seconds * SUSPECT_FRACTION
         self.next_check = math.inf
         if self.open is None and not suspect:
@@ -176,6 +179,8 @@ class HangRoot:
         # progress for a third of it: checked above).
         since_step = self._since_step(own, answered, silent, now)
         self.next_check = now + max(0.0, budget - since_step)
+        if self._wait_for_crossing(records):
+            return
         if since_step >= budget:
             verdict = classify_hang(records, stalled_seconds=stalled)
         else:
@@ -195,6 +200,19 @@ class HangRoot:
         self._steps_at_open = {r.rank: r.steps for r in records}
         self._recovered = set()
         self._open(verdict, budget, since_step)
+
+    def _wait_for_crossing(self, records: Sequence[RankRecord]) -> bool:
+        """Whether to judge at the next poll instead: a rank was entering or leaving a c10d
+        call when its record was taken, so which call its group numbers count is not known
+        (judged now, the call it waits in could read "unknown", or a mismatch). Its next
+        record settles it (in flight, or held at the same instruction: blocked there), so the
+        wait is one poll at most."""
+        crossing = any(r.state == ANSWERED and r.crossing_call for r in records)
+        if not crossing or self._waited_at_poll == self._polls - 1:
+            return False
+        self._waited_at_poll = self._polls
+        self.next_check = math.inf  # a full poll: a look sooner could still see the edge
+        return True
 
     def _since_step(
         self,
@@ -397,6 +415,8 @@ class HangRoot:
             r.state == ANSWERED and _progressing(r) for r in records
         ):
             return  # moving on: leave the verdict as it was
+        if self._wait_for_crossing(records):
+            return
         stalled = min(
             [r.stalled_seconds for r in records if r.state == ANSWERED]
             + [r.silent_seconds for r in records if r.state == NO_ANSWER]

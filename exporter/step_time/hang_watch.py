@@ -290,6 +290,7 @@ class HangWatcher:
         top: list[str] = []
         note = ""
         collective = None
+        crossing = False
         budget = self.budget_seconds(now_ns)
         if frames:
             frame = sys._current_frames().get(self.training_thread)
@@ -317,6 +318,7 @@ class HangWatcher:
                     collective = collective_in_frames(frame, self.groups.seq_of, entered, in_flight)
                 except Exception as exc:  # a frame's arguments unreadable: frames still go
                     note = f"collective unreadable: {type(exc).__name__}"
+                crossing = self.calls_in_flight.refused_look == look
             del frame
             if collective is None:
                 collective = self._device_collective(now_ns)
@@ -340,6 +342,7 @@ class HangWatcher:
             finished_calls=finished,
             frames=tuple(top),
             frames_note=note,
+            crossing_call=crossing,
         )
 
     def _wait_failed(self, frame: FrameType) -> None:

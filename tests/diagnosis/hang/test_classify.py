@@ -265,6 +265,8 @@ def test_bad_inputs_are_refused_with_the_field_named() -> None:
         ({"finished_calls": [None]}, r"finished_calls\[0\]"),
         ({"finished_calls": [{"group": "0", "op": "x", "seq": "1"}]}, r"finished_calls\[0\]\.seq"),
         ({"finished_calls": [{"group": "0", "op": "x", "seq": 1}] * 65}, "finished_calls"),
+        ({"crossing_call": "yes"}, "crossing_call"),
+        ({"crossing_call": 1}, "crossing_call"),
     ],
 )
 def test_a_record_from_another_process_is_checked_field_by_field(

@@ -94,8 +94,12 @@ def _watcher(thread: threading.Thread) -> HangWatcher:
     return HangWatcher(0, StepTimer(16), RankwatchConfig.from_env({}), None, "h", thread.ident or 0)
 
 
+def _record(watcher: HangWatcher) -> Any:
+    return watcher._record(time.perf_counter_ns(), frames=True)
+
+
 def _look(watcher: HangWatcher) -> Any:
-    return watcher._record(time.perf_counter_ns(), frames=True).collective
+    return _record(watcher).collective
 
 
 def _seq() -> int:
@@ -107,11 +111,15 @@ def test_a_call_about_to_issue_its_work_is_not_yet_inside_it(group: None) -> Non
     with Held(lambda f, event, line: event == "line" and "group.allreduce(" in line) as held:
         watcher = _watcher(held.thread)
         assert _seq() == before  # nothing issued yet: the number is the call before's
-        assert _look(watcher) is None
+        entering = _record(watcher)
+        # Crossing the call's edge: the root judges at its next poll instead.
+        assert entering.collective is None and entering.crossing_call
         # Still there at the next look: held where no wait is timed, it counts.
-        stuck = _look(watcher)
+        held_record = _record(watcher)
+        stuck = held_record.collective
         assert stuck is not None and (stuck.op, stuck.seq) == ("all_reduce", before)
         assert stuck.shapes == ((3,),) and stuck.dtypes == ("float32",)
+        assert not held_record.crossing_call
 
 
 def test_a_call_on_its_way_out_is_no_longer_inside_it(group: None) -> None:
@@ -119,7 +127,8 @@ def test_a_call_on_its_way_out_is_no_longer_inside_it(group: None) -> None:
     with Held(lambda f, event, line: event == "return") as held:
         watcher = _watcher(held.thread)
         assert _seq() == before + 1  # issued and finished
-        assert _look(watcher) is None
+        leaving = _record(watcher)
+        assert leaving.collective is None and leaving.crossing_call
 
 
 def test_work_issued_and_not_finished_counts_at_once() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from rankwatch.diagnosis.hang import HangReport, RankRecord
+from rankwatch.diagnosis.hang import Collective, HangReport, RankRecord
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.step_time.hang_record import DeclaredPhase, DeviceWaitClock, current_phase
 from rankwatch.exporter.step_time.hang_root import HangRoot, process_state
@@ -185,6 +185,35 @@ def test_a_rank_that_closed_and_exited_is_not_dead_and_no_hang_while_nobody_wait
     store.set(record_key(1), json.dumps({**payload, "beat": 99, "left": ""}))
     root.tick(_me(32.0))
     assert root.seen[1].state != "left"
+
+
+def test_a_verdict_waits_one_poll_for_a_rank_crossing_a_calls_edge(store: Any) -> None:
+    # Seen once in the hang tests under load: ranks 1 and 2 had left, and the root's own record
+    # was taken while its training thread was inside all_reduce's issue (the group's number
+    # already counting it, the call not yet in flight): judged then, the others' wait read
+    # "unknown #10" instead of the all_reduce it was.
+    left = RankRecord(rank=1, budget_seconds=3.0, steps=5, group_seqs={"0": 9})
+    store.set(record_key(1), json.dumps({**left.to_dict(), "beat": 0, "left": "closed rankwatch"}))
+    reports: list[HangReport] = []
+    root = _root(store, reports, ranks=(0, 1))
+    crossing = replace(_me(31.0), group_seqs={"0": 10}, crossing_call=True)
+    root.tick(crossing)
+    assert reports == [] and root.next_check == float("inf")  # judged a full poll later
+    inside = Collective(group="0", op="all_reduce", seq=10, site="train.py:9")
+    root.tick(replace(_me(31.5), group_seqs={"0": 10}, collective=inside))
+    assert len(reports) == 1 and reports[0].verdict is not None
+    assert (reports[0].verdict.hang_class, reports[0].verdict.ranks) == ("STUCK_ALIVE", (1,))
+    assert reports[0].evidence()["collective"] == {"group": "0", "op": "all_reduce", "seq": 10}
+    # A rank crossing at two polls in a row is judged at the second: the wait is one poll.
+    # A poll between (here the job moved) makes a later crossing wait again.
+    again: list[HangReport] = []
+    root = _root(store, again, ranks=(0, 1))
+    root.tick(crossing)
+    root.tick(_me(0.1))
+    root.tick(crossing)
+    assert again == []
+    root.tick(replace(crossing, stalled_seconds=31.5))
+    assert len(again) == 1 and again[0].verdict is not None
 
 
 _EXITING_RANK = """
