@@ -152,7 +152,7 @@ def _run_cell(rank: int, spec: CellSpec, scratch: str) -> dict[str, Any]:
         # parameter carries (torchtitan's 1-D world mesh, which says nothing of the layout).
         from torch.distributed.tensor import DTensor
 
-        mesh = rw._collector.mesh if rw is not None and rw._collector is not None else None
+        mesh = rw._aggregator.mesh if rw is not None and rw._aggregator is not None else None
         out["watched_mesh"] = None if mesh is None else [list(mesh.dim_names), list(mesh.shape)]
         param = next(p for p in trainer.model_parts[0].parameters() if isinstance(p, DTensor))
         root = param.device_mesh._get_root_mesh()

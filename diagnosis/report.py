@@ -57,10 +57,20 @@ class WindowReport:
     diagnosis_seconds: dict[str, float] = field(default_factory=dict)
     # The hang watcher's state (rankwatch.diagnosis.hang), on the reports it publishes only.
     hang: HangReport | None = None
+    # Ranks in the group when ``ranks`` lists only some of them (a report bounded for the
+    # training process: ``rank_budget``); 0 when ``ranks`` and ``missing_ranks`` are all of it.
+    group_size: int = 0
 
     @property
     def incomplete(self) -> bool:
         return bool(self.missing_ranks)
+
+    @property
+    def size(self) -> int:
+        """Ranks in the group (every rank, also those a bounded report leaves out)."""
+        if self.group_size:
+            return self.group_size
+        return len({r.rank for r in self.ranks} | set(self.missing_ranks))
 
     @cached_property
     def _infos_by_rank(self) -> dict[int, RankInfo]:
@@ -98,4 +108,5 @@ class WindowReport:
             else {k: v.to_dict() for k, v in self.low_latency.items()},
             "diagnosis_seconds": dict(self.diagnosis_seconds),
             **({} if self.hang is None else {"hang": self.hang.to_dict()}),
+            **({"group_size": self.group_size} if self.group_size else {}),
         }

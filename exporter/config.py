@@ -105,6 +105,10 @@ def _variable_name_problem(name: str) -> str | None:
     return None
 
 
+def _optional_address_problem(addr: str) -> str | None:
+    return None if addr == "" else bind_address_problem(addr)
+
+
 def _basic_auth_problem(user: str) -> str | None:
     # Basic auth joins user and password with ':' (RFC 7617), so a user may not contain one.
     return "must not contain ':'" if ":" in user else None
@@ -179,6 +183,20 @@ class RankwatchConfig:
     # for; off, every member to every member (a full mesh takes 4,096 sockets per rank at
     # 4,096 ranks, over common open-file limits).
     gloo_lazy_connect: bool = field(default=True, metadata=option("RANKWATCH_GLOO_LAZY_CONNECT"))
+    # The group's aggregator (see docs/architecture.md): the address the ranks reach it at
+    # and it listens on (empty: the address this host reaches the job's c10d store from); how
+    # long it may stand still before the root kills and restarts it; and how many ranks' own
+    # series the root publishes (every rank of a group up to this size; in a larger group the
+    # ranks the diagnosis names and the slowest, and every rank serves its own).
+    aggregator_host: str = field(
+        default="", metadata=option("RANKWATCH_AGGREGATOR_HOST", rule=_optional_address_problem)
+    )
+    aggregator_stall_seconds: float = field(
+        default=60.0, metadata=option("RANKWATCH_AGGREGATOR_STALL_SECONDS", 1.0, 3600.0)
+    )
+    root_rank_budget: int = field(
+        default=64, metadata=option("RANKWATCH_ROOT_RANK_BUDGET", 1, 1_048_576)
+    )
     strategy: str = field(
         default="", metadata=option("RANKWATCH_STRATEGY", choices=("", "ddp", "fsdp"))
     )

@@ -53,6 +53,7 @@ __all__ = [
     "GuardedWrites",
     "StorageFault",
     "atomic_write",
+    "child_storage_errors",
     "ensure_folder",
     "errno_name",
     "storage_error_counts",
@@ -69,13 +70,28 @@ T = TypeVar("T")
 
 _counts_lock = threading.Lock()
 _counts: dict[str, int] = {}
+# The same counts of the children that write for this process (the group's aggregator writes
+# the step windows), as they last reported them.
+_child_counts: dict[str, dict[str, int]] = {}
 
 
 def storage_error_counts() -> dict[str, int]:
-    """Failed writes of this process so far, per writer (every writer created so far is
-    present, with 0 until it fails): the values of ``rankwatch_storage_errors_total``."""
+    """Failed writes of this process and the children that write for it, per writer (every
+    writer created so far is present, with 0 until it fails): the values of
+    ``rankwatch_storage_errors_total``."""
     with _counts_lock:
-        return dict(_counts)
+        out = dict(_counts)
+        for counts in _child_counts.values():
+            for writer, n in counts.items():
+                out[writer] = out.get(writer, 0) + n
+        return out
+
+
+def child_storage_errors(child: str, counts: dict[str, int]) -> None:
+    """What a child that writes for this process reported of its own failed writes (its
+    totals so far: each report replaces the last)."""
+    with _counts_lock:
+        _child_counts[child] = {str(k): int(v) for k, v in counts.items()}
 
 
 def errno_name(exc: OSError) -> str:

@@ -22,6 +22,7 @@ from rankwatch.diagnosis.step_time.row_dicts import rows_to_array
 from rankwatch.diagnosis.step_time.rules import (
     STRATEGIES,
     diagnose_arrays,
+    diagnose_cube,
     diagnose_means,
     diagnose_steps,
     diagnose_window,
@@ -47,6 +48,7 @@ __all__ = [
     "StepTimeReport",
     "StragglerEvidence",
     "diagnose_arrays",
+    "diagnose_cube",
     "diagnose_means",
     "diagnose_steps",
     "diagnose_window",

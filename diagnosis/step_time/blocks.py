@@ -62,9 +62,30 @@ from rankwatch.diagnosis.step_time.table import (
     validate_window,
 )
 
-__all__ = ["BLOCK_STEPS", "StepBlocks", "every_step_keys"]
+__all__ = ["BLOCK_STEPS", "StepBlocks", "block_record_dtype", "every_step_keys"]
 
 BLOCK_STEPS = 100  # default step ids per block
+
+
+def block_record_dtype(block_steps: int = BLOCK_STEPS) -> np.dtype:
+    """One closed block of one rank as plain data (what a rank ships of its older steps, so
+    that the group's aggregator keeps them without reducing any rows): the block's index, its
+    step count, per clock the sums of the window means' keys, which were measured and how
+    many steps they stand for, whether every step could be read on the GPU clock, whether the
+    rank flagged collectives that do not block its host, and which step ids it sent."""
+    keys, clocks = len(MEAN_KEYS), len(CLOCKS)
+    return np.dtype(
+        [
+            ("index", "<i8"),
+            ("steps", "<i8"),
+            ("sums", "<f8", (clocks, keys)),
+            ("measured", "?", (clocks, keys)),
+            ("kept", "<i8", (clocks,)),
+            ("gpu_ok", "?"),
+            ("async", "?"),
+            ("mask", "u1", (-(-block_steps // 8),)),
+        ]
+    )
 
 
 def every_step_keys() -> BoolArray:
@@ -96,7 +117,9 @@ class StepBlocks:
     """Block sums for a fixed set of ranks (the group root's state beside its row tails).
 
     ``add(rank, rows)`` takes each rank's rows in ascending step order (rows not above the
-    rank's last step id are dropped: :func:`~.table.rows_after`).
+    rank's last step id are dropped: :func:`~.table.rows_after`). A rank may sum its own blocks
+    (``records=True``, :meth:`taken_records`) and another instance keep them
+    (:meth:`put_records`) without the rows.
     ``reduce(tails, window)`` builds the window means from the caller's kept rows (the newest
     ``tail_rows`` or fewer of each rank) and the blocks.
     """
@@ -109,6 +132,7 @@ class StepBlocks:
         tail_rows: int,
         block_steps: int = BLOCK_STEPS,
         outliers: OutlierRule | None = None,
+        records: bool = False,
     ) -> None:
         window_steps = validate_window(window_steps)
         if block_steps < 1:
@@ -142,6 +166,10 @@ class StepBlocks:
         self._async = np.zeros((n, slots), dtype=bool)
         self._mask = np.zeros((n, slots, -(-block_steps // 8)), dtype=np.uint8)
         self._closing: list[tuple[int, FloatArray]] = []
+        # (rank row, slot) of the blocks stored since the last taken_records (``records``: a
+        # rank that ships its own closed blocks).
+        self._stored: list[tuple[int, int]] | None = [] if records else None
+        self.record_dtype = block_record_dtype(block_steps)
         self.approximate = False  # the last reduce() rounded or approximated (see module doc)
 
     # ---- feeding ---------------------------------------------------------------------------
@@ -219,6 +247,8 @@ class StepBlocks:
         self._async[idx, slot] = np.nan_to_num(cube[:, :, _ASYNC_COL]).any(axis=1)
         self._index[idx, slot] = block
         self._steps[idx, slot] = steps
+        if self._stored is not None:
+            self._stored += zip(idx.tolist(), slot.tolist(), strict=True)
         if steps == self.block_steps:  # every step id of the block (the usual case)
             self._mask[idx, slot] = np.packbits(np.ones(steps, dtype=bool))
             return
@@ -226,6 +256,55 @@ class StepBlocks:
         bits = np.zeros((n, self.block_steps), dtype=bool)
         bits[np.arange(n)[:, None], offsets] = True
         self._mask[idx, slot] = np.packbits(bits, axis=1)
+
+    # ---- records: closed blocks as plain data ----------------------------------------------
+
+    def taken_records(self) -> tuple[list[int], np.ndarray]:
+        """The blocks closed (and stored by :meth:`flush`) since the last call, as records
+        (:func:`block_record_dtype`) with the rank each belongs to, oldest first."""
+        if self._stored is None:
+            raise ValueError("taken_records: these blocks were made without records=True")
+        stored, self._stored = self._stored, []
+        out = np.zeros(len(stored), dtype=self.record_dtype)
+        if not stored:
+            return [], out
+        rows, slots = (np.asarray(x, dtype=np.int64) for x in zip(*stored, strict=True))
+        out["index"] = self._index[rows, slots]
+        out["steps"] = self._steps[rows, slots]
+        out["sums"] = self._sums[rows, slots]
+        out["measured"] = self._measured[rows, slots]
+        out["kept"] = self._kept[rows, slots]
+        out["gpu_ok"] = self._gpu_ok[rows, slots]
+        out["async"] = self._async[rows, slots]
+        out["mask"] = self._mask[rows, slots]
+        return [self.ranks[i] for i in rows.tolist()], out
+
+    def put_records(self, ranks: Sequence[int], records: np.ndarray) -> None:
+        """Keep closed blocks summed elsewhere (each rank sums its own: :meth:`taken_records`),
+        as if :meth:`add` had closed them here; ``records[j]`` belongs to ``ranks[j]``. A
+        record older than its rank's slot already holds is ignored (it came late)."""
+        if len(records) == 0:
+            return
+        if records.dtype != self.record_dtype:
+            raise ValueError(
+                f"field records: dtype {records.dtype}, expected the block records of "
+                f"{self.block_steps}-step blocks"
+            )
+        rows = np.fromiter((self._row[r] for r in ranks), np.int64, len(records))
+        block = records["index"]
+        if (block < 0).any():
+            raise ValueError(f"field records: block index {int(block.min())} is negative")
+        slot = block % self.slots
+        newer = block >= self._index[rows, slot]
+        rows, slot, records = rows[newer], slot[newer], records[newer]
+        self._index[rows, slot] = records["index"]
+        self._steps[rows, slot] = records["steps"]
+        self._sums[rows, slot] = records["sums"]
+        self._measured[rows, slot] = records["measured"]
+        self._kept[rows, slot] = records["kept"]
+        self._gpu_ok[rows, slot] = records["gpu_ok"]
+        self._async[rows, slot] = records["async"]
+        self._mask[rows, slot] = records["mask"]
 
     # ---- windows ---------------------------------------------------------------------------
 

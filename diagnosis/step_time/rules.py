@@ -89,6 +89,7 @@ from rankwatch.diagnosis.step_time.table import (
     WindowMeans,
     _reduce_table,
     rank_items,
+    reduce_cube_window,
     reduce_window,
     validate_window,
 )
@@ -253,6 +254,25 @@ def diagnose_arrays(
     strat = normalize_strategy(strategy)
     layout = _mesh(mesh)
     wm = reduce_window(per_rank, window=window, outliers=outlier_rule(cfg))
+    return diagnose_window(wm, strategy=strat, config=cfg, mesh=layout)
+
+
+def diagnose_cube(
+    ranks: Sequence[int],
+    present_ranks: Sequence[int],
+    cube: np.ndarray,
+    *,
+    strategy: str | None = None,
+    window: int = 100,
+    config: StepTimeConfig | None = None,
+    mesh: MeshLayout | None = None,
+) -> StepTimeReport:
+    """:func:`diagnose_arrays` for rows already side by side (``reduce_cube_window``): every
+    expected rank in ``ranks``, the present ones' last rows in ``cube``. The same report."""
+    cfg = _config(config)
+    strat = normalize_strategy(strategy)
+    layout = _mesh(mesh)
+    wm = reduce_cube_window(ranks, present_ranks, cube, window=window, outliers=outlier_rule(cfg))
     return diagnose_window(wm, strategy=strat, config=cfg, mesh=layout)
 
 

@@ -373,6 +373,29 @@ def reduce_window(
     return _reduce_table([r for r, _ in arrays], present_ranks, table, lengths, window, outliers)
 
 
+def reduce_cube_window(
+    ranks: Sequence[int],
+    present_ranks: Sequence[int],
+    cube: FloatArray,
+    *,
+    window: int = 100,
+    outliers: OutlierRule | None = None,
+) -> WindowMeans:
+    """:func:`reduce_window` for rows already side by side: ``cube`` is ``[len(present_ranks),
+    n, ROW_WIDTH]``, each present rank's last ``n`` rows in ascending order (``ranks``: every
+    expected rank, ascending). The same means as :func:`reduce_window` on those rows, without
+    copying them into one table first (a group's aggregator keeps them so)."""
+    window = validate_window(window)
+    validate_outliers(outliers)
+    m, n = cube.shape[:2]
+    if m != len(present_ranks) or cube.ndim != 3 or cube.shape[2] != ROW_WIDTH:
+        raise ValueError(
+            f"field cube: shape {cube.shape}, expected [{len(present_ranks)}, n, {ROW_WIDTH}]"
+        )
+    table = np.ascontiguousarray(cube).reshape(m * n, ROW_WIDTH)
+    return _reduce_table(list(ranks), list(present_ranks), table, [n] * m, window, outliers)
+
+
 def _reduce_table(
     ranks: list[int],
     present_ranks: list[int],

@@ -41,10 +41,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rankwatch.diagnosis.report import WindowReport
+from rankwatch.diagnosis.report import RankInfo, WindowReport
+from rankwatch.diagnosis.step_time.report import RANK_MEAN_KEYS
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.identity import node_hostname, rank_from_env
 from rankwatch.exporter.publish.events import event_json, event_message
@@ -74,6 +75,7 @@ from rankwatch.exporter.publish.samples import (
     engine_samples,
     health_samples,
     incident_samples,
+    own_means_samples,
     window_invalid_samples,
     window_samples,
 )
@@ -183,6 +185,9 @@ class _View:
     newest: WindowReport | None
     # The per-report samples of every group (sorted by group), one list object per update.
     per_report: list[Sample]
+    # This rank's own series per group, when its group's root does not publish them (a group
+    # larger than the root's rank budget): see ``set_own_means``.
+    own: dict[str, list[Sample]] = field(default_factory=dict)
 
 
 def _merged(report: WindowReport, parts: Sequence[_Part], prev: _GroupState | None) -> WindowReport:
@@ -204,6 +209,17 @@ def _merged(report: WindowReport, parts: Sequence[_Part], prev: _GroupState | No
         low_latency_invalid_reason=None if low is None else low.low_latency_invalid_reason,
         diagnosis_seconds=seconds,
     )
+
+
+def _per_report(groups: Mapping[str, _GroupState], own: Mapping[str, list[Sample]]) -> list[Sample]:
+    per_report: list[Sample] = []
+    for g in sorted(groups):
+        for part in groups[g].parts:
+            per_report += part.samples
+        per_report += groups[g].window
+    for g in sorted(own):
+        per_report += own[g]
+    return per_report
 
 
 class LatestState:
@@ -245,6 +261,9 @@ class LatestState:
             raise TypeError(f"config: expected RankwatchConfig, got {type(config).__name__}")
         self.config, self.health, self.clock = config, health, clock
         self._view = _View({}, None, [])
+        # Two writers (the hub thread's reports, the collector thread's own means): each swaps
+        # in a view made from the one before.
+        self._write_lock = threading.Lock()
 
     def group_of(self, report: WindowReport) -> str:
         """The group ``report`` is kept under (and published with): its own, else the config's."""
@@ -256,6 +275,10 @@ class LatestState:
             raise TypeError(f"report: expected WindowReport, got {type(report).__name__}")
         if not isinstance(incidents, IncidentSnapshot):
             raise TypeError(f"incidents: expected IncidentSnapshot, got {type(incidents).__name__}")
+        with self._write_lock:
+            self._update(report, incidents)
+
+    def _update(self, report: WindowReport, incidents: IncidentSnapshot) -> None:
         view = self._view
         key = self.group_of(report)
         prev = view.groups.get(key)
@@ -277,12 +300,14 @@ class LatestState:
         groups[key] = state
         while len(groups) > MAX_GROUPS:
             del groups[next(iter(groups))]
-        per_report: list[Sample] = []
-        for g in sorted(groups):
-            for part in groups[g].parts:
-                per_report += part.samples
-            per_report += groups[g].window
-        self._view = _View(groups, report, per_report)
+        self._view = _View(groups, report, _per_report(groups, view.own), view.own)
+
+    def set_own_means(self, group: str, samples: list[Sample]) -> None:
+        """This rank's own series of ``group`` (replacing the last)."""
+        with self._write_lock:
+            view = self._view
+            own = {**view.own, group: samples}
+            self._view = _View(view.groups, view.newest, _per_report(view.groups, own), own)
 
     @property
     def report(self) -> WindowReport | None:
@@ -495,6 +520,17 @@ class PublisherHub:
             self.metrics_server.close(max(0.0, deadline - time.monotonic()))
 
     # -- extras -----------------------------------------------------------------------------
+
+    def publish_own_means(self, group: str, info: RankInfo, means: Sequence[float]) -> None:
+        """This rank's own means (ms, ``RANK_MEAN_KEYS`` order, NaN where unmeasured) of the
+        latest window of ``group``, as its group's aggregator sent them (a group larger than
+        the root's rank budget): served as this rank's ``rankwatch_phase_seconds`` until the
+        next."""
+        by_key = dict(zip(RANK_MEAN_KEYS, means, strict=False))
+        self.state.set_own_means(
+            group,
+            own_means_samples(info, by_key, self.config.run_id, group or self.config.group_name),
+        )
 
     def count_collection_error(self, reason: str) -> None:
         """Count a failure to gather or form a window (``rankwatch_collection_errors_total``)."""

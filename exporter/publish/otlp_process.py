@@ -26,27 +26,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import select
 import signal
-import struct
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import Any
+
+from rankwatch.exporter.child_frames import FrameReader, frame, read_frame
 
 __all__ = ["MetricsProcess", "main"]
 
 log = logging.getLogger("rankwatch.otlp")
 
-_LENGTH = struct.Struct("<I")
 _MODULE = "rankwatch.exporter.publish.otlp_process"
-
-
-def _frame(obj: object) -> bytes:
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LENGTH.pack(len(payload)) + payload
 
 
 class MetricsProcess:
@@ -66,7 +60,8 @@ class MetricsProcess:
         # Kept after ``_proc`` is let go of (by close() or a failed pipe, on other threads,
         # before they reap it): kill() reaps it whatever those have got to.
         self._child = self._proc
-        self._buffer = b""
+        self._reader = FrameReader()
+        self._ready: list[Any] = []
         self._generation = 0
         self._closing = False
         self._send(("setup", attributes, schema_url, protocol))
@@ -113,7 +108,7 @@ class MetricsProcess:
         if proc is None:
             return
         with contextlib.suppress(OSError, ValueError):  # already gone
-            proc.stdin.write(_frame(("close", timeout_seconds)))  # type: ignore[union-attr]
+            proc.stdin.write(frame(("close", timeout_seconds)))  # type: ignore[union-attr]
             proc.stdin.close()  # type: ignore[union-attr]
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout_seconds)
@@ -132,7 +127,7 @@ class MetricsProcess:
         if proc is None or proc.stdin is None:
             return False
         try:
-            proc.stdin.write(_frame(message))
+            proc.stdin.write(frame(message))
             proc.stdin.flush()
             return True
         except (OSError, ValueError) as exc:  # ValueError: closed by close()
@@ -146,13 +141,11 @@ class MetricsProcess:
         if proc is None or proc.stdout is None:
             return None
         while True:
-            if len(self._buffer) >= _LENGTH.size:
-                (size,) = _LENGTH.unpack_from(self._buffer)
-                if len(self._buffer) >= _LENGTH.size + size:
-                    payload = self._buffer[_LENGTH.size : _LENGTH.size + size]
-                    self._buffer = self._buffer[_LENGTH.size + size :]
-                    reply: tuple[Any, ...] = pickle.loads(payload)
-                    return reply
+            if not self._ready:
+                self._ready = self._reader.frames()
+            if self._ready:
+                reply: tuple[Any, ...] = self._ready.pop(0)
+                return reply
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -171,7 +164,7 @@ class MetricsProcess:
                     "it closed its output" if code is None else f"it exited with status {code}"
                 )
                 return None
-            self._buffer += chunk
+            self._reader.feed(chunk)
 
     def _gone(self, why: str) -> None:
         if not self._closing:
@@ -196,17 +189,6 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
 
 
 # ---- the child -------------------------------------------------------------------------------
-
-
-def _read(stream: IO[bytes]) -> Any:
-    head = stream.read(_LENGTH.size)
-    if len(head) < _LENGTH.size:
-        return None  # the parent closed its end
-    (size,) = _LENGTH.unpack(head)
-    payload = stream.read(size)
-    if len(payload) < size:
-        return None
-    return pickle.loads(payload)
 
 
 class _Outcomes:
@@ -239,7 +221,7 @@ def main() -> int:
     from rankwatch.exporter.publish.otlp import OwnMetrics, otlp_metric_exporter
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    setup = _read(stdin)
+    setup = read_frame(stdin)
     if setup is None:
         return 0
     _, attributes, schema_url, protocol = setup
@@ -247,14 +229,14 @@ def main() -> int:
     metrics = OwnMetrics(Resource(attributes, schema_url), otlp_metric_exporter(protocol), outcomes)
     try:
         while True:
-            message = _read(stdin)
+            message = read_frame(stdin)
             if message is None or message[0] == "close":
                 timeout = 5.0 if message is None else float(message[1])
                 metrics.shutdown(timeout)
                 return 0
             _, generation, samples, timeout = message
             metrics.export(samples, timeout)
-            stdout.write(_frame(("done", generation, outcomes.take())))
+            stdout.write(frame(("done", generation, outcomes.take())))
             stdout.flush()
     except BrokenPipeError:  # the parent is gone
         return 0

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rankwatch.diagnosis.report import WindowReport
+from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.diagnosis.vocabulary import (
     HANG_CLASS,
     HANG_SUSPECT,
@@ -74,6 +74,7 @@ __all__ = [
     "group_by_family",
     "health_samples",
     "incident_samples",
+    "own_means_samples",
     "report_samples",
     "state_samples",
     "window_invalid_samples",
@@ -177,21 +178,8 @@ def _step_time(out: _Out, report: WindowReport) -> None:
             f = _finite(ms)
             if f is not None:
                 out.add(_S["component_excess_seconds"], (str(comp),), f / 1000.0)
-    phase = _S["phase_seconds"]
     for rank in sorted(getattr(st, "rank_means", None) or {}):
-        means = st.rank_means[rank]
-        info = report.rank_info(int(rank))
-        ident = (
-            str(int(rank)),
-            str(info.local_rank),
-            info.hostname.lower(),
-            info.gpu,
-            info.gpu_uuid,
-        )
-        for name in PHASES:
-            ms = _finite(means.get(name))
-            if ms is not None:
-                out.add(phase, (*ident, name), ms / 1000.0)
+        _rank_phases(out, report.rank_info(int(rank)), st.rank_means[rank])
     severity = getattr(st, "severity", None)
     kind = str(getattr(st, "kind", "") or "")
     primary = None
@@ -352,6 +340,32 @@ def _low_latency(out: _Out, report: WindowReport, budget: int) -> None:
 # --- the pieces and the whole -------------------------------------------------------------------
 
 
+def _rank_phases(out: _Out, info: RankInfo, means: Mapping[str, Any]) -> None:
+    """One rank's ``rankwatch_phase_seconds`` (its window means, in ms, keyed by phase)."""
+    phase = _S["phase_seconds"]
+    ident = (
+        str(int(info.rank)),
+        str(info.local_rank),
+        info.hostname.lower(),
+        info.gpu,
+        info.gpu_uuid,
+    )
+    for name in PHASES:
+        ms = _finite(means.get(name))
+        if ms is not None:
+            out.add(phase, (*ident, name), ms / 1000.0)
+
+
+def own_means_samples(
+    info: RankInfo, means: Mapping[str, Any], run: str, group: str
+) -> list[Sample]:
+    """A rank's own ``rankwatch_phase_seconds``, served on its own ``/metrics`` in a group
+    whose root publishes only some ranks' series (the aggregator sends each rank its means)."""
+    out = _Out((run, group))
+    _rank_phases(out, info, means)
+    return out.samples
+
+
 def _common(report: WindowReport | None, config: RankwatchConfig) -> tuple[str, str]:
     if report is None:
         return (config.run_id, config.group_name)
@@ -401,8 +415,7 @@ def window_samples(report: WindowReport, config: RankwatchConfig) -> list[Sample
     out.add(_S["window_index"], (), report.window_index)
     out.add(_S["window_timestamp_seconds"], (), report.created_at_s)
     out.add(_S["window_missing_ranks"], (), len(report.missing_ranks))
-    members = {r.rank for r in report.ranks} | set(report.missing_ranks)
-    out.add(_S["group_ranks"], (), len(members))
+    out.add(_S["group_ranks"], (), report.size)
     for engine, seconds in sorted(report.diagnosis_seconds.items()):
         out.add(_S["diagnosis_duration_seconds"], (str(engine),), seconds)
     return out.samples

@@ -9,7 +9,8 @@ rank, once that rank is itself suspect, :class:`StandIn` looks whether the root 
 
 - its process is gone, where that can be told (same host and pid namespace, from the pid in the
   root's first record: ``/proc``), or
-- this rank's shipments to the root failed (its Gloo connection to rankwatch's group broke),
+- this rank's shipments to the root have failed for a while (no connection to the group's
+  aggregator, which ends with its root's process),
 
 and its record does not say it *left* (a root that closed rankwatch or exited normally is the
 end of a run, not a fault). The stand-in is the lowest rank after the root whose process is not
@@ -24,13 +25,19 @@ rather than gone, is not stood in for (docs/hang.md, "What it cannot see").
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from rankwatch.diagnosis.hang import RankRecord
+from rankwatch.diagnosis.hang import HangReport, RankRecord
+from rankwatch.diagnosis.report import RankInfo, WindowReport
+from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.layout import GroupLayout
+from rankwatch.exporter.publish.protocol import Publisher, publish_to_all
 from rankwatch.exporter.step_time.hang_root import HangRoot, process_state, record_payload
 from rankwatch.exporter.step_time.hang_watch import SUSPECT_FRACTION, record_key
 
-__all__ = ["StandIn"]
+__all__ = ["LocalHangReports", "StandIn"]
 
 log = logging.getLogger("rankwatch.hang")
 
@@ -95,7 +102,7 @@ class StandIn:
         if gone:
             return gone
         if self.root_unreachable():
-            return "its connection to rankwatch's group failed"
+            return "this rank's shipments to it have failed"
         return ""
 
     def _gone(self, rank: int, meta: tuple[int, int, str, bool] | None = None) -> str:
@@ -125,3 +132,51 @@ class StandIn:
         if isinstance(pid, bool) or not isinstance(pid, int) or not isinstance(host, str):
             return None
         return pid, pidns if isinstance(pidns, int) else 0, host, bool(payload.get("left"))
+
+
+class LocalHangReports:
+    """How a stand-in publishes: the hang reports of its loop as reports of the group, through
+    this rank's own publishers (the root and its aggregator are gone), the ranks' identities
+    read from the store where each rank left them at start."""
+
+    def __init__(
+        self,
+        layout: GroupLayout,
+        config: RankwatchConfig,
+        publishers: Sequence[Publisher],
+        store: Any,
+    ) -> None:
+        self.layout, self.config, self.publishers, self.store = layout, config, publishers, store
+        self._index = 0
+        self._infos: dict[int, RankInfo] = {}
+
+    def publish(self, hang: HangReport) -> None:
+        ranks = {self.layout.rank, self.layout.root}
+        if hang.verdict is not None:
+            ranks.update(hang.verdict.ranks)
+        report = WindowReport(
+            group=self.config.group_name,
+            window_index=self._index,
+            created_at_s=time.time(),
+            ranks=tuple(self._info(r) for r in sorted(ranks)),
+            run=self.config.run_id,
+            hang=hang,
+            group_size=len(self.layout.ranks),
+        )
+        self._index += 1
+        publish_to_all(self.publishers, report, log)
+
+    def _info(self, rank: int) -> RankInfo:
+        info = self._infos.get(rank)
+        if info is not None:
+            return info
+        key = f"info/{rank}"
+        try:
+            if self.store is None or not self.store.check([key]):
+                return RankInfo(rank)
+            host, local, gpu, uuid = [*self.store.get(key).decode().split("\n"), "", "", ""][:4]
+            info = RankInfo(rank, host, int(local) if local.isdigit() else 0, gpu, uuid)
+        except Exception:  # the store is gone: the rank alone
+            return RankInfo(rank)
+        self._infos[rank] = info
+        return info

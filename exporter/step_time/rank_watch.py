@@ -13,13 +13,17 @@ Construction is collective when ``torch.distributed`` is initialised: for the wo
 (``group=None``) or a list of global ranks, every process of the job constructs a
 ``RankWatch`` with the same ``group`` (processes outside a list get an object that times
 nothing and ships nothing); for a process-group handle, only its members do. Each member then
-runs one background thread (see :mod:`.collector`); the group's lowest rank is its root, builds
-the windows and publishes them. Without ``torch.distributed`` the process is a group of one.
+runs one background thread that ships its rows (see :mod:`.collector`); the group's lowest rank
+is its root: it starts the group's aggregator (:mod:`rankwatch.exporter.aggregator`), which
+builds and diagnoses the windows off every training process, and publishes what it sends back.
+Without ``torch.distributed`` the process is a group of one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import logging
 import sys
 import threading
@@ -30,14 +34,15 @@ from typing import Any
 from rankwatch.diagnosis.config import option_env
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time import normalize_strategy
+from rankwatch.exporter.aggregator.process import ADDRESS_KEY, Aggregator
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.gloo import create_gloo_group, dedicated_store, group_timeout
 from rankwatch.exporter.identity import local_identity
+from rankwatch.exporter.layout import GroupLayout
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
 from rankwatch.exporter.publish.recorder import RunRecorder, end_of_run_text
 from rankwatch.exporter.run_name import resolve_run_name
 from rankwatch.exporter.step_time.collectives import install_collective_waits
-from rankwatch.exporter.step_time.collector import WindowCollector
+from rankwatch.exporter.step_time.collector import RowShipper
 from rankwatch.exporter.step_time.device_mesh import mesh_layout, model_mesh
 from rankwatch.exporter.step_time.device_waits import fsdp_device_waits
 from rankwatch.exporter.step_time.gpu_events import (
@@ -50,7 +55,7 @@ from rankwatch.exporter.step_time.gpu_events import (
 from rankwatch.exporter.step_time.hang_file import HangFileWriter, install_sigterm
 from rankwatch.exporter.step_time.hang_record import DeclaredPhase, install_checkpoint_phases
 from rankwatch.exporter.step_time.hang_root import HangRoot
-from rankwatch.exporter.step_time.hang_standin import StandIn
+from rankwatch.exporter.step_time.hang_standin import LocalHangReports, StandIn
 from rankwatch.exporter.step_time.hang_watch import HangWatcher, pid_namespace
 from rankwatch.exporter.step_time.hooks import (
     WatchedLoader,
@@ -67,7 +72,6 @@ from rankwatch.exporter.step_time.timer import (
     TIMED_SIGNALS,
     StepTimer,
 )
-from rankwatch.exporter.step_time.transport import GroupLayout, Transport
 from rankwatch.exporter.storage import GuardedWrites
 
 __all__ = ["RankWatch"]
@@ -102,6 +106,34 @@ def _has_hub(publishers: Iterable[Any]) -> bool:
     and no hub exists unless someone imported it."""
     hub = sys.modules.get("rankwatch.exporter.publish.hub")
     return hub is not None and any(isinstance(p, hub.PublisherHub) for p in publishers)
+
+
+# RankWatch objects made so far per group of ranks, in this process: every member makes them in
+# the same order (construction is collective), so the count names one group's store keys.
+_GENERATIONS: dict[tuple[int, ...], int] = {}
+
+
+def _group_store(ranks: tuple[int, ...]) -> Any:
+    """A prefix of the job's c10d store private to this ``RankWatch`` of these ranks (the
+    aggregator's address, identities, hang records)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    generation = _GENERATIONS.get(ranks, 0)
+    _GENERATIONS[ranks] = generation + 1
+    digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+    return dist.PrefixStore(f"rankwatch/step/{digest}/{generation}/", _get_default_store())
+
+
+def _store_address(store: Any) -> tuple[str, int, str] | None:
+    """``(host, port, token)`` of the group's aggregator from the store, once its root set it
+    (never waits: one look)."""
+    if not store.check([ADDRESS_KEY]):
+        return None
+    value = store.get(ADDRESS_KEY).decode()
+    host_port, _, token = value.rpartition(":")
+    host, _, port = host_port.rpartition(":")
+    return host, int(port), token
 
 
 def _resolve_layout(group: Any) -> tuple[GroupLayout | None, bool]:
@@ -216,24 +248,20 @@ class RankWatch:
         self._gpu_off_warned = False
         self._collects = 0
         self._closed = False
-        self._collector: WindowCollector | None = None
+        self._collector: RowShipper | None = None
+        self._aggregator: Aggregator | None = None
         self._hang: HangWatcher | None = None
         self._undo_sigterm: Any = None
         self._layout: GroupLayout | None = None
         self.timer: StepTimer | None = None
         if not config.enabled:
             return
-        layout, members_only = _resolve_layout(group)
+        layout, _ = _resolve_layout(group)
         if not config.run_id:  # RankWatch made without init(): the shared name (run_name)
             run = resolve_run_name(config)
             if run.name:
                 config = self.config = dataclasses.replace(config, run_id=run.name)
         if layout is None or not layout.is_member:
-            # Outside the group: the new_group call below is still collective for lists.
-            if layout is not None and not members_only and len(layout.ranks) > 1:
-                create_gloo_group(
-                    layout.ranks, members_only, group_timeout(config), config.gloo_lazy_connect
-                )
             return
         self._layout = layout
         if layout.is_root and not config.run_id:
@@ -245,47 +273,53 @@ class RankWatch:
             )
         self.timer = StepTimer(config.max_buffered_steps)
         self._want_gpu(self._cuda_available() if gpu_timing is None else gpu_timing)
-        transport: Transport | None = None
         identity = local_identity(config.node_name_env)
-        if len(layout.ranks) > 1:
-            pg = create_gloo_group(
-                layout.ranks, members_only, group_timeout(config), config.gloo_lazy_connect
+        store = _group_store(layout.ranks) if len(layout.ranks) > 1 else None
+        if store is not None:
+            # Where this rank runs, for a stand-in root's reports (the aggregator hears it in
+            # each rank's hello).
+            store.set(
+                f"info/{layout.rank}", "\n".join((identity[0], str(identity[1]), *identity[2:]))
             )
-            transport = Transport(layout, pg, dedicated_store(pg), lazy=config.gloo_lazy_connect)
-            transport.publish_identity(*identity)
-        self._collector = WindowCollector(
+        if layout.is_root:
+            self._aggregator = Aggregator(layout, config, self.publishers, store=store)
+            address = self._aggregator.address
+        else:
+            assert store is not None
+            address = functools.partial(_store_address, store)
+        self._collector = RowShipper(
             layout,
             self.timer,
             config,
             self.publishers,
-            transport,
+            address,
             lambda: self.strategy,
             identity,
         )
         self._collector.start()
         if config.hang_enabled:
-            self._start_hang_watch(layout, transport, identity[0])
+            self._start_hang_watch(layout, store, identity[0])
 
-    def _start_hang_watch(
-        self, layout: GroupLayout, transport: Transport | None, host: str
-    ) -> None:
+    def _start_hang_watch(self, layout: GroupLayout, store: Any, host: str) -> None:
         """Every rank's hang watcher; the root's runs the group's hang loop, the others' stand in
         for a root that is gone (see docs/hang.md)."""
         collector, config, timer = self._collector, self.config, self.timer
         assert collector is not None and timer is not None
-        store = transport.store if transport is not None else None
+        aggregator = self._aggregator
         root = standin = None
         loop = HangRoot(
             layout.ranks,
             layout.rank,
             store,
             config.hang_poll_seconds,
-            collector.publish_hang,
+            aggregator.publish_hang
+            if aggregator is not None
+            else LocalHangReports(layout, config, self.publishers, store).publish,
             group=config.group_name,
             host=host,
             pidns=pid_namespace(),
-            broken=(lambda: transport.broken | transport.closed) if transport is not None else set,
-            progress_age=collector.progress_age,
+            broken=aggregator.broken if aggregator is not None else set,
+            progress_age=aggregator.progress_age if aggregator is not None else lambda r: None,
             # The hub logs the incident's line; without one the hang loop logs it.
             log_lines=not _has_hub(self.publishers),
             warmup_steps=config.hang_warmup_steps,
@@ -294,10 +328,7 @@ class RankWatch:
             root = loop
         elif store is not None:
             standin = StandIn(
-                loop,
-                layout.root,
-                layout.ranks,
-                root_unreachable=lambda: transport is not None and transport.failed,
+                loop, layout.root, layout.ranks, root_unreachable=collector.unreachable
             )
         folder = config.artifact_dir
         writer = None
@@ -358,8 +389,10 @@ class RankWatch:
 
     @property
     def latest_report(self) -> WindowReport | None:
-        """The last window report published (root only; None elsewhere or before the first)."""
-        return self._collector.latest_report if self._collector is not None else None
+        """The last window report published (root only; None elsewhere or before the first). In
+        a group larger than ``root_rank_budget`` its per-rank part holds that many ranks
+        (``group_size`` says how many the group has)."""
+        return self._aggregator.latest_report if self._aggregator is not None else None
 
     # ---- timing --------------------------------------------------------------------------
 
@@ -531,8 +564,8 @@ class RankWatch:
             return dataloader
         if layout is None and model is not None:
             layout = model_mesh(model, self.ranks)
-        if layout is not None and self._collector is not None:
-            self._collector.mesh = layout
+        if layout is not None and self._aggregator is not None:
+            self._aggregator.set_mesh(layout)
         if model is not None:
             self._gpu_for_model(device)
         if device is not None:
@@ -601,6 +634,10 @@ class RankWatch:
                 self._undo_sigterm()
         if self._collector is not None:
             self._collector.stop(max(0.0, deadline - time.monotonic()))
+        if self._aggregator is not None:
+            # The summary window: the aggregator waits for the other ranks' final rows, then
+            # its report reaches the publishers before they close.
+            self._aggregator.stop(max(0.05, deadline - time.monotonic()))
         for pub in self.publishers:
             try:
                 pub.close(max(0.05, deadline - time.monotonic()))
@@ -617,9 +654,9 @@ class RankWatch:
             return
         try:
             guards = [] if recorder.guard is None else [recorder.guard]
-            if self._collector is not None:
-                guards += self._collector.storage_guards()
             faults = [text for g in guards if (text := g.not_written()) is not None]
+            if self._aggregator is not None:
+                faults = self._aggregator.not_written + faults
             text = end_of_run_text(recorder.summary(recorder.run), recorder.written, faults)
             sys.stderr.write(text)
             sys.stderr.flush()

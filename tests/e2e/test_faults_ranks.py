@@ -19,12 +19,14 @@ serves ``/metrics`` on the same port at once.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import time
 import traceback
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +261,57 @@ def scenario_root_restart(
     result["close_s"] = time.monotonic() - t0
 
 
+class _Lines(logging.Handler):
+    """Keeps the aggregator's log lines (the root process's ``rankwatch.aggregator`` logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def scenario_aggregator(
+    rank: int, world: int, out: str, extra: dict, result: dict[str, Any]
+) -> None:
+    """World 3, async windows every 0.25 s, an aggregator that may stand still for 2 s: the
+    parent kills the root's aggregator, then stops the next one for good, then stops the third
+    for 1 s only (a slow receiver). Rank 0 keeps its aggregator's pid in ``agg.pid``."""
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
+
+    lines = _Lines()
+    logging.getLogger("rankwatch.aggregator").addHandler(lines)
+    rec = Recorder()
+    rw = RankWatch(
+        config=_config(
+            interval_seconds=0.25, gather_timeout_seconds=1.0, aggregator_stall_seconds=2.0
+        ),
+        publishers=[rec],
+    )
+    pid_file = Path(out, "agg.pid")
+
+    def on_step(_: int) -> None:
+        agg = rw._aggregator
+        known = pid_file.read_text() if pid_file.exists() else ""
+        if agg is not None and agg.pid is not None and agg.address() and known != str(agg.pid):
+            pid_file.write_text(str(agg.pid))
+
+    _mark(out, rank, "running")
+    result.update(_train_steps(rw, extra["run_s"], on_step if rank == 0 else None))
+    t0 = time.monotonic()
+    rw.close(5.0)
+    agg = rw._aggregator
+    result.update(
+        close_s=time.monotonic() - t0,
+        reports=rec.reports,
+        lines=lines.lines,
+        restarts=None if agg is None else agg.restarts,
+    )
+
+
 SCENARIOS: dict[str, Callable[[int, int, str, dict, dict[str, Any]], None]] = {
+    "aggregator": scenario_aggregator,
     "kill_and_freeze": scenario_kill_and_freeze,
     "deepep": scenario_deepep,
     "root_restart": scenario_root_restart,
@@ -506,3 +558,66 @@ def test_root_killed_then_the_job_restarts_on_the_same_metrics_port(tmp_path: Pa
     assert later and min(later) <= 2
     for r in (0, 1):
         assert res2[r]["slowest_step_s"] < 0.5 and res2[r]["close_s"] < 5.5
+
+
+def _aggregator_pid(out: Path, other_than: int = 0, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        f = out / "agg.pid"
+        if f.exists() and (text := f.read_text()) and int(text) != other_than:
+            return int(text)
+        time.sleep(0.05)
+    raise AssertionError(f"no aggregator pid other than {other_than} within {timeout} s")
+
+
+def test_the_aggregator_killed_stuck_or_slow_costs_windows_only(tmp_path: Path) -> None:
+    """The root's aggregator SIGKILLed, then SIGSTOPped for good, then for 1 s: training goes
+    on, each fault is one clear line, the windows stop and resume, the run ends with its
+    summary."""
+    w = World("aggregator", 3, tmp_path, {"run_s": 14.0})
+    w.wait_running()
+    first = _aggregator_pid(tmp_path)
+    time.sleep(1.5)
+    killed_at = time.time()
+    os.kill(first, signal.SIGKILL)
+    second = _aggregator_pid(tmp_path, other_than=first)
+    time.sleep(1.0)
+    stuck_at = time.time()
+    os.kill(second, signal.SIGSTOP)  # killed by the root after 2 s without a beat
+    third = _aggregator_pid(tmp_path, other_than=second)
+    back_at = time.time()
+    time.sleep(1.0)
+    os.kill(third, signal.SIGSTOP)
+    slow_at = time.time()
+    time.sleep(1.0)  # under the 2 s the root allows: a slow receiver, not a stuck one
+    os.kill(third, signal.SIGCONT)
+    res = w.join()
+    for r in range(3):
+        _ok(res[r])
+    root = res[0]
+    live = [r for r in root["reports"] if r["window_kind"] == "live"]
+    walls = [float(r["wall"]) for r in live]
+    gaps = [(round(a - killed_at, 1), round(b - a, 1)) for a, b in pairwise(walls) if b - a > 0.75]
+    print(
+        f"{len(live)} live windows; gaps over 0.75 s at {gaps} s after the kill; "
+        f"lines {root['lines']}; slowest steps "
+        f"{[round(res[r]['slowest_step_s'], 3) for r in range(3)]} s"
+    )
+    assert root["restarts"] == 2, root["restarts"]
+    # One line when each ended, one when each was back, one for the stuck one.
+    ended = [line for line in root["lines"] if "ended" in line]
+    stuck = [line for line in root["lines"] if "has not moved" in line]
+    back = [line for line in root["lines"] if "is back (pid" in line]
+    assert len(ended) == 2 and len(stuck) == 1 and len(back) == 2, root["lines"]
+    # The windows stop while it is gone and resume once it is back, after each fault.
+    assert any(killed_at < t < stuck_at for t in walls), walls
+    assert any(t > back_at for t in walls)
+    assert any(t > slow_at + 1.5 for t in walls)
+    # Training never waited for any of it.
+    for r in range(3):
+        assert res[r]["slowest_step_s"] < 0.5, res[r]["slowest_step_s"]
+        assert res[r]["close_s"] < 5.5, res[r]["close_s"]
+    # The slow receiver lost nothing: its windows continue the step ranges without a gap,
+    # and the run ends on its summary with every rank.
+    summary = [r for r in root["reports"] if r["window_kind"] == "summary"]
+    assert len(summary) == 1 and summary[0]["missing_ranks"] == []

@@ -469,9 +469,9 @@ def test_watch_gives_the_explicit_rows_and_detects_ddp_and_fsdp(tmp_path: Path) 
         assert len(summaries) == 1, key
         st = summaries[0]["step_time"]
         assert st["strategy"] == strategy and st["step_range"] == [0, 7], (key, st)
-    from rankwatch.exporter.step_time.messages import CHUNK_ROWS
+    from rankwatch.exporter.aggregator.wire import MAX_ROWS_PER_FRAME
 
-    assert BULK_STEPS > 2 * CHUNK_ROWS
+    assert BULK_STEPS > 2 * MAX_ROWS_PER_FRAME
     (bulk,) = res[0]["bulk_reports"]  # no round before close: only the summary
     assert bulk["window_kind"] == "summary" and bulk["missing_ranks"] == []
     assert bulk["step_time"]["step_range"] == [0, BULK_STEPS - 1]

@@ -112,6 +112,7 @@ def test_free_text_options_are_only_the_expected_ones() -> None:
     # If a new free-text option appears, decide here whether it needs validation.
     assert FREE_TEXT == [
         "DEEPEP_DIAGNOSE_LOG_PATH",
+        "RANKWATCH_AGGREGATOR_HOST",
         "RANKWATCH_ARTIFACT_DIR",
         "RANKWATCH_GROUP",
         "RANKWATCH_METRICS_ADDR",

@@ -1,4 +1,4 @@
-"""The root's bounded state (row tails + block sums) gives the reports of the full rows."""
+"""The aggregator's bounded state (row tails + block sums) gives the reports of the full rows."""
 
 from __future__ import annotations
 
@@ -22,10 +22,9 @@ from rankwatch.diagnosis.step_time.table import (
     reduce_window,
     rows_after,
 )
+from rankwatch.exporter.aggregator.windows import GroupWindows, root_tail_rows, window_arrays
+from rankwatch.exporter.aggregator.wire import Blocks, Rows
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.step_time.collector import WindowCollector, root_tail_rows, window_arrays
-from rankwatch.exporter.step_time.timer import StepTimer
-from rankwatch.exporter.step_time.transport import GroupLayout
 
 TAIL = 216
 ASYNC_COL = BASE_WIDTH + EXTRA_COLUMNS.index("async_collectives")
@@ -221,20 +220,25 @@ def test_bad_sizes_are_refused_by_name() -> None:
 
 
 def test_the_root_summary_matches_the_full_rows() -> None:
-    """The root collector keeps bounded rows, yet its summary is the full-row report."""
+    """The aggregator keeps bounded rows, yet its summary is the full-row report."""
     ranks = (0, 1, 2, 3)
     config = RankwatchConfig.from_env(env={})
-    collector = WindowCollector(
-        GroupLayout(ranks, 0), StepTimer(64), config, [], None, lambda: "ddp", ("host", 0)
-    )
+    collector = GroupWindows(ranks, config)
     per_rank: dict[int, np.ndarray | None] = dict(example_window(4, 3000, slow_rank=2).per_rank)
+    # Each rank sums its own closed blocks and ships them with its rows (as RowShipper does).
+    own = {
+        r: StepBlocks((r,), window_steps=10_000, tail_rows=200, records=True) for r in ranks
+    }
     for k in range(0, 3000, 250):
         for r in ranks:
             rows = per_rank[r]
             assert rows is not None
-            collector._keep(r, rows[k : k + 250], 0.0)
-    cap = root_tail_rows(config)
-    assert all(len(b) == cap for b in collector._buffers.values())
+            own[r].add(r, rows[k : k + 250])
+            own[r].flush()
+            collector.take_blocks([Blocks(r, own[r].taken_records()[1])])
+            collector.take(r, Rows(r, 0, 0, "ddp", 0, rows[k : k + 250]), 0.0)
+    cap = root_tail_rows(config, len(ranks))
+    assert all(collector.rows.size(i) == cap for i in range(len(ranks)))
     window = config.diagnosis.step_time.summary_window_steps
     _, got = collector._diagnose("summary", list(ranks), window)
     want = diagnose_arrays(per_rank, strategy="ddp", window=window)
@@ -247,9 +251,7 @@ def test_the_live_window_from_short_tails_is_the_full_tail_window(gap: bool) -> 
     align the longer tails, as before."""
     ranks = (0, 1, 2)
     config = RankwatchConfig.from_env(env={})
-    collector = WindowCollector(
-        GroupLayout(ranks, 0), StepTimer(64), config, [], None, lambda: "ddp", ("host", 0)
-    )
+    collector = GroupWindows(ranks, config)
     per_rank: dict[int, np.ndarray | None] = dict(example_window(3, 400, slow_rank=1).per_rank)
     if gap:
         rows = per_rank[1]
@@ -258,10 +260,10 @@ def test_the_live_window_from_short_tails_is_the_full_tail_window(gap: bool) -> 
     for r in ranks:
         rows = per_rank[r]
         assert rows is not None
-        collector._keep(r, rows, 0.0)
+        collector.take(r, Rows(r, 0, 0, "ddp", 0, rows), 0.0)
     window = config.diagnosis.step_time.live_window_steps
     _, got = collector._diagnose("live", list(ranks), window)
-    full = window_arrays(collector._buffers, list(ranks), window)
+    full = window_arrays(collector.rows, list(ranks), window)
     want = diagnose_arrays(full, strategy="ddp", window=window)
     same(want.to_dict(), got.to_dict())
     assert got.steps == window and got.step_range == ((290, 399) if gap else (300, 399))
@@ -279,3 +281,41 @@ def test_one_shipment_longer_than_the_ring_keeps_the_newest_blocks() -> None:
     assert not blocks.approximate
     assert means.step_range == want.step_range == (1600, 2599)
     assert np.allclose(means.means, want.means, rtol=1e-9)
+
+
+def test_blocks_summed_by_each_rank_are_the_blocks_summed_in_one_place() -> None:
+    """A rank's own closed blocks, shipped as records and kept elsewhere, give the window the
+    blocks summed from the rows in one place give: records carry every field."""
+    per_rank: dict[int, np.ndarray | None] = dict(example_window(3, 2600, slow_rank=1).per_rank)
+    rows1 = per_rank[1]
+    assert rows1 is not None
+    per_rank[1] = np.delete(rows1, np.s_[1200:1210], axis=0)  # a ragged old block
+    central = feed(per_rank, 1000, chunk=130)
+    kept = StepBlocks(list(per_rank), window_steps=1000, tail_rows=TAIL)
+    for rank, rows in per_rank.items():
+        assert rows is not None
+        own = StepBlocks([rank], window_steps=1000, tail_rows=TAIL, records=True)
+        for k in range(0, len(rows), 130):
+            own.add(rank, rows[k : k + 130])
+            own.flush()
+            ranks, records = own.taken_records()
+            assert set(ranks) <= {rank}
+            kept.put_records(ranks, records)
+    tails = {r: (a[-TAIL:] if a is not None else None) for r, a in per_rank.items()}
+    a, b = central.reduce(tails, 1000), kept.reduce(tails, 1000)
+    np.testing.assert_array_equal(a.means, b.means)
+    np.testing.assert_array_equal(a.measured, b.measured)
+    assert (a.steps, a.step_range, a.clock) == (b.steps, b.step_range, b.clock)
+    assert central.approximate == kept.approximate
+
+
+def test_block_records_bad_input_is_named() -> None:
+    blocks = StepBlocks([0], window_steps=1000, tail_rows=TAIL)
+    with pytest.raises(ValueError, match="records=True"):
+        blocks.taken_records()
+    with pytest.raises(ValueError, match="field records: dtype"):
+        blocks.put_records([0], np.zeros(1, dtype=[("index", "<i8")]))
+    bad = np.zeros(1, dtype=blocks.record_dtype)
+    bad["index"] = -3
+    with pytest.raises(ValueError, match="block index -3 is negative"):
+        blocks.put_records([0], bad)

@@ -217,7 +217,7 @@ def test_lightning_callback_makes_one_row_per_optimizer_step_when_accumulating(
     trainer.fit(lightning_regressor(), train_dataloaders=pairs_loader(0, 8 * 10))
     rw = callback.rankwatch
     assert rw is not None and rw.timer is not None and not rw.active
-    assert rw._collector is not None and rw._collector.mesh == MeshLayout(("dp",), (1,), (0,))
+    assert rw._aggregator is not None and rw._aggregator.mesh == MeshLayout(("dp",), (1,), (0,))
     rows = rw.timer.ring[: rw.timer.written]
     assert len(rows) == 5  # ten batches, five optimizer steps
     assert not any(math.isnan(v) for v in rows[:, [1, 3, 4, 5]].ravel())
@@ -249,7 +249,7 @@ def test_trainer_callback_makes_one_row_per_optimizer_step_when_accumulating(
     trainer.train()
     rw = callback.rankwatch
     assert rw is not None and rw.timer is not None and not rw.active
-    assert rw._collector is not None and rw._collector.mesh == MeshLayout(("pp",), (1,), (0,))
+    assert rw._aggregator is not None and rw._aggregator.mesh == MeshLayout(("pp",), (1,), (0,))
     rows = rw.timer.ring[: rw.timer.written]
     assert len(rows) == 5  # ten micro-batches, five optimizer steps
     assert not any(math.isnan(v) for v in rows[:, [1, 3, 4, 5]].ravel())

@@ -54,8 +54,8 @@ def test_watch_hands_the_mesh_to_the_root_and_refuses_a_bad_one() -> None:
         with pytest.raises(TypeError, match="watch: field mesh"):
             rw.watch(mesh=3)
         rw.watch(torch.nn.Linear(2, 2), mesh={"pp": 1})
-        assert rw._collector is not None
-        assert rw._collector.mesh == MeshLayout(("pp",), (1,), (0,))
+        assert rw._aggregator is not None
+        assert rw._aggregator.mesh == MeshLayout(("pp",), (1,), (0,))
     finally:
         rw.close(5.0)
     off = RankWatch(config=single_config(enabled=False))
