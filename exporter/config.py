@@ -197,6 +197,11 @@ class RankwatchConfig:
     root_rank_budget: int = field(
         default=64, metadata=option("RANKWATCH_ROOT_RANK_BUDGET", 1, 1_048_576)
     )
+    # Node leaders (exporter/step_time/node_relay.py): the other ranks of a node ship through
+    # its lowest rank; "auto" in groups of 1,024 ranks or more.
+    node_leaders: str = field(
+        default="auto", metadata=option("RANKWATCH_NODE_LEADERS", choices=("auto", "on", "off"))
+    )
     strategy: str = field(
         default="", metadata=option("RANKWATCH_STRATEGY", choices=("", "ddp", "fsdp"))
     )

@@ -746,10 +746,13 @@ def _diagnose(
             ranked.append((finding, evidence.score))
     ranked.extend(_bottlenecks(wm, cfg))
     if ranked:
+        # Scores equal within EPSILON rank in the fixed order of kinds: two shares that are
+        # the same fraction computed two ways (window means, or rows summed step by step) can
+        # differ in their last bit, and must not change the headline between the two paths.
         ranked.sort(
             key=lambda fs: (
                 -SEVERITY_LEVELS[fs[0].severity],
-                -fs[1],
+                -round(fs[1] / EPSILON),
                 0 if fs[0].is_straggler else 1 + _BOTTLENECK_ORDER.index(fs[0].kind),
             )
         )

@@ -196,11 +196,12 @@ def _rank_at(index: int, lengths: Sequence[int], ranks: Sequence[int | None]) ->
 
 def _table_is_clean(table: FloatArray) -> bool:
     """The usual answer of :func:`_check_table`, from two NaN-skipping reductions over the
-    whole table (one pass each, no temporaries the size of the table) and the id column."""
+    whole table (one pass each, no temporaries the size of the table) and the id column. A
+    cube of rows (``[ranks, steps, ROW_WIDTH]``) is read the same way."""
     with np.errstate(invalid="ignore"):
         lowest = np.fmin.reduce(table, axis=None)  # NaN only when every value is NaN
         highest = np.fmax.reduce(table, axis=None)
-    ids = table[:, 0]
+    ids = table[..., 0]
     return (
         not bool(lowest < 0)
         and not bool(np.isinf(highest))
@@ -392,8 +393,18 @@ def reduce_cube_window(
         raise ValueError(
             f"field cube: shape {cube.shape}, expected [{len(present_ranks)}, n, {ROW_WIDTH}]"
         )
-    table = np.ascontiguousarray(cube).reshape(m * n, ROW_WIDTH)
-    return _reduce_table(list(ranks), list(present_ranks), table, [n] * m, window, outliers)
+    ids = cube[0, :, 0] if m else np.empty(0)
+    same_ids = m > 0 and bool((cube[:, :, 0] == ids).all()) and bool((np.diff(ids) > 0).all())
+    if not (same_ids and _table_is_clean(cube)):
+        # The rows one table, as reduce_window reads them (its checks name the bad value).
+        table = np.ascontiguousarray(cube).reshape(m * n, ROW_WIDTH)
+        return _reduce_table(list(ranks), list(present_ranks), table, [n] * m, window, outliers)
+    # The usual window: every rank the same step ids, every value clean; reduced where it lies.
+    present = np.isin(np.asarray(ranks), np.asarray(present_ranks, dtype=np.int64))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _reduce_cube(
+            list(ranks), present, cube[:, -window:], ids[-window:], outliers=outliers
+        )
 
 
 def _reduce_table(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from rankwatch.exporter.aggregator.wire import (
     KIND_BLOCKS,
+    KIND_GONE,
     KIND_HELLO,
     KIND_ROWS,
     Blocks,
@@ -38,6 +39,7 @@ from rankwatch.exporter.aggregator.wire import (
     decode_rows,
     encode_refused,
     encode_welcome,
+    frame_rank,
     split_frames,
 )
 
@@ -207,8 +209,8 @@ class Intake:
             try:
                 if kind == KIND_HELLO:
                     out += self._hello(conn, decode_hello(payload))
-                    if not conn.ranks:
-                        return out  # refused
+                    if conn not in self._conns:
+                        return out  # refused and closed
                 elif not conn.ranks:
                     raise WireError(f"frame: field kind: value {kind}, expected a hello first")
                 elif kind == KIND_ROWS:
@@ -219,6 +221,13 @@ class Intake:
                     closed = decode_blocks(payload)
                     _spoken_for(conn, "blocks", closed.rank)
                     out.append(Event("blocks", closed.rank, blocks=closed))
+                elif kind == KIND_GONE:
+                    rank = frame_rank(payload)
+                    _spoken_for(conn, "gone", rank)
+                    conn.ranks.discard(rank)
+                    if self.by_rank.get(rank) is conn:
+                        del self.by_rank[rank]
+                        out.append(Event("closed", rank))
                 else:
                     raise WireError(f"frame: field kind: value {kind} is not a rank's frame")
             except WireError as exc:
@@ -231,12 +240,12 @@ class Intake:
             self._drop(conn, f"{conn.peer}: hello with another group's token (rank {hello.rank})")
             return []
         if hello.rank not in self.ranks:
-            self._send_and_drop(conn, f"rank {hello.rank} is not in this group")
+            self._refuse(conn, hello.rank, f"rank {hello.rank} is not in this group")
             return []
         if conn.refuse:
             self.refused.add(hello.rank)
             self._say_no_room(hello.rank)
-            self._send_and_drop(conn, conn.refuse)
+            self._refuse(conn, hello.rank, conn.refuse)
             return [Event("refused", hello.rank)]
         old = self.by_rank.get(hello.rank)
         if old is not None and old is not conn:
@@ -248,13 +257,16 @@ class Intake:
         conn.ranks.add(hello.rank)
         self.by_rank[hello.rank] = conn
         self.refused.discard(hello.rank)
-        self.send(hello.rank, encode_welcome())
+        self.send(hello.rank, encode_welcome(hello.rank))
         return [Event("hello", hello.rank, hello=hello)]
 
-    def _send_and_drop(self, conn: _Conn, why: str) -> None:
+    def _refuse(self, conn: _Conn, rank: int, why: str) -> None:
+        """Tell ``rank`` no; close the connection unless it speaks for other ranks too (a
+        leader's)."""
         with contextlib.suppress(OSError):
-            conn.sock.send(encode_refused(why))
-        self._drop(conn)
+            conn.sock.send(encode_refused(rank, why))
+        if not conn.ranks:
+            self._drop(conn)
 
     def _drop(self, conn: _Conn, why: str = "") -> list[Event]:
         if why:

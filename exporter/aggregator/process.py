@@ -52,7 +52,9 @@ _MODULE = "rankwatch.exporter.aggregator"
 _FIRST_BACKOFF_SECONDS = 1.0
 _MAX_BACKOFF_SECONDS = 60.0
 _HEALTHY_SECONDS = 60.0  # up this long, the back-off starts again from the first
-_RELAY_POLL_SECONDS = 0.5
+# The relay looks at the aggregator's beat at least this often (and four times per stall
+# budget): each look wakes a thread of the root's process.
+_RELAY_POLL_SECONDS = 5.0
 
 
 def _underlying_host(store: Any) -> str | None:
@@ -316,7 +318,8 @@ class Aggregator:
             fd = self._from_child
             assert fd is not None
             try:
-                ready, _, _ = select.select([fd], [], [], _RELAY_POLL_SECONDS)
+                poll = min(_RELAY_POLL_SECONDS, self.config.aggregator_stall_seconds / 4)
+                ready, _, _ = select.select([fd], [], [], poll)
                 chunk = os.read(fd, 1 << 20) if ready else None
             except OSError:
                 chunk = b""

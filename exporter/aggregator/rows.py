@@ -82,34 +82,45 @@ class GroupRows:
         self.progress_at[i] = time.monotonic() if now is None else now
         return kept
 
-    def append_batch(self, idx: IntArray, cube: FloatArray, now: float) -> IntArray:
-        """Append ``cube[j]`` (``[m, k, ROW_WIDTH]``: the same number of rows each) to rank
-        ``idx[j]``, in one pass for every shipment that follows its rank's last step in
-        ascending order; returns the positions of the others (untouched: the caller takes them
-        through :meth:`append`). ``idx`` must not repeat a rank."""
-        k = cube.shape[1]
+    def append_batch(self, idx: IntArray, shipments: Sequence[FloatArray], now: float) -> IntArray:
+        """Append ``shipments[j]`` (the same number of rows each) to rank ``idx[j]``, in one
+        pass for every shipment that follows its rank's last step in ascending order; returns
+        the positions of the others (untouched: the caller takes them through :meth:`append`).
+        ``idx`` must not repeat a rank."""
+        m = len(shipments)
+        k = len(shipments[0]) if m else 0
         if k == 0:
             return np.empty(0, dtype=np.int64)
         if k > self.capacity:
-            return np.arange(len(idx))
-        ids = cube[:, :, 0]
-        ok = ids[:, 0] > self.last_step[idx]
+            return np.arange(m)
+        firsts = np.fromiter((s[0, 0] for s in shipments), np.float64, m)
+        ok = firsts > self.last_step[idx]
         if k > 1:
-            ok &= (ids[:, 1:] > ids[:, :-1]).all(axis=1)
+            lasts = np.fromiter((s[-1, 0] for s in shipments), np.float64, m)
+            # Ascending inside: checked in full only where the span is not exactly k - 1 steps.
+            span = lasts - firsts
+            for j in np.flatnonzero(ok & (span != k - 1)).tolist():
+                ids = shipments[j][:, 0]
+                ok[j] = bool((ids[1:] > ids[:-1]).all())
+        else:
+            lasts = firsts
         take = np.flatnonzero(ok)
         if take.size:
             rank_idx = idx[take]
-            start = self.count[rank_idx] % self.capacity
-            a = int(start[0])
-            if a + k <= self.capacity and (start == a).all():
-                # Every ring at the same place (ranks that shipped alike since they started):
-                # one copy of whole rows instead of an index per value.
-                self.data[rank_idx, a : a + k] = cube if take.size == len(idx) else cube[take]
-            else:
-                slots = (start[:, None] + np.arange(k)) % self.capacity
-                self.data[rank_idx[:, None], slots] = cube[take]
+            starts = (self.count[rank_idx] % self.capacity).tolist()
+            data, cap = self.data, self.capacity
+            # One or two slice copies per shipment (where it wraps the ring's end): cheaper
+            # than stacking the shipments and scattering them by index (measured at 16,384
+            # ranks x 100 rows: 63 ms against 520).
+            for j, i, a in zip(take.tolist(), rank_idx.tolist(), starts, strict=True):
+                rows = shipments[j]
+                if a + k <= cap:
+                    data[i, a : a + k] = rows
+                else:
+                    data[i, a:] = rows[: cap - a]
+                    data[i, : k - (cap - a)] = rows[cap - a :]
             self.count[rank_idx] += k
-            self.last_step[rank_idx] = ids[take, -1]
+            self.last_step[rank_idx] = lasts[take]
             self.progress_at[rank_idx] = now
         return np.flatnonzero(~ok)
 
@@ -150,8 +161,26 @@ class GroupRows:
         return first + older + int(np.searchsorted(newer, max_step, side="right"))
 
     def last_rows(self, idx: IntArray, n: int, skip: IntArray | None = None) -> FloatArray:
-        """``[len(idx), n, ROW_WIDTH]``: a copy of each rank of ``idx``'s last ``n`` rows
-        before its newest ``skip[j]`` (none skipped by default); each must hold that many."""
+        """``[len(idx), n, ROW_WIDTH]``: each rank of ``idx``'s last ``n`` rows before its
+        newest ``skip[j]`` (none skipped by default); each must hold that many. A view of the
+        rings when ``idx`` is every rank in order and every ring ends at the same place (the
+        usual round: no copy of a window that can be a gigabyte), else a copy. Read-only."""
         end = self.count[idx] if skip is None else self.count[idx] - skip
+        stop = end % self.capacity
+        a = int(stop[0]) if len(stop) else 0
+        if len(stop) and (stop == a).all():
+            # Every ring ends at the same place (the usual round): whole slices of rows, no
+            # index per value; no copy at all for every rank in order where the window does
+            # not cross the ring's end.
+            whole = len(idx) == len(self.ranks) and bool((idx == np.arange(len(idx))).all())
+
+            def part(lo: int, hi: int) -> FloatArray:
+                return self.data[:, lo:hi] if whole else self.data[idx, lo:hi]
+
+            if a >= n:
+                rows = part(a - n, a)
+                rows.flags.writeable = False
+                return rows
+            return np.concatenate((part(self.capacity - (n - a), self.capacity), part(0, a)), 1)
         slots = (end[:, None] - n + np.arange(n)) % self.capacity
         return self.data[idx[:, None], slots]

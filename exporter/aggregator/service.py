@@ -192,7 +192,7 @@ class _Service:
             for i, key in enumerate(RANK_MEAN_KEYS):
                 v = means.get(key)
                 values[i] = np.nan if v is None else v
-            self.intake.send(rank, encode_own(report.window_index, st.clock, values))
+            self.intake.send(rank, encode_own(rank, report.window_index, st.clock, values))
 
     def _write_board(self, now: float, force: bool = False) -> None:
         self.board.beat(now)
@@ -203,15 +203,16 @@ class _Service:
         if not w.changed:
             return
         items = []
+        st = w.state
         for rank in w.changed:
-            st = w.state[rank]
+            i = w.index[rank]
             state = (
                 REFUSED
-                if st.refused
+                if st.refused[i]
                 else HUNG_UP
-                if st.hung_up
+                if st.hung_up[i]
                 else FINAL
-                if st.final
+                if st.final[i]
                 else CONNECTED
             )
             items.append((rank, w.progress_at(rank), state))

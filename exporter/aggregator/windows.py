@@ -99,17 +99,27 @@ def window_arrays(
     return out
 
 
-@dataclass
-class _Rank:
-    last_heard: float = -math.inf  # monotonic time of the last shipment
-    round_seq: int = -1  # highest round seq whose end arrived
-    round_end_at: float = -math.inf  # monotonic time the last end-of-round arrived
-    final: bool = False
-    missing_since: float | None = None  # set while the rank is considered missing
-    lost: int = 0
-    strategy: str | None = None
-    hung_up: bool = False  # its connection closed
-    refused: bool = False  # no room to take its connection
+class RankStates:
+    """What the windows know of each rank, one array per field (by the rank's index in the
+    group), so that a round of thousands of ranks updates them in a few numpy operations."""
+
+    def __init__(self, n: int) -> None:
+        self.last_heard = np.full(n, -math.inf)  # monotonic time of the last shipment
+        self.round_seq = np.full(n, -1, dtype=np.int64)  # highest round seq whose end arrived
+        self.round_end_at = np.full(n, -math.inf)  # monotonic time that end arrived
+        self.final = np.zeros(n, dtype=bool)
+        self.missing_since = np.full(n, math.nan)  # set while the rank is considered missing
+        self.lost = np.zeros(n, dtype=np.int64)
+        self.hung_up = np.zeros(n, dtype=bool)  # its connection closed
+        self.refused = np.zeros(n, dtype=bool)  # no room to take its connection
+        self.strategy: dict[int, str] = {}  # by index, the ranks that named one
+
+    def broken(self) -> np.ndarray:
+        """Ranks that cannot ship: refused, or hung up before their final rows."""
+        return self.refused | (self.hung_up & ~self.final)
+
+    def missing(self) -> np.ndarray:
+        return ~np.isnan(self.missing_since)
 
 
 @dataclass(frozen=True)
@@ -138,7 +148,8 @@ class GroupWindows:
             tail_rows=cap,
             outliers=outlier_rule(config.diagnosis.step_time),
         )
-        self.state = {r: _Rank() for r in self.ranks}
+        self.state = RankStates(len(self.ranks))
+        self.index = self.rows.index
         self.infos: dict[int, RankInfo] = {}
         self._infos_tuple: tuple[RankInfo, ...] | None = None  # every rank's, until a hello
         self.mesh: MeshLayout | None = None
@@ -157,40 +168,42 @@ class GroupWindows:
         """A rank connected (again): where it runs."""
         self.infos[info.rank] = info
         self._infos_tuple = None
-        st = self.state[info.rank]
-        st.hung_up = st.refused = False
+        i = self.index[info.rank]
+        self.state.hung_up[i] = self.state.refused[i] = False
         self.changed.add(info.rank)
 
     def refused(self, rank: int) -> None:
         """A rank the intake had no room for: named missing."""
-        self.state[rank].refused = True
+        self.state.refused[self.index[rank]] = True
         self.changed.add(rank)
 
     def hung_up(self, rank: int) -> None:
         """A rank's connection closed (after its final rows, or not)."""
-        self.state[rank].hung_up = True
+        self.state.hung_up[self.index[rank]] = True
         self.changed.add(rank)
 
     def take(self, rank: int, shipment: Rows, now: float) -> None:
         """One shipment (or part) of ``rank``'s rows."""
-        self.rows.append(self.rows.index[rank], shipment.rows, now)
-        self._note(rank, shipment, now)
+        self.take_all([shipment], now)
 
     def take_blocks(self, shipments: Sequence[Blocks]) -> None:
         """Closed blocks of steps, each summed by its rank, for the summary window."""
         if not shipments:
             return
         ranks = [s.rank for s in shipments for _ in range(len(s.records))]
-        records = np.concatenate([s.records for s in shipments])
+        # One buffer of every record: concatenating thousands of small structured arrays
+        # costs more than their bytes (numpy promotes each array's fields).
+        dtype = shipments[0].records.dtype
+        records = np.frombuffer(b"".join(s.records.tobytes() for s in shipments), dtype=dtype)
         try:
             self.blocks.put_records(ranks, records)
         except ValueError as exc:  # a rank of another version; its rows still count
             log.warning("rankwatch: dropped closed blocks: %s", exc)
 
     def take_all(self, shipments: Sequence[Rows], now: float) -> None:
-        """Every shipment read in one turn, in the order read: as :meth:`take` on each, with
-        the usual round (every rank's rows after its last, the same count each) taken in one
-        pass of numpy instead of one per rank."""
+        """Every shipment read in one turn, in the order read, with the usual round (every
+        rank's rows after its last, the same count each) taken in a few passes of numpy
+        instead of one per rank."""
         by_rank: dict[int, list[Rows]] = {}
         for shipment in shipments:
             by_rank.setdefault(shipment.rank, []).append(shipment)
@@ -200,33 +213,44 @@ class GroupWindows:
             ranks, arrays = by_length.setdefault(len(rows), ([], []))
             ranks.append(rank)
             arrays.append(rows)
-            for part in parts:
-                self._note(rank, part, now)
         for ranks, arrays in by_length.values():
-            if len(ranks) == 1:
-                self.rows.append(self.rows.index[ranks[0]], arrays[0], now)
-                continue
-            cube = np.stack(arrays)
-            idx = np.fromiter((self.rows.index[r] for r in ranks), np.int64, len(ranks))
-            for j in self.rows.append_batch(idx, cube, now).tolist():
+            idx = np.fromiter((self.index[r] for r in ranks), np.int64, len(ranks))
+            for j in self.rows.append_batch(idx, arrays, now).tolist():
                 self.rows.append(int(idx[j]), arrays[j], now)
+        self._note(by_rank, now)
 
-    def _note(self, rank: int, shipment: Rows, now: float) -> None:
-        st = self.state[rank]
-        st.last_heard = now
-        st.lost = shipment.lost
-        if shipment.strategy is not None:
-            st.strategy = shipment.strategy
-        if shipment.end_of_round:
-            st.round_seq = max(st.round_seq, shipment.seq)
-            st.round_end_at = now
-            self._round_requested = max(self._round_requested, shipment.seq)
-        if shipment.final:
-            st.final = True
-        if st.missing_since is not None and now > st.missing_since:
-            log.info("rankwatch: rank %d is back", rank)
-            st.missing_since = None
-        self.changed.add(rank)
+    def _note(self, by_rank: dict[int, list[Rows]], now: float) -> None:
+        """What the shipments say of their ranks: heard, rounds ended, final rows, back."""
+        if not by_rank:
+            return
+        st = self.state
+        last = [parts[-1] for parts in by_rank.values()]
+        idx = np.fromiter((self.index[s.rank] for s in last), np.int64, len(last))
+        st.last_heard[idx] = now
+        st.lost[idx] = [s.lost for s in last]
+        ended = [
+            (i, p.seq)
+            for i, parts in zip(idx.tolist(), by_rank.values(), strict=True)
+            for p in parts
+            if p.end_of_round
+        ]
+        if ended:
+            e_idx = np.fromiter((i for i, _ in ended), np.int64, len(ended))
+            seqs = np.fromiter((q for _, q in ended), np.int64, len(ended))
+            np.maximum.at(st.round_seq, e_idx, seqs)
+            st.round_end_at[e_idx] = now
+            self._round_requested = max(self._round_requested, int(seqs.max()))
+        for i, parts in zip(idx.tolist(), by_rank.values(), strict=True):
+            for part in parts:
+                if part.strategy is not None and st.strategy.get(i) != part.strategy:
+                    st.strategy[i] = part.strategy
+                if part.final:
+                    st.final[i] = True
+        back = idx[~np.isnan(st.missing_since[idx]) & (now > st.missing_since[idx])]
+        for i in back.tolist():
+            log.info("rankwatch: rank %d is back", self.ranks[i])
+        st.missing_since[back] = math.nan
+        self.changed.update(by_rank)
 
     # ---- windows ---------------------------------------------------------------------------
 
@@ -260,11 +284,9 @@ class GroupWindows:
 
     def finals_missing(self) -> list[int]:
         """Ranks whose final shipment is still expected (shutdown)."""
-        return [
-            r
-            for r, st in self.state.items()
-            if not st.final and st.missing_since is None and r not in self._broken()
-        ]
+        st = self.state
+        waiting = ~st.final & ~st.missing() & ~st.broken()
+        return [self.ranks[i] for i in np.flatnonzero(waiting).tolist()]
 
     def summary(self, now: float) -> Window | None:
         """The summary window, once the final shipments are in or the budget is spent."""
@@ -293,39 +315,32 @@ class GroupWindows:
         its round ``round_seq`` (or a later one) has arrived.
         """
         recent = round_start - self.config.interval_seconds - POLL_SECONDS
-        broken = self._broken()
-        out = []
-        for rank, st in self.state.items():
-            if st.missing_since is not None or st.final or rank in broken:
-                continue
-            done = (
-                st.round_end_at >= recent if self.config.async_mode else st.round_seq >= round_seq
-            )
-            if not done:
-                out.append(rank)
-        return out
+        st = self.state
+        expected = ~st.missing() & ~st.final & ~st.broken()
+        done = st.round_end_at >= recent if self.config.async_mode else st.round_seq >= round_seq
+        return [self.ranks[i] for i in np.flatnonzero(expected & ~done).tolist()]
 
     def _broken(self) -> set[int]:
         """Ranks that cannot ship (refused for want of room, or hung up before their final
         rows)."""
-        return {r for r, st in self.state.items() if st.refused or (st.hung_up and not st.final)}
+        return {self.ranks[i] for i in np.flatnonzero(self.state.broken()).tolist()}
 
     def _mark_missing(self, rank: int, now: float) -> None:
-        st = self.state[rank]
-        if st.missing_since is None:
+        i = self.index[rank]
+        if math.isnan(self.state.missing_since[i]):
             log.warning(
                 "rankwatch: rank %d did not ship within %.1f s; marked missing",
                 rank,
                 self.config.gather_timeout_seconds,
             )
-            st.missing_since = now
+            self.state.missing_since[i] = now
 
     def _missing(self, now: float, summary: bool) -> list[int]:
         """Ranks absent from the window: not shipping, or (live windows) shipping without
         progress. The summary counts a rank that shipped its final rows as present, however
         early it stopped stepping."""
-        missing = {r for r, st in self.state.items() if st.missing_since is not None}
-        missing |= self._broken()
+        st = self.state
+        missing = {self.ranks[i] for i in np.flatnonzero(st.missing() | st.broken()).tolist()}
         if summary:
             return sorted(missing)
         # Stalled: still shipping but no new step for the gather timeout while another rank
@@ -343,13 +358,10 @@ class GroupWindows:
 
     def strategy(self) -> str | None:
         """The root's own strategy, else the first one another rank detected."""
-        mine = self.state[self.root].strategy
-        if mine is not None:
-            return mine
-        for st in self.state.values():
-            if st.strategy is not None:
-                return st.strategy
-        return None
+        named = self.state.strategy
+        if 0 in named:  # the root's (index 0: the lowest rank)
+            return named[0]
+        return named[min(named)] if named else None
 
     def _window(self, kind: str, window: int, now: float) -> Window | None:
         missing = self._missing(now, summary=kind == "summary")
@@ -434,7 +446,7 @@ class GroupWindows:
         skip = (lasts - lasts.min()).astype(np.int64)  # rows past the lowest last step
         if (np.minimum(rows.count[idx], rows.capacity) < window + skip).any():
             return None
-        cube = rows.last_rows(idx, window, skip)
+        cube = rows.last_rows(idx, window, skip)  # a view of the rows when it can be one
         ids = cube[0, :, 0]
         if ids[-1] != lasts.min() or not (cube[:, :, 0] == ids).all():
             return None

@@ -11,10 +11,11 @@ token, so a stray connection is refused), then, per shipment, ``BLOCKS`` and ``R
 * ``ROWS``: a header (the rank they belong to, the round, flags, rows lost) and the rows as
   little-endian float64, ``ROW_WIDTH`` columns each, exactly as the step timer wrote them.
 
-A connection may speak for several ranks (one ``HELLO`` each): each frame names its rank. The
-aggregator answers ``WELCOME`` or ``REFUSED`` and, in groups too large for the root to publish
-every rank's series, ``OWN``: the rank's own means of the window just diagnosed, which the rank
-then serves on its own ``/metrics``.
+A connection may speak for several ranks (a node's leader relays its node's ranks: one
+``HELLO`` each, and ``GONE`` when one of them leaves it): each frame names its rank. The
+aggregator answers, each answer naming its rank, ``WELCOME`` or ``REFUSED`` and, in groups too
+large for the root to publish every rank's series, ``OWN``: the rank's own means of the window
+just diagnosed, which the rank then serves on its own ``/metrics``.
 
 Decoding never trusts a peer: a frame's length is bounded (``MAX_FRAME_BYTES``), every field is
 checked, and a malformed frame is a :class:`WireError` naming the field and the value.
@@ -35,6 +36,7 @@ __all__ = [
     "FLAG_END_OF_ROUND",
     "FLAG_FINAL",
     "KIND_BLOCKS",
+    "KIND_GONE",
     "KIND_HELLO",
     "KIND_OWN",
     "KIND_REFUSED",
@@ -53,11 +55,15 @@ __all__ = [
     "decode_own",
     "decode_rows",
     "encode_blocks",
+    "encode_gone",
     "encode_hello",
     "encode_own",
     "encode_refused",
     "encode_rows",
     "encode_welcome",
+    "frame_bytes",
+    "frame_rank",
+    "refused_text",
     "split_frames",
 ]
 
@@ -65,6 +71,7 @@ VERSION = 1
 KIND_HELLO = 1
 KIND_ROWS = 2
 KIND_BLOCKS = 3
+KIND_GONE = 4
 KIND_WELCOME = 11
 KIND_REFUSED = 12
 KIND_OWN = 13
@@ -86,8 +93,10 @@ _HELLO = struct.Struct("<HHiiq")
 _ROWS = struct.Struct("<iqBBqI")
 # rank, steps per block, record count
 _BLOCKS = struct.Struct("<iHI")
-# window index, clock code, value count
-_OWN = struct.Struct("<qBH")
+# answers and a relayed rank's end: the rank they are for
+_RANK = struct.Struct("<i")
+# rank, window index, clock code, value count
+_OWN = struct.Struct("<iqBH")
 _TEXT = struct.Struct("<H")
 
 
@@ -132,6 +141,7 @@ class Rows:
 class OwnMeans:
     """A rank's own window means (``RANK_MEAN_KEYS`` order, NaN where unmeasured)."""
 
+    rank: int
     window_index: int
     clock: str
     means: tuple[float, ...]
@@ -219,20 +229,42 @@ def decode_blocks(payload: bytes) -> Blocks:
     return Blocks(rank, records)
 
 
-def encode_welcome() -> bytes:
-    return _frame(KIND_WELCOME, b"")
+def encode_gone(rank: int) -> bytes:
+    """A relayed rank's connection to its leader ended (from the leader)."""
+    return _frame(KIND_GONE, _RANK.pack(rank))
 
 
-def encode_refused(why: str) -> bytes:
-    return _frame(KIND_REFUSED, why.encode("utf-8", "replace")[:4096])
+def encode_welcome(rank: int) -> bytes:
+    return _frame(KIND_WELCOME, _RANK.pack(rank))
 
 
-def encode_own(window_index: int, clock: str, means: NDArray[np.float64]) -> bytes:
+def encode_refused(rank: int, why: str) -> bytes:
+    return _frame(KIND_REFUSED, _RANK.pack(rank) + why.encode("utf-8", "replace")[:4096])
+
+
+def encode_own(rank: int, window_index: int, clock: str, means: NDArray[np.float64]) -> bytes:
     """One ``OWN`` frame: a rank's means of the window just diagnosed."""
     values = np.ascontiguousarray(means, dtype="<f8")
-    return _frame(
-        KIND_OWN, _OWN.pack(window_index, CLOCK_CODES.get(clock, 0), len(values)) + values.tobytes()
-    )
+    head = _OWN.pack(rank, window_index, CLOCK_CODES.get(clock, 0), len(values))
+    return _frame(KIND_OWN, head + values.tobytes())
+
+
+def frame_rank(payload: bytes) -> int:
+    """The rank an answer (``WELCOME``, ``REFUSED``, ``OWN``) or a ``GONE`` is for."""
+    if len(payload) < _RANK.size:
+        raise WireError(f"frame: field rank: {len(payload)} bytes, too short for a rank")
+    (rank,) = _RANK.unpack_from(payload)
+    return int(rank)
+
+
+def refused_text(payload: bytes) -> str:
+    """Why a ``REFUSED`` answer refused."""
+    return payload[_RANK.size :].decode("utf-8", "replace")
+
+
+def frame_bytes(kind: int, payload: bytes) -> bytes:
+    """A frame read by :func:`split_frames`, whole again (a leader relays it as it came)."""
+    return _frame(kind, payload)
 
 
 def split_frames(buffer: bytearray) -> tuple[list[tuple[int, bytes]], int]:
@@ -313,10 +345,10 @@ def decode_own(payload: bytes) -> OwnMeans:
     """An ``OWN`` payload."""
     if len(payload) < _OWN.size:
         raise WireError(f"own: field length: value {len(payload)} is too short")
-    index, clock, n = _OWN.unpack_from(payload)
+    rank, index, clock, n = _OWN.unpack_from(payload)
     if len(payload) != _OWN.size + 8 * n:
         raise WireError(f"own: field length: value {len(payload)} does not hold {n} values")
     if clock not in _CODE_CLOCK:
         raise WireError(f"own: field clock: value {clock} is not a clock code")
     values = np.frombuffer(payload, dtype="<f8", offset=_OWN.size)
-    return OwnMeans(index, _CODE_CLOCK[clock], tuple(values.tolist()))
+    return OwnMeans(rank, index, _CODE_CLOCK[clock], tuple(values.tolist()))

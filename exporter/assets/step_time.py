@@ -53,7 +53,12 @@ def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
             f'max by (hostname) ({M.phase_seconds}{{{SEL}, phase="input_wait"}})',
             "most input wait",
         ),
-        (f'count by (hostname) ({M.phase_seconds}{{{SEL}, phase="step"}})', "ranks"),
+        # A rank served by the root and by itself is one rank (docs/metrics.md).
+        (
+            f"count by (hostname) (max by (hostname, rank) "
+            f'({M.phase_seconds}{{{SEL}, phase="step"}}))',
+            "ranks",
+        ),
     ]
     panels = [
         stat(

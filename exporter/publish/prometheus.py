@@ -17,8 +17,11 @@ in the per-connection thread, so a slow or silent client cannot stall the accept
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import hmac
+import os
+import selectors
 import socket
 import ssl
 import threading
@@ -185,6 +188,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # handle_request() is called only once the socket is readable: it must never wait.
+    timeout = 0
     # Many scrapers may connect at once (e.g. a fleet of Prometheus replicas).
     request_queue_size = 128
 
@@ -295,14 +300,25 @@ class MetricsServer:
         except OSError as exc:
             raise OSError(exc.errno, f"cannot listen on {addr}:{port}: {exc.strerror}") from None
         self.scheme = "https" if tls is not None else "http"
+        # The accepting thread sleeps until a scrape or close() comes: a server that polled for
+        # its shutdown flag (socketserver's serve_forever) woke ten times a second in every
+        # rank, each wake taking the interpreter lock from training.
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name=f"rankwatch-metrics-{self.port}",
-            daemon=True,
+            target=self._serve, name=f"rankwatch-metrics-{self.port}", daemon=True
         )
         self._thread.start()
         self._closed = False
+
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._server, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                for key, _ in selector.select():
+                    if key.fileobj == self._wake_r:
+                        return
+                    self._server.handle_request()  # accept; a thread per connection
 
     @property
     def port(self) -> int:
@@ -323,16 +339,13 @@ class MetricsServer:
             return
         self._closed = True
         deadline = time.monotonic() + timeout_seconds
-        done = threading.Event()
-
-        def stop() -> None:
-            self._server.shutdown()
-            done.set()
-
-        threading.Thread(target=stop, daemon=True).start()
-        done.wait(timeout_seconds)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         self._server.server_close()
-        self._thread.join(max(0.0, deadline - time.monotonic()))  # one budget, not two
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def start_metrics_server(

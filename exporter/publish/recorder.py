@@ -271,9 +271,7 @@ def _headline(summary: Mapping[str, Any]) -> dict[str, Any] | None:
     return max(candidates, key=lambda v: SEVERITY_LEVELS.get(v["severity"], 0))
 
 
-def _clock(t: float | None, start: float | None) -> str:
-    if t is None:
-        return "still open"
+def _clock(t: float, start: float | None) -> str:
     if start is None:
         return time.strftime("%H:%M:%S", time.localtime(t))
     return f"{t - start:+.0f} s"
@@ -324,14 +322,15 @@ def _incident_line(inc: Mapping[str, Any], start: float | None) -> str:
         incident_label(inc["class"], c, inc.get("probe") or "")
         for c in inc.get("causes") or [inc["cause"]]
     )
-    opened, closed = _clock(inc["opened_at_s"], start), _clock(inc["closed_at_s"], start)
-    if inc.get("close_reason"):
-        closed += f" ({inc['close_reason']})"
+    opened = _clock(inc["opened_at_s"], start)
+    if inc["closed_at_s"] is None:
+        when = f"opened {opened}, still open"
+    else:
+        when = f"opened {opened}, closed {_clock(inc['closed_at_s'], start)}"
+        if inc.get("close_reason"):
+            when += f" ({inc['close_reason']})"
     nature = ", a property: does not page" if _nature(inc) == PROPERTY else ""
-    return (
-        f"{inc['class']} {inc['severity']}{nature} ranks {ranks} ({causes}){score}: "
-        f"opened {opened}, closed {closed}"
-    )
+    return f"{inc['class']} {inc['severity']}{nature} ranks {ranks} ({causes}){score}: {when}"
 
 
 def _nature(inc: Mapping[str, Any]) -> str:

@@ -43,6 +43,7 @@ from rankwatch.exporter.aggregator.wire import (
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.layout import GroupLayout
 from rankwatch.exporter.publish.protocol import Publisher
+from rankwatch.exporter.step_time.node_relay import NodeRelay
 from rankwatch.exporter.step_time.shipping import Connection
 from rankwatch.exporter.step_time.timer import StepTimer
 
@@ -50,8 +51,9 @@ __all__ = ["RowShipper"]
 
 log = logging.getLogger(__name__)
 
-# Between shipments the thread still turns this often: answers to read, frames the socket did
-# not take yet.
+# Between shipments the thread turns this often while it has something to finish (frames the
+# socket did not take yet, a connection to make) or a node's ranks to relay; otherwise it
+# sleeps until the next shipment (and reads the aggregator's answers then).
 PUMP_SECONDS = 0.25
 
 
@@ -71,6 +73,8 @@ class RowShipper:
         address: Callable[[], tuple[str, int, str] | None],
         strategy: Callable[[], str | None],
         identity: tuple[str, int, str, str],
+        *,
+        relay_name: str | None = None,
     ) -> None:
         self.layout = layout
         self.timer = timer
@@ -78,7 +82,18 @@ class RowShipper:
         self.publishers = tuple(publishers)
         self._strategy = strategy
         self.identity = identity
-        self.connection = Connection(layout.rank, identity, address, pid=os.getpid())
+        # A node's leader relays its node's other ranks (``node_relay``): their hellos go up
+        # again on every new connection of its own.
+        self.relay: NodeRelay | None = None
+        self.connection = Connection(
+            layout.rank,
+            identity,
+            address,
+            pid=os.getpid(),
+            relayed=lambda: [] if self.relay is None else self.relay.hellos(),
+        )
+        if relay_name is not None:
+            self.relay = NodeRelay(relay_name, self.connection)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._final_deadline = math.inf
@@ -152,6 +167,8 @@ class RowShipper:
         except Exception:  # the thread must never take training down with it
             log.exception("rankwatch: rank %d background thread failed", self.layout.rank)
         finally:
+            if self.relay is not None:
+                self.relay.close()
             self.connection.close()
             self._account()
 
@@ -164,13 +181,17 @@ class RowShipper:
         next_ship = time.monotonic() + cfg.interval_seconds
         while True:
             now = time.monotonic()
-            wait = PUMP_SECONDS
+            conn = self.connection
+            busy = self.relay is not None or conn.pending_bytes or not conn.connected
+            wait = PUMP_SECONDS if busy else cfg.interval_seconds
             if cfg.async_mode:
                 wait = min(wait, max(0.0, next_ship - now))
             self._wake.wait(wait)
             self._wake.clear()
             if self._stop.is_set():
                 self._ship(self._sync_requested, FLAG_END_OF_ROUND | FLAG_FINAL)
+                if self.relay is not None:
+                    self.relay.pump()  # what the node's other ranks sent last goes up too
                 self.connection.flush(self._final_deadline)
                 self._account()
                 return
@@ -182,6 +203,8 @@ class RowShipper:
             elif self._sync_requested > shipped_rounds:
                 shipped_rounds = self._sync_requested
                 self._ship(shipped_rounds, FLAG_END_OF_ROUND)
+            if self.relay is not None:
+                self.relay.pump()
             for own in self.connection.pump():
                 self._own(own)
             self._account()

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -64,6 +65,7 @@ from rankwatch.exporter.step_time.hooks import (
     model_device,
     unwrap_optimizer,
 )
+from rankwatch.exporter.step_time.node_relay import LeaderRoute, leader_socket_name, node_leader
 from rankwatch.exporter.step_time.pipeline import install_pipeline_phases
 from rankwatch.exporter.step_time.timer import (
     BACKWARD_WAIT,
@@ -113,16 +115,21 @@ def _has_hub(publishers: Iterable[Any]) -> bool:
 _GENERATIONS: dict[tuple[int, ...], int] = {}
 
 
-def _group_store(ranks: tuple[int, ...]) -> Any:
-    """A prefix of the job's c10d store private to this ``RankWatch`` of these ranks (the
-    aggregator's address, identities, hang records)."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
-
+def _group_key(ranks: tuple[int, ...]) -> str:
+    """A name of this ``RankWatch`` of these ranks, the same on every member."""
     generation = _GENERATIONS.get(ranks, 0)
     _GENERATIONS[ranks] = generation + 1
     digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
-    return dist.PrefixStore(f"rankwatch/step/{digest}/{generation}/", _get_default_store())
+    return f"{digest}-{generation}"
+
+
+def _group_store(key: str) -> Any:
+    """A prefix of the job's c10d store private to the group ``key`` names (the aggregator's
+    address, identities, hang records)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore(f"rankwatch/step/{key}/", _get_default_store())
 
 
 def _store_address(store: Any) -> tuple[str, int, str] | None:
@@ -274,19 +281,28 @@ class RankWatch:
         self.timer = StepTimer(config.max_buffered_steps)
         self._want_gpu(self._cuda_available() if gpu_timing is None else gpu_timing)
         identity = local_identity(config.node_name_env)
-        store = _group_store(layout.ranks) if len(layout.ranks) > 1 else None
+        key = _group_key(layout.ranks)
+        store = _group_store(key) if len(layout.ranks) > 1 else None
         if store is not None:
             # Where this rank runs, for a stand-in root's reports (the aggregator hears it in
             # each rank's hello).
             store.set(
                 f"info/{layout.rank}", "\n".join((identity[0], str(identity[1]), *identity[2:]))
             )
+        address: Any
         if layout.is_root:
             self._aggregator = Aggregator(layout, config, self.publishers, store=store)
             address = self._aggregator.address
         else:
             assert store is not None
             address = functools.partial(_store_address, store)
+        # Node leaders: the other ranks of this node ship through its lowest one.
+        leader = node_leader(layout.rank, layout.ranks, config.node_leaders, dict(os.environ))
+        route = None
+        if leader is not None and leader != layout.rank:
+            route = address = LeaderRoute(
+                layout.rank, leader, leader_socket_name(key, leader), address
+            )
         self._collector = RowShipper(
             layout,
             self.timer,
@@ -295,7 +311,10 @@ class RankWatch:
             address,
             lambda: self.strategy,
             identity,
+            relay_name=leader_socket_name(key, leader) if leader == layout.rank else None,
         )
+        if route is not None:
+            route.connection = self._collector.connection
         self._collector.start()
         if config.hang_enabled:
             self._start_hang_watch(layout, store, identity[0])

@@ -27,6 +27,9 @@ from rankwatch.exporter.aggregator.wire import (
     WireError,
     decode_own,
     encode_hello,
+    frame_bytes,
+    frame_rank,
+    refused_text,
     split_frames,
 )
 
@@ -44,11 +47,17 @@ _REFUSED_RETRY_SECONDS = 30.0
 UNREACHABLE_SECONDS = 5.0
 
 
+UNIX = -1  # the port of an address whose host is a Unix socket's name (a node's leader)
+
+
 class Connection:
     """One rank's connection (the collector thread's alone).
 
-    ``address()`` gives ``(host, port, token)`` once the aggregator listens, else None;
-    ``identity`` is ``(hostname, local rank, GPU index, GPU UUID)``.
+    ``address()`` gives ``(host, port, token)`` once there is somewhere to connect, else None:
+    the aggregator's TCP address, or a node leader's Unix socket (port ``UNIX``, host its
+    name). ``identity`` is ``(hostname, local rank, GPU index, GPU UUID)``. ``relayed()``
+    gives the ``HELLO`` frames of the ranks this rank relays (a leader), sent after its own on
+    every new connection; answers for those ranks wait in :attr:`relayed_answers`.
     """
 
     def __init__(
@@ -58,11 +67,15 @@ class Connection:
         address: Callable[[], tuple[str, int, str] | None],
         *,
         pid: int = 0,
+        relayed: Callable[[], list[bytes]] = list,
     ) -> None:
         self.rank = rank
         self.identity = identity
         self.address = address
         self.pid = pid
+        self.relayed = relayed
+        self.relayed_answers: list[tuple[int, bytes]] = []
+        self.peer: tuple[str, int] | None = None  # where the current connection goes
         self._sock: socket.socket | None = None
         self._welcomed = False
         self._frames: deque[bytes] = deque()
@@ -74,6 +87,7 @@ class Connection:
         self._failed_since: float | None = None  # monotonic time of the first failure in a row
         self._said_refused = False
         self.connections = 0  # connections made, for tests and benchmarks
+        self.dropped = 0  # established connections that broke
         self.sent_frames = 0
 
     # ---- state -----------------------------------------------------------------------------
@@ -124,6 +138,7 @@ class Connection:
             time.sleep(0.01)
 
     def close(self) -> None:
+        self.peer = None
         sock, self._sock = self._sock, None
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -144,24 +159,35 @@ class Connection:
             return False
         host, port, token = address
         try:
-            sock = socket.create_connection((host, port), timeout=_CONNECT_SECONDS)
+            if port == UNIX:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(_CONNECT_SECONDS)
+                sock.connect(host)
+            else:
+                sock = socket.create_connection((host, port), timeout=_CONNECT_SECONDS)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
-            self._failed(now, f"cannot connect to {host}:{port} ({exc})")
+            where = host.lstrip("\0") if port == UNIX else f"{host}:{port}"
+            self._failed(now, f"cannot connect to {where} ({exc})")
             return False
         hostname, local_rank, gpu, uuid = self.identity
-        hello = encode_hello(self.rank, local_rank, self.pid, token, hostname, gpu, uuid)
+        hellos = [encode_hello(self.rank, local_rank, self.pid, token, hostname, gpu, uuid)]
+        hellos += self.relayed()
         self._sock = sock
+        self.peer = (host, port)
         self._welcomed = False
         self._answers.clear()
         self._offset = 0  # a frame cut by the last connection goes again, whole
-        self._frames.appendleft(hello)
-        self.pending_bytes += len(hello)
+        self._frames.extendleft(reversed(hellos))
+        self.pending_bytes += sum(map(len, hellos))
         self.connections += 1
         return True
 
     def _failed(self, now: float, why: str) -> None:
+        if self._welcomed:
+            self.dropped += 1
+            self._welcomed = False
         self.close()
         if self._failed_since is None:
             self._failed_since = now
@@ -213,12 +239,18 @@ class Connection:
             return out
         del self._answers[:used]
         for kind, payload in frames:
-            if kind == KIND_WELCOME:
+            try:
+                rank = frame_rank(payload)
+            except WireError:
+                continue
+            if rank != self.rank:  # an answer for a rank this one relays
+                self.relayed_answers.append((rank, frame_bytes(kind, payload)))
+            elif kind == KIND_WELCOME:
                 self._welcomed = True
                 self._failed_since = None
                 self._retry = _FIRST_RETRY_SECONDS
             elif kind == KIND_REFUSED:
-                why = payload.decode("utf-8", "replace")
+                why = refused_text(payload)
                 if not self._said_refused:
                     self._said_refused = True
                     log.warning(

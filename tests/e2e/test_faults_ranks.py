@@ -310,8 +310,46 @@ def scenario_aggregator(
     )
 
 
+def scenario_leaders(rank: int, world: int, out: str, extra: dict, result: dict[str, Any]) -> None:
+    """World 8 as two nodes of 4 (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), node leaders on: ranks
+    1-3 ship through rank 0, ranks 5-7 through rank 4 (no collective here: the point is whose
+    rows arrive). The parent SIGKILLs rank 4, the second node's leader."""
+    from rankwatch.exporter.step_time.rank_watch import RankWatch
+    from rankwatch.exporter.step_time.shipping import UNIX
+
+    os.environ.update(LOCAL_RANK=str(rank % 4), LOCAL_WORLD_SIZE="4")
+    lines = _Lines()
+    logging.getLogger("rankwatch.exporter.step_time.node_relay").addHandler(lines)
+    rec = Recorder()
+    rw = RankWatch(
+        config=_config(interval_seconds=0.25, gather_timeout_seconds=1.0, node_leaders="on"),
+        publishers=[rec],
+    )
+    collector = rw._collector
+    assert collector is not None
+    _mark(out, rank, "running")
+    routes: list[str] = []
+
+    def on_step(step: int) -> None:
+        peer = collector.connection.peer
+        kind = "" if peer is None else ("leader" if peer[1] == UNIX else "aggregator")
+        if kind and (not routes or routes[-1] != kind):
+            routes.append(kind)
+
+    result.update(_train_steps(rw, extra["run_s"], on_step))
+    rw.close(5.0)
+    relay = collector.relay
+    result.update(
+        reports=rec.reports,
+        lines=lines.lines,
+        routes=routes,
+        relayed=None if relay is None else relay.forwarded,
+    )
+
+
 SCENARIOS: dict[str, Callable[[int, int, str, dict, dict[str, Any]], None]] = {
     "aggregator": scenario_aggregator,
+    "leaders": scenario_leaders,
     "kill_and_freeze": scenario_kill_and_freeze,
     "deepep": scenario_deepep,
     "root_restart": scenario_root_restart,
@@ -621,3 +659,37 @@ def test_the_aggregator_killed_stuck_or_slow_costs_windows_only(tmp_path: Path) 
     # and the run ends on its summary with every rank.
     summary = [r for r in root["reports"] if r["window_kind"] == "summary"]
     assert len(summary) == 1 and summary[0]["missing_ranks"] == []
+
+
+def test_node_leaders_relay_their_nodes_and_a_lost_leaders_ranks_ship_directly(
+    tmp_path: Path,
+) -> None:
+    """Two nodes of four ranks: the followers ship through their node's leader (one
+    connection per node to the aggregator) and every rank's rows reach the windows; when the
+    second node's leader is killed its ranks ship directly, with one line each, and stay in
+    the windows."""
+    w = World("leaders", 8, tmp_path, {"run_s": 9.0})
+    w.wait_running()
+    time.sleep(3.0)
+    killed_at = w.signal(4, signal.SIGKILL)
+    res = w.join()
+    for r in (0, 1, 2, 3, 5, 6, 7):
+        _ok(res[r])
+    assert res[4]["exitcode"] == -signal.SIGKILL
+    # Followers went through their leader first; the lost leader's went direct after.
+    for r in (1, 2, 3):
+        assert res[r]["routes"] == ["leader"], (r, res[r]["routes"])
+    for r in (5, 6, 7):
+        assert res[r]["routes"] == ["leader", "aggregator"], (r, res[r]["routes"])
+        assert len(res[r]["lines"]) == 1 and "leader (rank 4)" in res[r]["lines"][0]
+    assert res[0]["relayed"] > 0
+    live = [r for r in res[0]["reports"] if r["window_kind"] == "live"]
+    before = [r for r in live if float(r["wall"]) < killed_at and r["step_time"]]
+    after = [r for r in live if float(r["wall"]) > killed_at + 3.0 and r["step_time"]]
+    assert before and after
+    for window in before:
+        assert window["missing_ranks"] == [] and window["step_time"]["ranks"] == list(range(8))
+    for window in after:  # the followers of the lost leader are back; only it is missing
+        assert window["missing_ranks"] == [4], window["missing_ranks"]
+        means = window["step_time"]["rank_means"]
+        assert all(means[str(r)]["step"] is not None for r in (0, 1, 2, 3, 5, 6, 7)), means

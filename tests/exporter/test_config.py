@@ -61,6 +61,8 @@ def _other_valid_value(path: str, default: Any) -> tuple[str, Any]:
             return "fsdp", "fsdp"
         if path == "RankwatchConfig.node_name_env":
             return "CUSTOM_NODE", "CUSTOM_NODE"
+        if path == "RankwatchConfig.node_leaders":
+            return "on", "on"
         return "custom-value", "custom-value"
     if kind == "int":
         if path == "LowLatencyConfig.excluding_zeros":
@@ -88,7 +90,12 @@ FREE_TEXT = sorted(
     name
     for name, (path, _) in all_env_variables().items()
     if _field_type(path) == "str"
-    and path not in ("RankwatchConfig.strategy", "RankwatchConfig.node_name_env")
+    and path
+    not in (
+        "RankwatchConfig.strategy",
+        "RankwatchConfig.node_name_env",
+        "RankwatchConfig.node_leaders",
+    )
 )
 
 

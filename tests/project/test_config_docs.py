@@ -71,9 +71,13 @@ def test_every_scenario_is_documented() -> None:
 README = DOC.parent.parent / "README.md"
 
 
-def test_readme_starts_with_the_two_commands() -> None:
+def test_readme_opens_with_the_name_what_it_does_then_the_two_commands() -> None:
     lines = README.read_text().splitlines()
-    assert lines[:4] == ["```", "make demo", "make test", "```"]
+    assert lines[0] == "# rankwatch"
+    block = lines.index("```")
+    assert 2 <= block <= 6, "the two commands come right after a sentence or two"
+    assert all(line and not line.startswith("#") for line in lines[2 : block - 1])
+    assert lines[block : block + 4] == ["```", "make demo", "make test", "```"]
 
 
 def test_readme_and_configuration_links_resolve() -> None:

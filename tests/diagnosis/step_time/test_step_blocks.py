@@ -226,9 +226,7 @@ def test_the_root_summary_matches_the_full_rows() -> None:
     collector = GroupWindows(ranks, config)
     per_rank: dict[int, np.ndarray | None] = dict(example_window(4, 3000, slow_rank=2).per_rank)
     # Each rank sums its own closed blocks and ships them with its rows (as RowShipper does).
-    own = {
-        r: StepBlocks((r,), window_steps=10_000, tail_rows=200, records=True) for r in ranks
-    }
+    own = {r: StepBlocks((r,), window_steps=10_000, tail_rows=200, records=True) for r in ranks}
     for k in range(0, 3000, 250):
         for r in ranks:
             rows = per_rank[r]

@@ -222,36 +222,34 @@ def test_a_file_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
 
 
 def test_scale_benchmark_runs_on_a_small_group() -> None:
-    # The scale benchmark drives the real root with today's rows; a change of the row layout
-    # or of the transport must not leave it broken until the next long run.
-    from bench.bench_scale import root_cpu, root_memory, summary_cost
+    # The summary figure drives the aggregator's windows with the ranks' block records; a
+    # change of the row layout or of the records must not leave it broken until the next run.
+    from bench.bench_scale import summary_cost
 
-    rows = root_cpu(sizes=(8,), windows=1)
-    rows += summary_cost(ranks=8, steps=600)
-    rows += root_memory(sizes=(8,), steps_list=(100,))
-    assert [r["name"] for r in rows] == [
-        "root CPU per 5 s window, 8 ranks (% of one core)",
-        "live window diagnosed, 8 ranks x 100 steps (CPU time)",
-        "summary window, 8 ranks x 600 steps, from block sums",
-        "root memory, 8 ranks x 100 steps",
+    rows = summary_cost(ranks=8, steps=600)
+    assert [r["name"].split(" (")[0] for r in rows] == [
+        "summary window, 8 ranks x 600 steps, from the ranks' block records",
     ]
     assert all(r["median"] > 0 for r in rows)
 
 
-def test_root_stall_benchmark_runs_on_a_small_group() -> None:
-    # The training-time benchmark of the root's work spawns a sink, a scraper and the export
-    # child: it must keep running between the long runs that write its figures.
-    from bench.bench_root_stall import run
+@pytest.mark.slow
+def test_aggregator_benchmark_runs_on_a_small_group() -> None:
+    # The scale benchmark's harness (a simulated group over real sockets, the real aggregator,
+    # the root's publishers, a scraper) and the code before's figures must keep running
+    # between the long runs that write their figures.
+    from bench.baseline import before_figures
+    from bench.bench_aggregator import measure_size
+    from bench.training_loop import Training
 
-    rows = run(sizes=(8,), min_points=1)
-    heads = [r["name"].split(" (")[0] for r in rows]
-    assert heads == [
-        "training time lost to one root window, 8 ranks",
-        "training time lost to publishing one report, 8 ranks",
-        "training time lost to one /metrics scrape, 8 ranks",
-        "training time lost to one OTLP export",
-    ]
-    assert all(math.isfinite(r["median"]) and r["baseline"] > 0 for r in rows)
+    training = Training()
+    root = measure_size(16, 8, True, training, rounds=2, interval=0.5)
+    rank = measure_size(16, 8, False, training, rounds=2, interval=0.5)
+    assert root["connections"] == 2 and len(root["lost_ms"]) == 2
+    assert all(0 < s < 60 for s in root["latency_s"]) and root["memory_mib"] > 0
+    assert all(math.isfinite(x) for x in root["lost_ms"] + rank["lost_ms"] + root["scrape_ms"])
+    before = before_figures((8,))
+    assert set(before[8]) >= {"root_lost_ms", "rank_lost_ms", "latency_s", "memory_mib"}
 
 
 def test_hot_path_benchmark_runs_in_small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:

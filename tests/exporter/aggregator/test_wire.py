@@ -9,21 +9,35 @@ import numpy as np
 import pytest
 
 from rankwatch.diagnosis.step_time import ROW_WIDTH
+from rankwatch.diagnosis.step_time.blocks import block_record_dtype
 from rankwatch.exporter.aggregator.wire import (
     FLAG_END_OF_ROUND,
     FLAG_FINAL,
+    KIND_BLOCKS,
+    KIND_GONE,
     KIND_HELLO,
     KIND_OWN,
+    KIND_REFUSED,
     KIND_ROWS,
+    KIND_WELCOME,
+    MAX_BLOCKS_PER_FRAME,
     MAX_FRAME_BYTES,
     MAX_ROWS_PER_FRAME,
     WireError,
+    decode_blocks,
     decode_hello,
     decode_own,
     decode_rows,
+    encode_blocks,
+    encode_gone,
     encode_hello,
     encode_own,
+    encode_refused,
     encode_rows,
+    encode_welcome,
+    frame_bytes,
+    frame_rank,
+    refused_text,
     split_frames,
 )
 
@@ -70,13 +84,42 @@ def test_rows_round_trip_keeps_every_value_and_flag() -> None:
     assert empty.rows.shape == (0, ROW_WIDTH) and empty.strategy is None
 
 
-def test_own_round_trip() -> None:
+def test_answers_name_their_rank() -> None:
     means = np.array([1.0, math.nan, 3.5])
-    kind, payload = one(encode_own(12, "gpu", means))
-    assert kind == KIND_OWN
+    kind, payload = one(encode_own(RANK, 12, "gpu", means))
+    assert kind == KIND_OWN and frame_rank(payload) == RANK
     own = decode_own(payload)
-    assert own.window_index == 12 and own.clock == "gpu"
+    assert own.rank == RANK and own.window_index == 12 and own.clock == "gpu"
     assert own.means[0] == 1.0 and math.isnan(own.means[1]) and own.means[2] == 3.5
+    for frame, kind_of in (
+        (encode_welcome(3), KIND_WELCOME),
+        (encode_refused(4, "no room"), KIND_REFUSED),
+        (encode_gone(6), KIND_GONE),
+    ):
+        kind, payload = one(frame)
+        assert kind == kind_of and frame_rank(payload) in (3, 4, 6)
+        assert frame_bytes(kind, payload) == frame  # a leader relays it whole
+    assert refused_text(one(encode_refused(4, "no room"))[1]) == "no room"
+
+
+def test_blocks_round_trip_and_bad_blocks() -> None:
+    records = np.zeros(3, dtype=block_record_dtype())
+    records["index"] = (4, 5, 6)
+    records["sums"][1, 0, 2] = 7.5
+    kind, payload = one(encode_blocks(RANK, records))
+    assert kind == KIND_BLOCKS
+    got = decode_blocks(payload)
+    assert got.rank == RANK and got.records.tobytes() == records.tobytes()
+    with pytest.raises(WireError, match="does not hold 3 blocks"):
+        decode_blocks(payload[:-1])
+    other = bytearray(payload)
+    struct.pack_into("<H", other, 4, 50)
+    with pytest.raises(WireError, match="field steps: value 50"):
+        decode_blocks(bytes(other))
+    with pytest.raises(WireError, match="is not a block's"):
+        encode_blocks(RANK, np.zeros(1, dtype=[("index", "<i8")]))
+    with pytest.raises(WireError, match="exceed"):
+        encode_blocks(RANK, np.zeros(MAX_BLOCKS_PER_FRAME + 1, dtype=block_record_dtype()))
 
 
 def test_frames_split_where_they_end_and_wait_for_the_rest() -> None:
@@ -119,9 +162,11 @@ def test_bad_frames_are_named() -> None:
     with pytest.raises(WireError, match="hello: field uuid"):
         decode_hello(one(encode_hello(1, 0, 1, TOKEN, "h", "", ""))[1][:-2])
     with pytest.raises(WireError, match="own: field clock: value 9"):
-        own = bytearray(one(encode_own(1, "cpu", np.zeros(1)))[1])
-        own[8] = 9
+        own = bytearray(one(encode_own(1, 1, "cpu", np.zeros(1)))[1])
+        own[12] = 9
         decode_own(bytes(own))
+    with pytest.raises(WireError, match="too short for a rank"):
+        frame_rank(b"\x01")
 
 
 def test_encoders_refuse_what_they_cannot_frame() -> None:

@@ -327,6 +327,14 @@ def test_summary_uses_the_long_window_and_lists_incidents(tmp_path: Path) -> Non
     assert "summary: x/summary.json" in text
 
 
+def test_an_incident_still_open_says_so_once() -> None:
+    summary = _recorded_run().summary({"run_id": "t", "started_at_s": 1000.0})
+    incident = summary["incidents"][0]
+    incident.update(closed_at_s=None, closed_window=None, close_reason=None)
+    line = next(x for x in summary_text(summary).splitlines() if "opened +3 s" in x)
+    assert line.endswith("opened +3 s, still open"), line
+
+
 def test_summary_without_any_window_says_so(tmp_path: Path) -> None:
     summary = RunRecorder().summary({"interrupted": True})
     assert summary["verdict"] is None and summary["incidents"] == []
