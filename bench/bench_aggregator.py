@@ -393,7 +393,8 @@ def run(
                 was.get("root_lost_ms", [float("nan")]),
             ),
             _row(
-                f"training time lost per window, rank 1, {ranks:,} ranks (baseline: a rank before)",
+                f"training time lost per 5 s window, rank 1, {ranks:,} ranks (baseline: a rank "
+                "before, its shipment only)",
                 window_ms * 0.005 if ranks == 16384 else None,
                 rank1["lost_ms"],
                 "ms",
