@@ -9,7 +9,7 @@ of ``CALLS`` so both sides see the same machine load:
   ``marks += 1`` (the increment timed alone and subtracted: the code before the watcher);
 * a completed ``Work.wait()`` through the collective shadow with a step open (a sync wait),
   the same way;
-* the finished-call note (:mod:`rankwatch.exporter.step_time.finished_calls`: the last call
+* the finished-call note (:mod:`rankwatch.exporter.hang.finished_calls`: the last call
   each group finished, noted when its wait ends) on the frames of a real blocking
   ``all_reduce`` (2 floats, a one-rank Gloo world), against an empty hook called the same
   way: what it adds to every collective the shadows time;
@@ -17,7 +17,7 @@ of ``CALLS`` so both sides see the same machine load:
   this long every ``hang_poll_seconds``);
 * one poll of a suspect rank: the training thread's frames, the collective read from them, the
   group sequence numbers, the JSON record written to a real c10d store; and the same on a
-  rank that also looks whether the root is gone (:mod:`rankwatch.exporter.step_time.hang_standin`:
+  rank that also looks whether the root is gone (:mod:`rankwatch.exporter.hang.standin`:
   the root's record read from the store, ``/proc``), interleaved with it.
 
 Usage: ``python -m bench.run_all --only bench_hang_watch``.
@@ -92,11 +92,11 @@ def run() -> list[dict[str, Any]]:
 
     from rankwatch.diagnosis.hang import RankRecord
     from rankwatch.exporter.config import RankwatchConfig
+    from rankwatch.exporter.hang.finished_calls import FinishedCalls
+    from rankwatch.exporter.hang.root import HangRoot
+    from rankwatch.exporter.hang.standin import StandIn
+    from rankwatch.exporter.hang.watch import HangWatcher, record_key
     from rankwatch.exporter.step_time.collectives import install_collective_waits
-    from rankwatch.exporter.step_time.finished_calls import FinishedCalls
-    from rankwatch.exporter.step_time.hang_root import HangRoot
-    from rankwatch.exporter.step_time.hang_standin import StandIn
-    from rankwatch.exporter.step_time.hang_watch import HangWatcher, record_key
     from rankwatch.exporter.step_time.timer import StepTimer
     from tests.servers import free_port
 

@@ -37,6 +37,11 @@ from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time import normalize_strategy
 from rankwatch.exporter.aggregator.process import ADDRESS_KEY, Aggregator
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.hang.file import HangFileWriter, install_sigterm
+from rankwatch.exporter.hang.record import DeclaredPhase, install_checkpoint_phases
+from rankwatch.exporter.hang.root import HangRoot
+from rankwatch.exporter.hang.standin import LocalHangReports, StandIn
+from rankwatch.exporter.hang.watch import HangWatcher, pid_namespace
 from rankwatch.exporter.identity import local_identity
 from rankwatch.exporter.layout import GroupLayout
 from rankwatch.exporter.publish.protocol import Publisher, check_publishers
@@ -53,11 +58,6 @@ from rankwatch.exporter.step_time.gpu_events import (
     cuda_event_factory,
     cuda_stream_of,
 )
-from rankwatch.exporter.step_time.hang_file import HangFileWriter, install_sigterm
-from rankwatch.exporter.step_time.hang_record import DeclaredPhase, install_checkpoint_phases
-from rankwatch.exporter.step_time.hang_root import HangRoot
-from rankwatch.exporter.step_time.hang_standin import LocalHangReports, StandIn
-from rankwatch.exporter.step_time.hang_watch import HangWatcher, pid_namespace
 from rankwatch.exporter.step_time.hooks import (
     WatchedLoader,
     detect_strategy,

@@ -308,7 +308,7 @@ class StepTimer:
         self.loader_steps = False
         self.optimizer_steps = 0  # outermost optimizer steps seen by the hooks
         self.optimizer_end_ns = -1  # when the hooks last saw an outermost optimizer step end
-        # For the hang watcher (:mod:`.hang_record`), read by the background thread only:
+        # For the hang watcher (rankwatch.exporter.hang.record), read by its thread only:
         # progress marks (phases left, waits ended, steps written, forwards without a step),
         # when the last step ended,
         # the phases the user declared long (name, budget seconds, entry ns), and whether the
@@ -316,7 +316,7 @@ class StepTimer:
         self.marks = 0
         # Called by the collective shadows with their frame when a collective's wait returns
         # (inside a sync wait already open too), and with the waiting frame when a timed wait
-        # raises (the hang watcher; see :mod:`.finished_calls`).
+        # raises (the hang watcher; see :mod:`rankwatch.exporter.hang.finished_calls`).
         self.on_wait_done: Callable[[FrameType], None] | None = None
         self.on_wait_error: Callable[[FrameType], None] | None = None
         self.step_end_ns = time.perf_counter_ns()  # the last step's end (the start, before any)

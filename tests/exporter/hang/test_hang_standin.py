@@ -14,9 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from rankwatch.diagnosis.hang import Collective, HangReport, RankRecord
-from rankwatch.exporter.step_time.hang_root import HangRoot
-from rankwatch.exporter.step_time.hang_standin import StandIn
-from rankwatch.exporter.step_time.hang_watch import record_key
+from rankwatch.exporter.hang.root import HangRoot
+from rankwatch.exporter.hang.standin import StandIn
+from rankwatch.exporter.hang.watch import record_key
 from tests.servers import free_port
 
 HOST = "h"

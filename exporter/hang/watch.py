@@ -3,7 +3,7 @@ its training thread stopped progressing and then says where it is.
 
 While the job progresses it costs a look at a few of the timer's attributes every
 ``hang_poll_seconds`` and ships nothing. Once this rank has not progressed for a third of its
-budget (:data:`SUSPECT_FRACTION`) it builds its record (:mod:`.hang_record`: phase, the
+budget (:data:`SUSPECT_FRACTION`) it builds its record (:mod:`.record`: phase, the
 collective it is blocked in, group sequence numbers, the training thread's top frames) and
 writes it as JSON under ``hang/<rank>`` in the c10d store of rankwatch's own group, every poll,
 with a beat counter; the store is served by a thread of its own in the store host's process,
@@ -11,7 +11,7 @@ so this works while every training thread waits in a collective of the job's own
 the rank progresses again it keeps writing until it has finished a step, so the root sees the
 job move on. With ``artifact_dir`` set the same record (and its frames) is kept in
 ``hang-rank<R>-<pid>.json`` while the rank is suspect, refreshed on SIGTERM
-(:mod:`.hang_file`), and removed when the rank progresses again.
+(:mod:`.file`), and removed when the rank progresses again.
 
 When the rank closes rankwatch, or its interpreter exits without an uncaught error, it writes a
 last record that says it *left*: the root then never calls it dead, and opens a hang for it only
@@ -40,9 +40,9 @@ from rankwatch.diagnosis.hang import Collective, RankRecord
 from rankwatch.diagnosis.step_time.table import column
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.gloo import own_group_names
-from rankwatch.exporter.step_time.finished_calls import FinishedCalls
-from rankwatch.exporter.step_time.hang_file import HangFileWriter
-from rankwatch.exporter.step_time.hang_record import (
+from rankwatch.exporter.hang.file import HangFileWriter
+from rankwatch.exporter.hang.finished_calls import FinishedCalls
+from rankwatch.exporter.hang.record import (
     CallsInFlight,
     DeviceWaitClock,
     GroupSeqs,

@@ -2,7 +2,7 @@
 progressing, classifies (:func:`rankwatch.diagnosis.hang.classify_hang`), opens the ``hang``
 incident at once and closes it when the job moves on.
 
-Runs on the root's hang watcher thread (:mod:`.hang_watch`), one call per poll. While the root
+Runs on the root's hang watcher thread (:mod:`.watch`), one call per poll. While the root
 progresses it reads nothing. Once the root has not progressed for a third of its budget it
 reads every rank's record from the store (one ``multi_get``) each poll; a rank whose record
 stopped changing is *silent* (its thread cannot run: the interpreter lock held by C code, the
@@ -38,7 +38,7 @@ from rankwatch.diagnosis.hang.records import (
     record_from_dict,
 )
 from rankwatch.diagnosis.hang.words import hang_line
-from rankwatch.exporter.step_time.hang_watch import SUSPECT_FRACTION, record_key
+from rankwatch.exporter.hang.watch import SUSPECT_FRACTION, record_key
 
 __all__ = ["HangRoot", "process_state", "record_payload"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rankwatch.exporter.step_time.finished_calls import FinishedCalls
+from rankwatch.exporter.hang.finished_calls import FinishedCalls
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.parallel_safe]
 
@@ -21,7 +21,7 @@ _CHILD = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from rankwatch.exporter.step_time.collectives import install_collective_waits
-    from rankwatch.exporter.step_time.finished_calls import FinishedCalls
+    from rankwatch.exporter.hang.finished_calls import FinishedCalls
     from rankwatch.exporter.step_time.timer import StepTimer
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.step_time.hang_record import CallsInFlight
-from rankwatch.exporter.step_time.hang_watch import HangWatcher
+from rankwatch.exporter.hang.record import CallsInFlight
+from rankwatch.exporter.hang.watch import HangWatcher
 from rankwatch.exporter.step_time.timer import StepTimer
 from tests.servers import free_port
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from rankwatch.diagnosis.hang import Collective, HangReport, RankRecord
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.step_time.hang_record import DeclaredPhase, DeviceWaitClock, current_phase
-from rankwatch.exporter.step_time.hang_root import HangRoot, process_state
-from rankwatch.exporter.step_time.hang_watch import HangWatcher, record_key
+from rankwatch.exporter.hang.record import DeclaredPhase, DeviceWaitClock, current_phase
+from rankwatch.exporter.hang.root import HangRoot, process_state
+from rankwatch.exporter.hang.watch import HangWatcher, record_key
 from rankwatch.exporter.step_time.timer import FORWARD, INPUT_WAIT, StepTimer
 from tests.exporter.step_time.cuda_double import Device
 from tests.exporter.step_time.test_gpu_streams import Rank
@@ -221,7 +221,7 @@ import sys, threading
 from datetime import timedelta
 import torch.distributed as dist
 from rankwatch.exporter.config import RankwatchConfig
-from rankwatch.exporter.step_time.hang_watch import HangWatcher
+from rankwatch.exporter.hang.watch import HangWatcher
 from rankwatch.exporter.step_time.timer import StepTimer
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, False, timeout=timedelta(seconds=10))
 watcher = HangWatcher(1, StepTimer(8), RankwatchConfig.from_env({}), store, "h",
@@ -299,7 +299,7 @@ def test_a_torch_distributed_checkpoint_save_is_a_declared_long_phase(tmp_path: 
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from rankwatch.exporter.step_time.hang_record import install_checkpoint_phases
+    from rankwatch.exporter.hang.record import install_checkpoint_phases
 
     timer = StepTimer(8)
     shadows = install_checkpoint_phases(timer, 900.0)
@@ -343,7 +343,7 @@ def test_a_checkpoint_being_written_is_recognised_in_the_frames() -> None:
 
     import torch
 
-    from rankwatch.exporter.step_time.hang_record import long_work_in_frames
+    from rankwatch.exporter.hang.record import long_work_in_frames
 
     inside, release = threading.Event(), threading.Event()
 
@@ -372,7 +372,7 @@ def test_code_run_under_dynamo_disable_is_not_compiling() -> None:
     """FSDP2's hooks run under ``torch._dynamo.disable``: a rank waiting in its all-gather has
     Dynamo's eval_frame.py on its stack and must keep its hang budget; a compile (Dynamo's
     convert_frame.py) is long work."""
-    from rankwatch.exporter.step_time.hang_record import long_work_in_frames
+    from rankwatch.exporter.hang.record import long_work_in_frames
 
     def frame_in(filename: str) -> Any:
         space: dict[str, Any] = {"sys": sys}

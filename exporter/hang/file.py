@@ -28,7 +28,7 @@ from typing import Any
 
 from rankwatch.diagnosis.hang import RankRecord
 from rankwatch.diagnosis.hang.artifact import FORMAT, VERSION, hang_file_name
-from rankwatch.exporter.step_time.hang_record import frame_lines
+from rankwatch.exporter.hang.record import frame_lines
 from rankwatch.exporter.storage import GuardedWrites, atomic_write
 
 __all__ = ["WRITE_EVERY_SECONDS", "HangFileWriter", "install_sigterm"]

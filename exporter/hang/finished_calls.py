@@ -21,7 +21,7 @@ from typing import Any
 
 from rankwatch.diagnosis.hang import Collective
 from rankwatch.diagnosis.hang.records import MAX_DIMS, MAX_GROUPS, MAX_SHAPES
-from rankwatch.exporter.step_time.hang_record import C10D_OPS, TENSOR_ARGS
+from rankwatch.exporter.hang.record import C10D_OPS, TENSOR_ARGS
 
 __all__ = ["FinishedCalls"]
 

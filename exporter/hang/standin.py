@@ -1,6 +1,6 @@
 """A stand-in for a group root that is gone: the lowest living rank runs the group's hang loop.
 
-The root classifies hangs (:mod:`.hang_root`). When the root's own process ends without leaving
+The root classifies hangs (:mod:`.root`). When the root's own process ends without leaving
 (a crash, SIGKILL, Gloo aborting it on a mismatched collective) nobody would; yet the records
 still reach the store whenever the store outlives the root: under ``torchrun`` the agent serves
 it (``TORCHELASTIC_USE_AGENT_STORE``), not rank 0, and the agent gives the other workers a grace
@@ -32,10 +32,10 @@ from typing import Any
 from rankwatch.diagnosis.hang import HangReport, RankRecord
 from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.hang.root import HangRoot, process_state, record_payload
+from rankwatch.exporter.hang.watch import SUSPECT_FRACTION, record_key
 from rankwatch.exporter.layout import GroupLayout
 from rankwatch.exporter.publish.protocol import Publisher, publish_to_all
-from rankwatch.exporter.step_time.hang_root import HangRoot, process_state, record_payload
-from rankwatch.exporter.step_time.hang_watch import SUSPECT_FRACTION, record_key
 
 __all__ = ["LocalHangReports", "StandIn"]
 
