@@ -56,40 +56,42 @@ uses the application's global providers when they are set, see below) and one wo
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import os
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import (
     LogRecordExporter,
     LogRecordExportResult,
     SimpleLogRecordProcessor,
 )
-from opentelemetry.sdk.metrics import MeterProvider, ObservableCounter, ObservableGauge
+from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     MetricExporter,
-    MetricExportResult,
-    MetricsData,
-    PeriodicExportingMetricReader,
 )
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
 import rankwatch
 from rankwatch.exporter.config import RankwatchConfig, redacted_url
 from rankwatch.exporter.identity import k8s_attributes, node_hostname
-from rankwatch.exporter.publish.catalogue import CATALOGUE
 from rankwatch.exporter.publish.events import event_log_record
 from rankwatch.exporter.publish.incidents import IncidentEvent
+from rankwatch.exporter.publish.otlp_metrics import (
+    SCOPE_NAME,
+    FailureLog,
+    OwnMetrics,
+    add_instruments,
+    grpc_missing,
+    observations,
+    otlp_metric_exporter,
+)
 from rankwatch.exporter.publish.otlp_process import MetricsProcess
 from rankwatch.exporter.publish.protocol import check_timeout_seconds
 from rankwatch.exporter.publish.samples import Sample
@@ -111,10 +113,7 @@ log = logging.getLogger("rankwatch.otlp")
 OTLP_METRICS = "otlp_metrics"
 OTLP_LOGS = "otlp_logs"
 PROTOCOLS: tuple[str, ...] = ("http/protobuf", "grpc")
-SCOPE_NAME = "rankwatch"
 WORKER_NAME = "rankwatch-otlp"
-# Far above anything the cell budget lets through; the SDK default (2,000) is not.
-CARDINALITY_LIMIT = 1_000_000
 # Incident events waiting for the worker; beyond this the oldest are dropped (and counted).
 MAX_PENDING_EVENTS = 256
 # Events the worker emits before it looks at the metrics clock again: one, so a log endpoint
@@ -225,84 +224,10 @@ def otel_resource(
     return Resource.create(ours)
 
 
-def _cardinality_limits() -> dict[str, Any]:
-    """The reader's keyword raising the SDK's cardinality limit, where the SDK has one (it came
-    after 1.39, the floor; before it, the SDK folds nothing into an overflow series)."""
-    if "cardinality_limits" not in inspect.signature(PeriodicExportingMetricReader).parameters:
-        return {}
-    limits = {ObservableGauge: CARDINALITY_LIMIT, ObservableCounter: CARDINALITY_LIMIT}
-    return {"cardinality_limits": limits}
-
-
-class _FailureLog:
-    """Counts failures and logs the first of each outage (and the recovery)."""
-
-    def __init__(self, exporter: str, where: str, on_failure: Callable[[str], None]) -> None:
-        self.exporter, self.where, self.on_failure = exporter, where, on_failure
-        self.failing = 0
-
-    def failed(self, why: str) -> None:
-        self.on_failure(self.exporter)
-        if self.failing == 0:
-            log.warning(
-                "rankwatch: %s export to %s failed (%s); further failures are counted in "
-                "rankwatch_export_failures_total{exporter=%r} and not logged until it recovers",
-                self.exporter,
-                self.where,
-                why,
-                self.exporter,
-            )
-        self.failing += 1
-
-    def succeeded(self) -> None:
-        if self.failing:
-            log.info(
-                "rankwatch: %s export to %s recovered after %d failed attempts",
-                self.exporter,
-                self.where,
-                self.failing,
-            )
-        self.failing = 0
-
-
-class _CountingMetricExporter(MetricExporter):
-    """Delegates to the real exporter; a failure or exception is counted, never raised."""
-
-    def __init__(self, inner: MetricExporter, failures: _FailureLog) -> None:
-        super().__init__(
-            preferred_temporality=inner._preferred_temporality,
-            preferred_aggregation=inner._preferred_aggregation,
-        )
-        self._inner, self._failures = inner, failures
-        self.silent = False  # exports are dropped (a provider shutting down after a hand-over)
-
-    def export(
-        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
-    ) -> MetricExportResult:
-        if self.silent:
-            return MetricExportResult.SUCCESS
-        try:
-            result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-        except Exception as exc:  # network errors must never reach the caller
-            self._failures.failed(repr(exc))
-            return MetricExportResult.FAILURE
-        if result is MetricExportResult.SUCCESS:
-            self._failures.succeeded()
-        else:
-            self._failures.failed("the exporter reported a failure")
-        return result
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return self._inner.force_flush(timeout_millis=timeout_millis)
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
-
-
 class _CountingLogExporter(LogRecordExporter):
     """Delegates to the real log exporter; a failure or exception is counted, never raised."""
 
-    def __init__(self, inner: LogRecordExporter, failures: _FailureLog) -> None:
+    def __init__(self, inner: LogRecordExporter, failures: FailureLog) -> None:
         self._inner, self._failures = inner, failures
 
     def export(self, batch: Sequence[Any]) -> LogRecordExportResult:
@@ -324,33 +249,6 @@ class _CountingLogExporter(LogRecordExporter):
         self._inner.shutdown()
 
 
-def _grpc_missing(signal: str) -> ModuleNotFoundError:
-    return ModuleNotFoundError(
-        f"OTEL_EXPORTER_OTLP_PROTOCOL / OTEL_EXPORTER_OTLP_{signal}_PROTOCOL: 'grpc' needs the "
-        "OTLP gRPC exporter, which is not installed (it is an optional extra): "
-        "pip install 'rankwatch[grpc]', or use the default 'http/protobuf' (port 4318)"
-    )
-
-
-def otlp_metric_exporter(protocol: str) -> MetricExporter:
-    """The OTLP metric exporter of ``protocol``, configured by the environment."""
-    # Imported here: the gRPC stack is slow to import, most jobs never use it, and it is an extra.
-    if protocol == "grpc":
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-                OTLPMetricExporter as GrpcMetricExporter,
-            )
-        except ImportError as exc:
-            raise _grpc_missing("METRICS") from exc
-
-        return GrpcMetricExporter()
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-        OTLPMetricExporter as HttpMetricExporter,
-    )
-
-    return HttpMetricExporter()
-
-
 def _log_exporter(protocol: str) -> LogRecordExporter:
     if protocol == "grpc":
         try:
@@ -358,7 +256,7 @@ def _log_exporter(protocol: str) -> LogRecordExporter:
                 OTLPLogExporter as GrpcLogExporter,
             )
         except ImportError as exc:
-            raise _grpc_missing("LOGS") from exc
+            raise grpc_missing("LOGS") from exc
 
         return GrpcLogExporter()
     from opentelemetry.exporter.otlp.proto.http._log_exporter import (
@@ -375,74 +273,6 @@ def _endpoint_of(exporter: Any) -> str:
         if isinstance(value, str):
             return redacted_url(value)
     return type(exporter).__name__
-
-
-Rows = Iterable[tuple[str, tuple[str, ...], float]]  # (family name, label values, value)
-
-
-def _observations(rows: Rows) -> dict[str, list[tuple[float, dict[str, str]]]]:
-    """Samples grouped by family, labels as the attribute dicts the instruments report."""
-    names: dict[str, tuple[str, ...]] = {spec.name: spec.all_labels for spec in CATALOGUE}
-    current: dict[str, list[tuple[float, dict[str, str]]]] = {}
-    for name, labels, value in rows:
-        current.setdefault(name, []).append((value, dict(zip(names[name], labels, strict=True))))
-    return current
-
-
-def _add_instruments(
-    meter: Any, current: Callable[[], Mapping[str, list[tuple[float, dict[str, str]]]]]
-) -> None:
-    """One observable instrument per catalogue family, reporting ``current()``'s samples."""
-    for spec in CATALOGUE:
-
-        def observe(_options: CallbackOptions, name: str = spec.name) -> Iterable[Observation]:
-            return [Observation(value, attrs) for value, attrs in current().get(name, ())]
-
-        kwargs = {"callbacks": [observe], "unit": spec.otel_unit, "description": spec.help}
-        if spec.type == "counter":
-            meter.create_observable_counter(spec.otel_name, **kwargs)
-        else:
-            meter.create_observable_gauge(spec.otel_name, **kwargs)
-
-
-class OwnMetrics:
-    """rankwatch's own MeterProvider: the catalogue's instruments, exported on demand.
-
-    ``failures`` is told of every export's outcome (``failed(why)`` / ``succeeded()``). Used
-    by :class:`OtlpPublisher` in its process and by the export child of
-    :mod:`.otlp_process`.
-    """
-
-    def __init__(self, resource: Resource, exporter: MetricExporter, failures: Any) -> None:
-        # An infinite interval: no SDK thread; the caller decides when to collect.
-        self._exporter = _CountingMetricExporter(exporter, failures)
-        self.reader = PeriodicExportingMetricReader(
-            self._exporter,
-            export_interval_millis=math.inf,
-            **_cardinality_limits(),
-        )
-        self.provider = MeterProvider(
-            resource=resource, metric_readers=[self.reader], shutdown_on_exit=False
-        )
-        self._current: dict[str, list[tuple[float, dict[str, str]]]] = {}
-        _add_instruments(self.provider.get_meter(SCOPE_NAME), lambda: self._current)
-
-    def export(self, rows: Rows, timeout_seconds: float) -> None:
-        """Collect ``rows`` and export them; failures go to ``failures``, never raised."""
-        self._current = _observations(rows)
-        try:
-            self.reader.force_flush(timeout_millis=timeout_seconds * 1000)
-        except Exception:  # e.g. a collection timeout; counted by the exporter when it exports
-            log.debug("rankwatch: OTLP metric collection failed", exc_info=True)
-
-    def shutdown(self, timeout_seconds: float, *, last_export: bool = True) -> None:
-        """Shut the provider down, bounded; with ``last_export`` the SDK exports the current
-        samples one last time (without: the samples are another exporter's now)."""
-        self._exporter.silent = not last_export
-        try:
-            self.provider.shutdown(timeout_millis=timeout_seconds * 1000)
-        except Exception:  # shutting down must not raise into the caller
-            log.debug("rankwatch: OTel provider shutdown failed", exc_info=True)
 
 
 class OtlpPublisher:
@@ -492,7 +322,7 @@ class OtlpPublisher:
         self._current: dict[str, list[tuple[float, dict[str, str]]]] = {}
         self._meter_provider: MeterProvider | None = None
         self._own: OwnMetrics | None = None
-        self._metric_failures: _FailureLog | None = None
+        self._metric_failures: FailureLog | None = None
         self._process: MetricsProcess | None = None
         # The child as started, kept after the worker lets go of it: close() ends it whatever
         # the worker has got to.
@@ -510,10 +340,10 @@ class OtlpPublisher:
             self._global_logger_provider = global_logger_provider()
         if self._global_meter_provider is not None:
             meter = self._global_meter_provider.get_meter(SCOPE_NAME, rankwatch.__version__)
-            _add_instruments(meter, lambda: self._current)
+            add_instruments(meter, lambda: self._current)
         elif settings.metrics or metric_exporter is not None:
             inner = metric_exporter or otlp_metric_exporter(settings.metrics_protocol)
-            self._metric_failures = _FailureLog(OTLP_METRICS, _endpoint_of(inner), self._on_failure)
+            self._metric_failures = FailureLog(OTLP_METRICS, _endpoint_of(inner), self._on_failure)
             self._own = OwnMetrics(self.resource, inner, self._metric_failures)
             self._meter_provider = self._own.provider
             # Large exports run in a child process (see .otlp_process), configured like this
@@ -522,14 +352,14 @@ class OtlpPublisher:
 
         self._logger_provider: LoggerProvider | None = None
         self._otel_logger: Any = None
-        self._log_failures = _FailureLog(OTLP_LOGS, "the global LoggerProvider", self._on_failure)
+        self._log_failures = FailureLog(OTLP_LOGS, "the global LoggerProvider", self._on_failure)
         if self._global_logger_provider is not None:
             self._otel_logger = self._global_logger_provider.get_logger(
                 SCOPE_NAME, rankwatch.__version__
             )
         elif settings.logs or log_exporter is not None:
             inner_log = log_exporter or _log_exporter(settings.logs_protocol)
-            self._log_failures = _FailureLog(OTLP_LOGS, _endpoint_of(inner_log), self._on_failure)
+            self._log_failures = FailureLog(OTLP_LOGS, _endpoint_of(inner_log), self._on_failure)
             self._logger_provider = LoggerProvider(resource=self.resource, shutdown_on_exit=False)
             # Synchronous processor: the export runs on our worker thread, which emits.
             self._logger_provider.add_log_record_processor(
@@ -649,7 +479,7 @@ class OtlpPublisher:
         if self._global_meter_provider is not None:
             # The application's reader collects on its own schedule from the latest snapshot;
             # an explicit flush (close, flush()) pushes it through the application's provider.
-            self._current = _observations(self._samples())
+            self._current = observations(self._samples())
             if requested:
                 try:
                     self._global_meter_provider.force_flush(

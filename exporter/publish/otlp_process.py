@@ -218,7 +218,7 @@ def main() -> int:
     logging.disable(logging.CRITICAL)
     from opentelemetry.sdk.resources import Resource
 
-    from rankwatch.exporter.publish.otlp import OwnMetrics, otlp_metric_exporter
+    from rankwatch.exporter.publish.otlp_metrics import OwnMetrics, otlp_metric_exporter
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     setup = read_frame(stdin)
