@@ -116,14 +116,15 @@ fuzz: venv
 # the gRPC extra) pinned to its floor runs the publishing tests. Separate from `test` because it
 # builds a second environment; CI runs it after `make test`.
 FLOORS_VENV ?= .venv-floors
-test-floors: backends
+# The CPU torch build with pip (see $(STAMP)), the rest with the main environment's uv, as there.
+test-floors: venv backends
 	rm -rf $(FLOORS_VENV)
 	$(PYTHON) -m venv $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install -q --upgrade pip
 	$(FLOORS_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(PYTHON) tests/floor_constraints.py > $(FLOORS_VENV)/floors.txt
-	$(FLOORS_VENV)/bin/python -m pip install -q --constraint $(FLOORS_VENV)/floors.txt \
-		-e '.[grpc]' pytest pytest-timeout hypothesis
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(FLOORS_VENV)/bin/python \
+		--constraint $(FLOORS_VENV)/floors.txt -e '.[grpc]' pytest pytest-timeout hypothesis
 	$(FLOORS_VENV)/bin/python -m pip list --format=freeze | grep -iE 'opentelemetry|prometheus|numpy'
 	$(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/exporter/publish/test_otlp.py tests/exporter/publish/test_prometheus.py \

@@ -20,11 +20,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from bench.accuracy_frameworks import torchrun_env
 from tests.rank_processes import rank_process
-from tests.servers import free_port
+from tests.servers import free_port, missing_in_ci
 
 JOIN_TIMEOUT_S = 240.0
 SLEEP_S = 0.04  # the injected input delay: large against a tiny model's step on two cores
@@ -38,10 +36,9 @@ def require_framework(name: str) -> None:
     dev extra installs every framework these tests run on. Looked up, not imported: the ranks
     import it, and importing it here would cost every collection of the suite seconds."""
     if importlib.util.find_spec(name) is None:
-        msg = f"{name} is not installed: `pip install -e '.[dev]'` brings it"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(msg, pytrace=False)
-        pytest.skip(msg, allow_module_level=True)
+        missing_in_ci(
+            f"{name} is not installed: `pip install -e '.[dev]'` brings it", pytrace=False
+        )
 
 
 def _entry(rank: int, world: int, port: int, scenario: str, out: str) -> None:

@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -42,14 +42,19 @@ def find_binary(name: str) -> str | None:
     return shutil.which(name)
 
 
+def missing_in_ci(reason: str, *, pytrace: bool = True) -> NoReturn:
+    """Something a test needs is not on this machine: in CI (``CI=true``) the test fails, since
+    CI installs everything; elsewhere it is skipped, saying what is missing."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(reason, pytrace=pytrace)
+    pytest.skip(reason, allow_module_level=True)
+
+
 def require_binary(name: str) -> str:
     """The binary's path; in CI a missing binary fails the test, elsewhere it skips."""
     path = find_binary(name)
     if path is None:
-        msg = f"{name} not installed: run `make backends` (deploy/install-backends.sh)"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+        missing_in_ci(f"{name} not installed: run `make backends` (deploy/install-backends.sh)")
     return path
 
 
