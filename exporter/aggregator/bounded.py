@@ -11,8 +11,10 @@ group that small, and in a larger one the ranks a reader needs, in this order:
 3. the slowest ranks by step time, then the ranks that waited least at the synchronisation
    (the likeliest next culprits), until the budget is full.
 
-Everything else about the window stays whole: the verdict, the score, every rank id of the
-evidence (plain integers), the missing ranks and the group's size (``group_size``). The other
+The rank lists that hold every rank (the window's ``ranks``, the straggler evidence's
+``eligible_ranks``) are cut to those ranks too. Everything else about the window stays whole:
+the verdict, the score, the ranks each finding names, the missing ranks and the group's size
+(``group_size``). The other
 ranks' series are served by each rank on its own ``/metrics`` (the aggregator answers each
 rank with its own means: :mod:`.service`).
 """
@@ -66,8 +68,14 @@ def notable_ranks(report: WindowReport, root: int, budget: int) -> list[int]:
 
 
 def _bounded_step_time(st: StepTimeReport, keep: set[int]) -> StepTimeReport:
+    straggler = st.straggler
+    if straggler is not None:
+        eligible = tuple(r for r in straggler.eligible_ranks if r in keep)
+        straggler = replace(straggler, eligible_ranks=eligible)
     return replace(
         st,
+        ranks=tuple(r for r in st.ranks if r in keep),
+        straggler=straggler,
         rank_means={r: m for r, m in st.rank_means.items() if r in keep},
         missing_signals={r: s for r, s in st.missing_signals.items() if r in keep},
         outlier_steps_by_rank={r: n for r, n in st.outlier_steps_by_rank.items() if r in keep},
