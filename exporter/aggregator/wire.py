@@ -64,6 +64,7 @@ __all__ = [
     "frame_bytes",
     "frame_rank",
     "refused_text",
+    "rows_final",
     "split_frames",
 ]
 
@@ -255,6 +256,13 @@ def frame_rank(payload: bytes) -> int:
         raise WireError(f"frame: field rank: {len(payload)} bytes, too short for a rank")
     (rank,) = _RANK.unpack_from(payload)
     return int(rank)
+
+
+def rows_final(payload: bytes) -> bool:
+    """Whether a ``ROWS`` payload carries the final flag (read from its header alone)."""
+    if len(payload) < _ROWS.size:
+        raise WireError(f"rows: field length: value {len(payload)} is too short")
+    return bool(_ROWS.unpack_from(payload)[2] & FLAG_FINAL)
 
 
 def refused_text(payload: bytes) -> str:

@@ -190,8 +190,7 @@ class RowShipper:
             self._wake.clear()
             if self._stop.is_set():
                 self._ship(self._sync_requested, FLAG_END_OF_ROUND | FLAG_FINAL)
-                if self.relay is not None:
-                    self.relay.pump()  # what the node's other ranks sent last goes up too
+                self._relay_finals()
                 self.connection.flush(self._final_deadline)
                 self._account()
                 return
@@ -208,6 +207,19 @@ class RowShipper:
             for own in self.connection.pump():
                 self._own(own)
             self._account()
+
+    def _relay_finals(self) -> None:
+        """A leader that stops relays its node until every rank connected to it has sent its
+        final rows (they close about when it does), or the final deadline passes; those it
+        still holds then are dropped and their ranks ship directly."""
+        relay = self.relay
+        if relay is None:
+            return
+        relay.pump()
+        while relay.waiting() and time.monotonic() < self._final_deadline:
+            self.connection.pump()
+            time.sleep(0.01)  # shutdown only: a few hundred turns at most
+            relay.pump()
 
     def _ship(self, seq: int, flags: int) -> None:
         """Queue this rank's new rows as frames (the flags on the last); none are read while

@@ -32,6 +32,7 @@ from rankwatch.exporter.aggregator.wire import (
     encode_gone,
     frame_bytes,
     frame_rank,
+    rows_final,
     split_frames,
 )
 from rankwatch.exporter.step_time.shipping import UNIX, Connection
@@ -73,6 +74,7 @@ class _Follower:
     sock: socket.socket
     buffer: bytearray = field(default_factory=bytearray)
     hellos: dict[int, bytes] = field(default_factory=dict)  # rank -> its HELLO frame
+    finals: set[int] = field(default_factory=set)  # ranks whose final rows went up
 
 
 class NodeRelay:
@@ -94,6 +96,12 @@ class NodeRelay:
         """The ``HELLO`` of every rank this leader relays now (sent again on every new upstream
         connection)."""
         return [h for f in self._followers for h in f.hellos.values()]
+
+    def waiting(self) -> bool:
+        """Whether a rank still connected here has not sent its final rows: a leader that
+        stops keeps relaying until none has (within its shutdown budget), so its node's last
+        rows reach the summary window."""
+        return any(len(f.finals) < len(f.hellos) for f in self._followers)
 
     def pump(self) -> None:
         """Take new followers, forward what they sent (while the upstream outbox has room:
@@ -168,6 +176,8 @@ class NodeRelay:
             raise WireError(f"frame: field kind: value {kind} is not relayed")
         elif (rank := frame_rank(payload)) not in follower.hellos:
             raise WireError(f"frame: field rank: value {rank} did not say hello here")
+        elif kind == KIND_ROWS and rows_final(payload):
+            follower.finals.add(rank)
         self.upstream.queue(data)
         self.forwarded += 1
 
