@@ -21,6 +21,7 @@ process runs on. Its figures per group size:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,21 +186,31 @@ def _tree(commit: str, into: Path) -> Path:
     return src
 
 
-def before_figures(sizes: tuple[int, ...], commit: str = BEFORE) -> dict[int, dict[str, Any]]:
-    """The code before's figures per size, each size in a process of its own (its memory
-    given back before the next); a size it could not run is left out, said on stderr."""
-    out: dict[int, dict[str, Any]] = {}
+@contextlib.contextmanager
+def before_env(commit: str = BEFORE) -> Iterator[dict[str, str] | None]:
+    """An environment whose Python imports ``commit``'s rankwatch (None, said on stderr, when
+    this checkout does not hold it); the tree is removed on exit."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             src = _tree(commit, Path(tmp))
         except (OSError, subprocess.CalledProcessError) as exc:
             print(f"the code before ({commit}) is not in this checkout: {exc}", file=sys.stderr)
+            yield None
+            return
+        yield dict(os.environ, PYTHONPATH=f"{Path(tmp) / 'pkg'}{os.pathsep}{src}")
+
+
+def before_figures(sizes: tuple[int, ...], commit: str = BEFORE) -> dict[int, dict[str, Any]]:
+    """The code before's figures per size, each size in a process of its own (its memory
+    given back before the next); a size it could not run is left out, said on stderr."""
+    out: dict[int, dict[str, Any]] = {}
+    with before_env(commit) as env:
+        if env is None:
             return out
-        env = dict(os.environ, PYTHONPATH=f"{Path(tmp) / 'pkg'}{os.pathsep}{src}")
         for size in sizes:
             done = subprocess.run(
                 [sys.executable, "-c", _DRIVER, json.dumps([size])],
-                cwd=tmp,
+                cwd=env["PYTHONPATH"].split(os.pathsep)[1],
                 env=env,
                 capture_output=True,
                 text=True,

@@ -6,11 +6,13 @@ against the code before. This benchmark adds:
 * ``summary window``: the final summary at 1,024 ranks x 10,000 steps, from the block records
   each rank sums and ships and the newest rows (the aggregator's ``GroupWindows``), against the
   same window reduced from every row;
-* ``real processes``: 8, 16 and 32 Gloo ranks running ``RankWatch`` (default configuration) for
-  a few seconds with a 1 s interval: the CPU the root's process spent on rankwatch besides its
-  training thread, the sockets RankWatch opened on a non-root rank and on the root's process
-  (the aggregator's are its child's), how long ``close()`` took, and the rows that never reached
-  the aggregator (the summary's last step of each rank against the steps it ran).
+* ``real processes``: 8, 24 and 48 Gloo ranks (48 is about what this machine holds) running
+  ``RankWatch`` (default configuration) for a few seconds with a 1 s interval, each world run
+  with this code and then with the code before (``bench.baseline``'s commit, the root's work in
+  its training process): the CPU the root's process and a non-root rank spent on rankwatch
+  besides the training thread, the sockets RankWatch opened there (the aggregator's are its
+  child's), how long ``close()`` took, and what the summary missed (ranks, and steps between
+  its last and the fewest any rank ran).
 
 Run: ``python -m bench.bench_scale`` (or ``make bench-scale``). Options: ``--quick`` skips the
 multi-process parts.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -31,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.baseline import before_env
 from rankwatch.diagnosis.step_time import ROW_WIDTH, diagnose_arrays
 from rankwatch.diagnosis.step_time.artifact import example_window
 from rankwatch.diagnosis.step_time.blocks import StepBlocks
@@ -40,6 +44,8 @@ from rankwatch.exporter.cli.ports import free_port
 from rankwatch.exporter.config import RankwatchConfig
 
 ROWS_PER_WINDOW = 100
+# Real worlds: the largest is about what this machine holds (48 processes of torch, 2 cores).
+WORLDS = (8, 24, 48)
 
 
 def _median(fn: Any, repeat: int) -> tuple[float, float]:
@@ -136,19 +142,33 @@ cfg = RankwatchConfig.from_env(env={}, interval_seconds=1.0, metrics_enabled=Fal
 dist.barrier()  # the ranks lined up, the training group's own pairs connected
 before = sockets()
 rw = RankWatch(config=cfg, publishers=[])
+def child_cpu():
+    # The aggregator's CPU so far (a child of the root's process; the code before had none).
+    pid = getattr(getattr(rw, "_aggregator", None), "pid", None)
+    if pid is None:
+        return None
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), time.monotonic()
+
 cpu0, main0, wall0, steps = time.process_time(), time.thread_time(), time.monotonic(), 0
+settled = None  # the aggregator's CPU once its start (interpreter, imports) is behind it
 while time.monotonic() - wall0 < seconds:
     with rw.step():
         with rw.phase("forward"):
             time.sleep(0.01)
     rw.collect()
     steps += 1
+    if settled is None and time.monotonic() - wall0 > 2.0:
+        settled = child_cpu() or ()
 wall = time.monotonic() - wall0
 # Everything this process ran besides its training thread (rankwatch's threads only here).
 others = (time.process_time() - cpu0) - (time.thread_time() - main0)
-agg = rw._aggregator
+latest = rw.latest_report
 result = {"cpu": others, "wall": wall, "steps": steps, "sockets": sockets() - before,
-          "windows": None if agg is None else agg.reports_published}
+          "windows": None if latest is None else latest.window_index + 1}
+end = child_cpu()
+if settled and end:
+    result["aggregator_cpu_share"] = (end[0] - settled[0]) / (end[1] - settled[1])
 dist.barrier()
 closing = time.monotonic()
 rw.close(10.0)
@@ -163,13 +183,13 @@ dist.destroy_process_group()
 """
 
 
-def _world(world: int, seconds: float) -> list[dict[str, Any]]:
+def _world(world: int, seconds: float, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(_WORKER)
         port = free_port()
         outs = [Path(tmp) / f"{r}.json" for r in range(world)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
         procs = [
             subprocess.Popen(
                 [sys.executable, str(script), *map(str, (r, world, port, outs[r], seconds))],
@@ -182,38 +202,82 @@ def _world(world: int, seconds: float) -> list[dict[str, Any]]:
         return [json.loads(o.read_text()) for o in outs]
 
 
-def real_run(world: int = 32, seconds: float = 8.0) -> list[dict[str, Any]]:
-    got = _world(world, seconds)
-    root = got[0]
-    ranks_cpu = [100 * g["cpu"] / g["wall"] for g in got[1:]]
+def real_run(
+    world: int, before: dict[str, str] | None, seconds: float = 8.0
+) -> list[dict[str, Any]]:
+    """One real world of the new code and, in ``before``'s environment, of the code before
+    (``bench.baseline``), one after the other on the same machine."""
+    now = _world(world, seconds)
+    old = _world(world, seconds, before) if before is not None else None
+
+    def root_cpu(got: list[dict[str, Any]]) -> float:
+        return 100 * got[0]["cpu"] / got[0]["wall"]
+
+    def rank_cpu(got: list[dict[str, Any]]) -> float:
+        return statistics.median(100 * g["cpu"] / g["wall"] for g in got[1:])
+
+    def sockets(got: list[dict[str, Any]], root: bool) -> float:
+        return float(
+            got[0]["sockets"] if root else statistics.median(g["sockets"] for g in got[1:])
+        )
+
+    def short(got: list[dict[str, Any]]) -> float:
+        return float(min(g["steps"] for g in got) - 1 - got[0]["last_step"])
+
+    def was(fn: Any, *args: Any) -> float | None:
+        return None if old is None else fn(old, *args)
+
+    head = f"real run, {world} Gloo ranks, 1 s interval"
     return [
         _row_of(
-            f"real run, {world} Gloo ranks, 1 s interval: the root's process CPU besides "
-            f"training ({root['windows']} windows, {root['steps']} steps; % of a core; "
-            "baseline: a non-root rank's, median)",
-            100 * root["cpu"] / root["wall"],
-            statistics.median(ranks_cpu),
+            f"{head}: the root's process CPU besides training ({now[0]['windows']} windows, "
+            f"{now[0]['steps']} steps; % of a core)",
+            root_cpu(now),
+            was(root_cpu),
             "%",
         ),
         _row_of(
-            f"real run, {world} Gloo ranks: sockets RankWatch opened per non-root rank "
-            "(the root's process: baseline)",
-            float(statistics.median(g["sockets"] for g in got[1:])),
-            float(root["sockets"]),
+            f"{head}: the aggregator process's CPU after its first 2 s "
+            "(a child of the root's; before: none)",
+            100 * now[0].get("aggregator_cpu_share", math.nan),
+            None,
+            "%",
+        ),
+        _row_of(
+            f"{head}: a non-root rank's CPU besides training (median)",
+            rank_cpu(now),
+            was(rank_cpu),
+            "%",
+        ),
+        _row_of(
+            f"{head}: sockets RankWatch opened on the root's process",
+            sockets(now, True),
+            was(sockets, True),
             "sockets",
         ),
         _row_of(
-            f"real run, {world} Gloo ranks: slowest close() over the ranks",
-            max(g["close_s"] for g in got),
-            None,
+            f"{head}: sockets RankWatch opened per non-root rank (median)",
+            sockets(now, False),
+            was(sockets, False),
+            "sockets",
+        ),
+        _row_of(
+            f"{head}: slowest close() over the ranks",
+            max(g["close_s"] for g in now),
+            was(lambda got: max(g["close_s"] for g in got)),
             "s",
         ),
         _row_of(
-            f"real run, {world} Gloo ranks: ranks the summary missed, and steps between its "
-            "last and the fewest any rank ran (baseline)",
-            float(len(root["summary_missing"])),
-            float(min(g["steps"] for g in got) - 1 - root["last_step"]),
+            f"{head}: ranks the summary missed",
+            float(len(now[0]["summary_missing"])),
+            was(lambda got: float(len(got[0]["summary_missing"]))),
             "ranks",
+        ),
+        _row_of(
+            f"{head}: steps between the summary's last and the fewest any rank ran",
+            short(now),
+            was(short),
+            "steps",
         ),
     ]
 
@@ -223,8 +287,9 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     start_load = os.getloadavg()[0]
     rows = summary_cost()
     if not quick:
-        for world in (8, 16, 32):
-            rows += real_run(world)
+        with before_env() as before:
+            for world in WORLDS:
+                rows += real_run(world, before)
     # The machine is shared: say how busy it was (runnable processes, 1-minute average).
     rows.append(
         _row_of(
