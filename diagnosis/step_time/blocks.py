@@ -55,6 +55,7 @@ from rankwatch.diagnosis.step_time.table import (
     _align,
     _check_table,
     _reduce_cube,
+    _table_is_clean,
     column,
     gpu_steps,
     rows_after,
@@ -358,6 +359,54 @@ class StepBlocks:
                 return _reduce_cube(ranks, pmask, cube, ids, outliers=self.outliers)
             return self._combine(ranks, pmask, rows_of, cube, ids, split, window)
 
+    def reduce_cube(
+        self,
+        present_ranks: Sequence[int],
+        cube: FloatArray,
+        window: int,
+        *,
+        complete: bool,
+    ) -> WindowMeans:
+        """:meth:`reduce` for present ranks whose newest kept rows lie side by side: ``cube``
+        is ``[len(present_ranks), n, ROW_WIDTH]`` in the ranks' order here, each rank's last
+        ``n`` rows (a group's aggregator keeps them so), and ``complete`` says every present
+        rank's rows are all there. The same means, without a table of every tail; rows not
+        with the same ascending step ids, or not clean, go the general way."""
+        window = validate_window(window)
+        rows_of = np.fromiter((self._row[r] for r in present_ranks), np.int64, len(present_ranks))
+        m, n = cube.shape[:2] if cube.ndim == 3 else (0, 0)
+        ids = cube[0, :, 0] if m and n else np.empty(0)
+        usual = (
+            m > 0
+            and n > 0
+            and cube.shape[2] == ROW_WIDTH
+            and bool((np.diff(rows_of) > 0).all())
+            and bool((np.diff(ids) > 0).all())
+            and bool((cube[:, :, 0] == ids).all())
+            and _table_is_clean(cube)
+        )
+        if not usual:
+            tails: dict[int, FloatArray | None] = dict.fromkeys(self.ranks)
+            for j, rank in enumerate(present_ranks):
+                tails[rank] = cube[j] if cube.ndim == 3 else None
+            return self.reduce(tails, window, complete=present_ranks if complete else ())
+        self.flush()
+        self.approximate = False
+        ranks = list(self.ranks)
+        pmask = np.zeros(len(ranks), dtype=bool)
+        pmask[rows_of] = True
+        bs = self.block_steps
+        # As reduce(): steps from ``split`` on come from the rows, older ones from blocks.
+        split = 0 if complete else -(-int(ids[0]) // bs) * bs
+        start = int(np.searchsorted(ids, split))
+        tail, tail_ids = cube[:, start:], ids[start:]
+        with np.errstate(over="ignore", invalid="ignore"):
+            if tail.shape[1] >= window or split == 0:
+                return _reduce_cube(
+                    ranks, pmask, tail[:, -window:], tail_ids[-window:], outliers=self.outliers
+                )
+            return self._combine(ranks, pmask, rows_of, tail, tail_ids, split, window)
+
     def _combine(
         self,
         ranks: list[int],
@@ -373,8 +422,9 @@ class StepBlocks:
         # Closed blocks older than ``split``, newest first.
         ks = np.arange(split // bs - 1, max(split // bs - 1 - self.slots, -1), -1)
         slots = ks % self.slots
-        valid = self._index[rows_of][:, slots] == ks  # [present, blocks]
-        masks = np.where(valid[:, :, None], self._mask[rows_of][:, slots], 0)
+        every_slot = np.ix_(rows_of, slots)
+        valid = self._index[every_slot] == ks  # [present, blocks]
+        masks = np.where(valid[:, :, None], self._mask[every_slot], 0)
         common = np.bitwise_and.reduce(masks, axis=0)  # [blocks, bytes]
         counts = np.unpackbits(common, axis=1).sum(axis=1)
         take = (np.cumsum(counts) <= window - n_tail) & (counts > 0)
@@ -385,14 +435,15 @@ class StepBlocks:
         rounded = short and bool((counts[~take] > 0).any())
         self.approximate = self.approximate or ragged or rounded
         # Block sums stand for the common steps (exact unless ragged).
-        own = np.maximum(self._steps[rows_of][:, slots[used]], 1)
+        at = np.ix_(rows_of, slots[used])  # the present ranks' used blocks, taken once each
+        own = np.maximum(self._steps[at], 1)
         scale = counts[used][None, :] / own  # [present, used]
-        sums = (self._sums[rows_of][:, slots[used]] * scale[:, :, None, None]).sum(axis=1)
-        kept = (self._kept[rows_of][:, slots[used]] * scale[:, :, None]).sum(axis=1)
-        meas = self._measured[rows_of][:, slots[used]]  # [present, used, clocks, keys]
+        sums = (self._sums[at] * scale[:, :, None, None]).sum(axis=1)
+        kept = (self._kept[at] * scale[:, :, None]).sum(axis=1)
+        meas = self._measured[at]  # [present, used, clocks, keys]
         every = np.where(_EVERY, meas.all(axis=1), meas.any(axis=1))
-        gpu_blocks = bool(self._gpu_ok[rows_of][:, slots[used]].all())
-        async_collectives = bool(self._async[rows_of][:, slots[used]].any())
+        gpu_blocks = bool(self._gpu_ok[at].all())
+        async_collectives = bool(self._async[at].any())
         steps = n_tail + int(counts[used].sum())
         use_gpu = gpu_blocks and (n_tail == 0 or bool(gpu_steps(cube).all()))
         c = CLOCKS.index("gpu" if use_gpu else "cpu")

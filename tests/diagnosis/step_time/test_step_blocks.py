@@ -219,6 +219,51 @@ def test_bad_sizes_are_refused_by_name() -> None:
         StepBlocks([0], window_steps=100, tail_rows=500, block_steps=0)
 
 
+@pytest.mark.parametrize("complete", [False, True])
+@pytest.mark.parametrize(("name", "per_rank", "window"), windows(), ids=lambda x: str(x)[:40])
+def test_rows_side_by_side_reduce_as_the_same_rows_one_by_one(
+    name: str, per_rank: dict[int, np.ndarray | None], window: int, complete: bool
+) -> None:
+    """The aggregator's summary hands the blocks its rows side by side (the ranks' last rows
+    up to the lowest last step); the means are those of the same rows given rank by rank,
+    and rows not in step (a shared gap is in step; a lone one is not) go that way too."""
+    blocks = feed(per_rank, window)
+    present = [r for r, a in per_rank.items() if a is not None]
+    lowest = min(float(per_rank[r][-1, 0]) for r in present)  # type: ignore[index]
+    cut = [a[a[:, 0] <= lowest] for r in present if (a := per_rank[r]) is not None]
+    n = min(TAIL, *(len(a) for a in cut))
+    cube = np.stack([a[-n:] for a in cut])
+    tails: dict[int, np.ndarray | None] = dict.fromkeys(per_rank)
+    for j, r in enumerate(present):
+        tails[r] = cube[j]
+    want = blocks.reduce(tails, window, complete=present if complete else ())
+    approximate = blocks.approximate
+    got = blocks.reduce_cube(present, cube, window, complete=complete)
+    assert blocks.approximate == approximate, name
+    np.testing.assert_allclose(got.means, want.means, rtol=1e-12)
+    np.testing.assert_array_equal(got.measured, want.measured)
+    np.testing.assert_array_equal(got.present, want.present)
+    assert (got.steps, got.step_range, got.clock, got.async_collectives) == (
+        want.steps,
+        want.step_range,
+        want.clock,
+        want.async_collectives,
+    )
+    assert got.outlier_steps == want.outlier_steps
+
+
+def test_rows_side_by_side_not_in_step_go_the_general_way() -> None:
+    per_rank: dict[int, np.ndarray | None] = dict(example_window(3, 700, slow_rank=1).per_rank)
+    blocks = feed(per_rank, 1000)
+    cube = np.stack([a[-TAIL:] for a in per_rank.values() if a is not None])
+    cube[1, :, 0] += 1  # rank 1's ids one step ahead of the others': not side by side
+    tails = {r: cube[j] for j, r in enumerate(per_rank)}
+    want = blocks.reduce(dict(tails), 1000)
+    got = blocks.reduce_cube(list(per_rank), cube, 1000, complete=False)
+    np.testing.assert_array_equal(got.means, want.means)
+    assert got.step_range == want.step_range
+
+
 def test_the_root_summary_matches_the_full_rows() -> None:
     """The aggregator keeps bounded rows, yet its summary is the full-row report."""
     ranks = (0, 1, 2, 3)
@@ -238,6 +283,7 @@ def test_the_root_summary_matches_the_full_rows() -> None:
     cap = root_tail_rows(config, len(ranks))
     assert all(collector.rows.size(i) == cap for i in range(len(ranks)))
     window = config.diagnosis.step_time.summary_window_steps
+    assert collector._summary_in_step(list(ranks), window) is not None  # the ranks in step
     _, got = collector._diagnose("summary", list(ranks), window)
     want = diagnose_arrays(per_rank, strategy="ddp", window=window)
     same(want.to_dict(), got.to_dict())
