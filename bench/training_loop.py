@@ -2,8 +2,10 @@
 
 ``Training`` runs the tiny MLP of ``bench_hot_path`` (one torch thread) on the calling thread;
 ``lost_ms`` measures how much of its time a piece of work on another thread costs it: its step
-times while the work runs, less as many steps at the loop's own median just before. ``scraper``
-is a ``/metrics`` client in a process of its own.
+times while the work runs, less as many steps at the loop's own median just before;
+``others_cpu_ms`` the CPU the process's other threads took meanwhile (on one pinned core, the
+loop's lost time without its noise; ``bench.baseline``'s driver counts the code before the same
+way). ``scraper`` is a ``/metrics`` client in a process of its own.
 """
 
 from __future__ import annotations
@@ -72,3 +74,21 @@ class Training:
         during = self.steps(until=done)
         thread.join()
         return (sum(during) - len(during) * bare) * 1e3, cpu[0] * 1e3
+
+    def others_cpu_ms(self, work: Callable[[], object], pad_seconds: float = 0.05) -> float:
+        """CPU ms every thread of this process but this one took while ``work()`` ran on
+        another thread (and ``pad_seconds`` after it) and the loop ran here: on a process
+        pinned to one core, time the loop could not run."""
+        done = threading.Event()
+
+        def run() -> None:
+            work()
+            time.sleep(pad_seconds)
+            done.set()
+
+        p0, m0 = time.process_time(), time.thread_time()
+        thread = threading.Thread(target=run)
+        thread.start()
+        self.steps(until=done)
+        thread.join()
+        return ((time.process_time() - p0) - (time.thread_time() - m0)) * 1e3
