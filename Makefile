@@ -16,7 +16,7 @@ export RANKWATCH_BACKENDS_BIN := $(BACKENDS)/bin
 # collection of the suite took 6 s without, 3 s with).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv backends demo test test-fast test-floors fuzz lint typecheck unit generate bench bench-scale accuracy \
+.PHONY: venv backends demo test test-fast test-floors fuzz lint typecheck unit generate bench bench-scale accuracy accuracy-unit \
 	accuracy-parallel accuracy-trainers accuracy-hang accuracy-deepep reliability-matrix gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -169,6 +169,12 @@ accuracy-trainers: venv
 # cores). Every job is killed at the end.
 accuracy-hang: venv
 	$(PY) -m bench.accuracy_hang --out docs/accuracy.md
+
+# The fault's unit matrix: real Gloo jobs in nodes simulated with NODE_NAME (a slow node of 2 or
+# 4 ranks, most of a node, one slow GPU on a node, a control), live incidents -> its section
+# of docs/accuracy.md (about three minutes).
+accuracy-unit: venv
+	$(PY) -m bench.accuracy_fault_unit --out docs/accuracy.md
 
 # Regenerates the DeepEP normal-mode accuracy matrix in docs/diagnosis-deepep.md.
 accuracy-deepep: venv

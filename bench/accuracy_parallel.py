@@ -697,7 +697,12 @@ TITLES = {
 
 
 # The generators whose sections follow the single-dimension matrix in docs/accuracy.md.
-SECTION_OWNERS = ("accuracy-parallel", "accuracy-trainers", "accuracy-hang")
+SECTION_OWNERS = (
+    "accuracy-parallel",
+    "accuracy-trainers",
+    "accuracy-hang",
+    "accuracy-fault-unit",
+)
 
 
 def _marks(section: str, owner: str = "accuracy-parallel") -> tuple[str, str]:

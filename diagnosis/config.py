@@ -391,8 +391,47 @@ class StepTimeConfig(EnvOptions):
         default=0.05, metadata=option("RANKWATCH_OUTLIER_STEPS_MAX_FRACTION", 0.0, 0.5)
     )
 
+    # The fault's unit (see step_time.units): a rank of the culprit's host is late with it when
+    # its own gap to the victim is at least this fraction of the culprit's; the host is the
+    # unit when at least ``slow_host_rank_fraction`` of its ranks (and two) are late together.
+    slow_host_gap_fraction: float = field(
+        default=0.5,
+        metadata=option("RANKWATCH_SLOW_HOST_GAP_FRACTION", 0.0, 1.0, lo_open=True),
+    )
+    slow_host_rank_fraction: float = field(
+        default=0.75,
+        metadata=option("RANKWATCH_SLOW_HOST_RANK_FRACTION", 0.5, 1.0, lo_open=True),
+    )
+
+    # The run against itself (step_time.pace): warm-up windows, then the windows whose median
+    # is the baseline of the group's own pace; a job slowdown after this many windows in a row
+    # at the warning ratio or above, critical from the critical ratio.
+    pace_warmup_windows: int = field(
+        default=3, metadata=option("RANKWATCH_PACE_WARMUP_WINDOWS", 0, MAX_HISTORY_WINDOWS)
+    )
+    pace_baseline_windows: int = field(
+        default=5, metadata=option("RANKWATCH_PACE_BASELINE_WINDOWS", 1, MAX_HISTORY_WINDOWS)
+    )
+    job_slowdown_windows: int = field(
+        default=3, metadata=option("RANKWATCH_JOB_SLOWDOWN_WINDOWS", 1, MAX_HISTORY_WINDOWS)
+    )
+    job_slowdown_warning_ratio: float = field(
+        default=1.15,
+        metadata=option("RANKWATCH_JOB_SLOWDOWN_WARNING_RATIO", 1.0, MAX_FACTOR, lo_open=True),
+    )
+    job_slowdown_critical_ratio: float = field(
+        default=1.5,
+        metadata=option("RANKWATCH_JOB_SLOWDOWN_CRITICAL_RATIO", 1.0, MAX_FACTOR, lo_open=True),
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.job_slowdown_critical_ratio < self.job_slowdown_warning_ratio:
+            raise ValueError(
+                f"{option_label(StepTimeConfig, 'job_slowdown_critical_ratio')}: must be >= "
+                f"job_slowdown_warning_ratio ({self.job_slowdown_warning_ratio}), "
+                f"got {self.job_slowdown_critical_ratio}"
+            )
         if self.straggler_critical_score < self.straggler_warning_score:
             raise ValueError(
                 f"{option_label(StepTimeConfig, 'straggler_critical_score')}: must be >= "

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from rankwatch.diagnosis.deepep.normal.report import NormalReport
     from rankwatch.diagnosis.hang.classify import HangReport
     from rankwatch.diagnosis.step_time import StepTimeReport
+    from rankwatch.diagnosis.step_time.pace import PaceReport
 
 __all__ = ["RankInfo", "WindowReport"]
 
@@ -57,6 +58,9 @@ class WindowReport:
     diagnosis_seconds: dict[str, float] = field(default_factory=dict)
     # The hang watcher's state (rankwatch.diagnosis.hang), on the reports it publishes only.
     hang: HangReport | None = None
+    # The group's pace against its own baseline (rankwatch.diagnosis.step_time.pace), on live
+    # step-time windows.
+    pace: PaceReport | None = None
     # Ranks in the group when ``ranks`` lists only some of them (a report bounded for the
     # training process: ``rank_budget``); 0 when ``ranks`` and ``missing_ranks`` are all of it.
     group_size: int = 0
@@ -108,5 +112,6 @@ class WindowReport:
             else {k: v.to_dict() for k, v in self.low_latency.items()},
             "diagnosis_seconds": dict(self.diagnosis_seconds),
             **({} if self.hang is None else {"hang": self.hang.to_dict()}),
+            **({} if self.pace is None else {"pace": self.pace.to_dict()}),
             **({"group_size": self.group_size} if self.group_size else {}),
         }

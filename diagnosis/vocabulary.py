@@ -13,6 +13,7 @@ __all__ = [
     "HANG_SUSPECT",
     "INCIDENT_CLASSES",
     "INCIDENT_SEVERITIES",
+    "JOB_SLOWDOWN_CLASS",
     "KINDS",
     "LOCALIZED_DATA_PATH_SLOWDOWN",
     "NORMAL_INCIDENT_CLASSES",
@@ -22,6 +23,7 @@ __all__ = [
     "PROPERTY_CLASSES",
     "SEVERITIES",
     "SEVERITY_LEVELS",
+    "SLOW_NODE_CLASS",
     "STATUS_KINDS",
     "STRAGGLER_CLASS",
     "STRAGGLER_KINDS",
@@ -68,6 +70,10 @@ STRAGGLER_KINDS: dict[str, str] = {
 
 # Incident classes: one per step-time finding family, and the normal-mode engine's own.
 STRAGGLER_CLASS = "step_time_straggler"
+# The whole group slower than its own baseline (step_time.pace), for k windows in a row.
+JOB_SLOWDOWN_CLASS = "job_slowdown"
+# A straggler whose unit is a host: most of one node's ranks late together (step_time.units).
+SLOW_NODE_CLASS = "step_time_slow_node"
 BOTTLENECK_CLASS = "step_time_bottleneck"
 PRE_STAGE_ARRIVAL_SKEW = "pre_stage_arrival_skew"
 GLOBAL_DATA_PATH_SLOWDOWN = "global_data_path_slowdown"
@@ -87,20 +93,24 @@ NORMAL_INCIDENT_CLASSES: tuple[str, ...] = (
 # No rank of a step-time group progressed for the hang budget (rankwatch.diagnosis.hang): it
 # opens at once and closes as soon as the job moves on (the hang watcher's own hysteresis).
 HANG_CLASS = "hang"
-OPEN_AT_ONCE_CLASSES: tuple[str, ...] = (HANG_SUSPECT, HANG_CLASS)
+# A job slowdown is reported only after k windows in a row already (its own debounce).
+OPEN_AT_ONCE_CLASSES: tuple[str, ...] = (HANG_SUSPECT, HANG_CLASS, JOB_SLOWDOWN_CLASS)
 CLOSE_AT_ONCE_CLASSES: tuple[str, ...] = (HANG_CLASS,)
 INCIDENT_CLASSES: tuple[str, ...] = (
     STRAGGLER_CLASS,
+    SLOW_NODE_CLASS,
+    JOB_SLOWDOWN_CLASS,
     BOTTLENECK_CLASS,
     *NORMAL_INCIDENT_CLASSES,
     HANG_CLASS,
 )
 
 # One severity story. An incident is a *fault* (something holds the job back and someone
-# should look: a straggler the others wait for, a DeepEP incident class, a hang) or a steady
-# *property* of the job (how its step divides: input-bound, residual-heavy, compute-bound,
-# which is the same from the first window to the last). Critical means a fault that pages;
-# a property is a warning at most and never pages. Every class not listed here is a fault.
+# should look: a straggler or a slow node the others wait for, a DeepEP incident class, a
+# hang) or a steady *property* of the job (how its step divides: input-bound, residual-heavy,
+# compute-bound, which is the same from the first window to the last). Critical means a fault
+# that pages; a property is a warning at most and never pages. Every class not listed here is a
+# fault.
 FAULT = "fault"
 PROPERTY = "property"
 PROPERTY_CLASSES: tuple[str, ...] = (BOTTLENECK_CLASS,)

@@ -3,8 +3,9 @@
 Modules, in reading order: :mod:`.table` (the columnar rows and their reduction to per-rank
 means), :mod:`.row_dicts` (row dictionaries into that table), :mod:`.blocks` (bounded state
 for long windows), :mod:`.mesh` (a job's device mesh and its comparison groups), :mod:`.rules`
-(the policy: straggler score, attribution, bottlenecks, gates), :mod:`.report` (what it
-returns) and :mod:`.artifact` (windows saved as JSON).
+(the policy: straggler score, attribution, bottlenecks, gates), :mod:`.units` (the fault's
+unit: a rank or its host), :mod:`.report` (what it returns) and :mod:`.artifact` (windows saved
+as JSON).
 """
 
 from rankwatch.diagnosis.step_time.mesh import MeshLayout
@@ -30,6 +31,7 @@ from rankwatch.diagnosis.step_time.rules import (
     strategy_from_metadata,
 )
 from rankwatch.diagnosis.step_time.table import CLOCKS, ROW_WIDTH, SIGNALS
+from rankwatch.diagnosis.step_time.units import name_fault_unit
 from rankwatch.diagnosis.vocabulary import SEVERITIES
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "diagnose_means",
     "diagnose_steps",
     "diagnose_window",
+    "name_fault_unit",
     "normalize_strategy",
     "rows_to_array",
     "strategy_from_metadata",

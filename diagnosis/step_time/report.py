@@ -152,6 +152,10 @@ class Finding:
     ``missing_signals`` names signals whose absence made a rule abstain (``INCOMPLETE_DATA``,
     bottlenecks) or kept a component out of attribution (stragglers).
     A straggler finding repeats its evidence's mesh fields (see :class:`StragglerEvidence`).
+    ``slow_host``/``slow_host_ranks``: the host whose ranks are late together, when the
+    fault's unit is a host rather than one rank (:func:`~.units.name_fault_unit`); then
+    ``ranks`` are those ranks too, and ``slow_host_size`` counts the host's ranks in the
+    compared group. Empty otherwise.
     """
 
     kind: str
@@ -171,6 +175,10 @@ class Finding:
     culprit_position: str = ""
     slow_group: str = ""
     slow_group_ranks: tuple[int, ...] = ()
+    # The fault's unit when it is a host (see :mod:`.units`): its name and its late ranks.
+    slow_host: str = ""
+    slow_host_ranks: tuple[int, ...] = ()
+    slow_host_size: int = 0  # the host's ranks in the compared group
 
     @property
     def is_straggler(self) -> bool:
@@ -192,6 +200,10 @@ class Finding:
         }
         out["missing_signals"] = list(self.missing_signals)
         out.update(_mesh_fields(self))
+        if self.slow_host:  # left out otherwise: a report without one reads as before
+            out["slow_host"] = self.slow_host
+            out["slow_host_ranks"] = list(self.slow_host_ranks)
+            out["slow_host_size"] = self.slow_host_size
         return out
 
 

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.diagnosis.step_time import StepTimeReport
+from rankwatch.diagnosis.step_time.pace import PaceReport
 
 __all__ = ["bounded_report", "notable_ranks"]
 
@@ -94,5 +95,10 @@ def bounded_report(report: WindowReport, root: int, budget: int) -> WindowReport
         report,
         ranks=tuple(info for info in report.ranks if info.rank in keep),
         step_time=None if st is None else _bounded_step_time(st, keep),
+        pace=None if report.pace is None else _bounded_pace(report.pace, keep),
         group_size=size,
     )
+
+
+def _bounded_pace(pace: PaceReport, keep: set[int]) -> PaceReport:
+    return replace(pace, rank_ratios={r: v for r, v in pace.rank_ratios.items() if r in keep})

@@ -163,6 +163,11 @@ class Aggregator:
         self._mesh = mesh
         self._send(("mesh", mesh))
 
+    def rebaseline(self, reason: str) -> None:
+        """Start the group's pace baseline again (see ``RankWatch.rebaseline``)."""
+        if not self._send(("rebaseline", reason)):
+            log.warning("rankwatch: the aggregator is not there: baseline not reset (%s)", reason)
+
     def publish_hang(self, hang: HangReport) -> None:
         """The hang loop's verdict (or its end), numbered among the windows by the aggregator;
         published here at once when the aggregator is not there to do it."""

@@ -159,6 +159,9 @@ class _Service:
             kind = message[0]
             if kind == "mesh":
                 self.windows.mesh = message[1]
+            elif kind == "rebaseline":
+                self.windows.pace.rebaseline(message[1])
+                log.warning("rankwatch: the pace baseline starts again: %s", message[1])
             elif kind == "hang":
                 self._send_report(self.windows.hang_report(message[1]))
             elif kind == "stop":

@@ -39,9 +39,11 @@ from rankwatch.diagnosis.step_time import (
     diagnose_arrays,
     diagnose_cube,
     diagnose_window,
+    name_fault_unit,
 )
 from rankwatch.diagnosis.step_time.blocks import BLOCK_STEPS, StepBlocks
 from rankwatch.diagnosis.step_time.mesh import MeshLayout
+from rankwatch.diagnosis.step_time.pace import PaceHistory, recent_outer_ms
 from rankwatch.diagnosis.step_time.rules import outlier_rule
 from rankwatch.diagnosis.step_time.table import ROW_WIDTH
 from rankwatch.exporter.aggregator.rows import GroupRows
@@ -152,7 +154,10 @@ class GroupWindows:
         self.index = self.rows.index
         self.infos: dict[int, RankInfo] = {}
         self._infos_tuple: tuple[RankInfo, ...] | None = None  # every rank's, until a hello
+        self._hosts: dict[int, str] | None = None  # rank -> node name, until a hello
         self.mesh: MeshLayout | None = None
+        self.pace = PaceHistory(config.diagnosis.step_time)
+        self._pace_counted_through: int | None = None  # last step of the last live window
         self.window_index = first_window_index
         self._last_key: tuple[Any, ...] | None = None
         self._rounds_done = 0
@@ -167,7 +172,7 @@ class GroupWindows:
     def hello(self, info: RankInfo) -> None:
         """A rank connected (again): where it runs."""
         self.infos[info.rank] = info
-        self._infos_tuple = None
+        self._infos_tuple = self._hosts = None
         i = self.index[info.rank]
         self.state.hung_up[i] = self.state.refused[i] = False
         self.changed.add(info.rank)
@@ -372,6 +377,9 @@ class GroupWindows:
         except Exception:
             log.exception("rankwatch: step-time diagnosis failed for this window")
             return None
+        if self._hosts is None:
+            self._hosts = {r: info.hostname for r, info in self.infos.items()}
+        step_time = name_fault_unit(step_time, self._hosts, self.config.diagnosis.step_time)
         elapsed = time.perf_counter() - started
         key = (step_time.step_range, tuple(missing))
         if kind == "live" and (
@@ -379,10 +387,20 @@ class GroupWindows:
         ):
             return None  # nothing new since the last window: do not publish it twice
         self._last_key = key
+        pace = None
+        if kind == "live":
+            try:
+                recent = recent_outer_ms(per_rank, step_time.clock, self._pace_counted_through)
+                pace = self.pace.update(step_time, self.window_index, self._hosts, recent)
+                if step_time.step_range is not None:
+                    self._pace_counted_through = step_time.step_range[1]
+            except Exception:  # the verdict goes out without it
+                log.exception("rankwatch: the pace baseline failed for this window")
         report = self._next_report(
             window_kind=kind,
             missing_ranks=tuple(missing),
             step_time=step_time,
+            pace=pace,
             diagnosis_seconds={"step_time": elapsed},
         )
         return Window(report, per_rank, window)

@@ -16,8 +16,10 @@ from rankwatch.diagnosis.config import DiagnosisConfig, StepTimeConfig
 from rankwatch.diagnosis.vocabulary import (
     GLOBAL_DATA_PATH_SLOWDOWN,
     HANG_SUSPECT,
+    JOB_SLOWDOWN_CLASS,
     LOCALIZED_DATA_PATH_SLOWDOWN,
     PRE_STAGE_ARRIVAL_SKEW,
+    SLOW_NODE_CLASS,
     STRAGGLER_CLASS,
 )
 from rankwatch.exporter.assets import yaml_text
@@ -44,12 +46,13 @@ RULES_HEADER = """\
 # for: starts again: the incident's cause (which follows the latest window and may flip between,
 # say, straggler and input_straggler near the COVERAGE % coverage line) is aggregated away and read
 # into the annotations instead. The incident's severity only escalates while it is open; the
-# DeepEP alerts carry it, so an escalation is a new alert at the higher severity.
+# DeepEP and slow-node alerts carry it, so an escalation is a new alert at the higher severity.
 # Aggregations keep job/run/group plus the incident's identity labels and drop instance/pod, so
 # the same incident seen through two scrape paths pages once per job.
-# Only faults alert (a straggler holding the others, the DeepEP classes, a hang); critical means
-# a fault that pages. A step_time_bottleneck incident (input-bound, residual-heavy: a steady
-# property of the job) is a warning at most and has no alert here: it shows on the dashboards.
+# Only faults alert (a straggler or a slow node holding the others, the DeepEP classes, a hang);
+# critical means a fault that pages. A step_time_bottleneck incident (input-bound,
+# residual-heavy: a steady property of the job) is a warning at most and has no alert here: it
+# shows on the dashboards.
 """
 
 
@@ -58,20 +61,34 @@ def _sel(s: Settings, *matchers: str) -> str:
     return "{" + ", ".join((s.job_selector.strip(), *matchers)) + "}"
 
 
-def _incident_cause(cls: str, by: Sequence[str]) -> str:
-    """Template text that looks up the incident's current cause (it is not an alert label).
+def _incident_lookup(
+    cls: str, by: Sequence[str], labels: Sequence[str], each: str, otherwise: str, sort: str = ""
+) -> str:
+    """Template text that looks ``labels`` of the alert's incident up (they are not alert
+    labels: they may change while it lasts) and writes ``each`` per series found, ``otherwise``
+    when none is.
 
-    Runs at every evaluation that finds the alert's series, so the annotation follows the cause
-    while the alert's identity stays put (keep_firing_for keeps the last annotations).
+    Runs at every evaluation that finds the alert's series, so the annotation follows the
+    incident while the alert's identity stays put (keep_firing_for keeps the last annotations).
     """
     # The alert's own label values select the incident (job included: no job selector needed).
     matchers = ", ".join((f"class={json.dumps(cls)}", *(f"{label}=%q" for label in by)))
-    query = f"max by (cause) ({M.incident_active}{{{matchers}}})"
+    query = f"max by ({', '.join(labels)}) ({M.incident_active}{{{matchers}}})"
     args = " ".join(f"$labels.{label}" for label in by)
-    return (
-        f'{{{{ range printf `{query}` {args} | query | sortByLabel "cause" }}}}'
-        "{{ .Labels.cause }} {{ else }}unknown {{ end }}"
-    )
+    order = f' | sortByLabel "{sort}"' if sort else ""
+    head = f"{{{{ range printf `{query}` {args} | query{order} }}}}"
+    return f"{head}{each}{{{{ else }}}}{otherwise}{{{{ end }}}}"
+
+
+def _incident_cause(cls: str, by: Sequence[str]) -> str:
+    """The incident's current cause (see :func:`_incident_lookup`)."""
+    return _incident_lookup(cls, by, ("cause",), "{{ .Labels.cause }} ", "unknown ", "cause")
+
+
+def _by_severity(s: Settings, cls: str, by: Sequence[str], metric: str = M.incident_score) -> str:
+    """The incident's ``metric`` per ``by`` and its severity (an alert label, so it routes)."""
+    labels = ", ".join((*by, "severity"))
+    return f"max by ({labels}) (\n  {metric}{_sel(s, f'class={json.dumps(cls)}')}\n)\n"
 
 
 def _alert(
@@ -145,6 +162,72 @@ def _straggler(s: Settings, policy: StepTimeConfig, severity: str) -> Rule:
     )
 
 
+SLOW_NODE_BY = ("job", "run", "group", "hostname")
+
+
+def _slow_node(s: Settings) -> Rule:
+    """A node whose ranks are late together: one alert per host, at the incident's severity
+    (a critical one pages). Its late ranks may change while it lasts (3 of 4, then 4 of 4), so
+    they are read into the annotations, not kept as a label."""
+    ranks = _incident_lookup(
+        SLOW_NODE_CLASS,
+        SLOW_NODE_BY,
+        ("culprit_rank", "cause"),
+        "{{ .Labels.culprit_rank }} ({{ .Labels.cause }}) ",
+        "unknown ",
+        "culprit_rank",
+    )
+    return _alert(
+        s,
+        "RankwatchSlowNode",
+        _by_severity(s, SLOW_NODE_CLASS, SLOW_NODE_BY),
+        {},
+        "Node {{ $labels.hostname }} is slow: its ranks hold the others back "
+        "({{ $labels.run }}/{{ $labels.group }})",
+        "Run {{ $labels.run }}, group {{ $labels.group }}: most or all of the ranks on node "
+        "{{ $labels.hostname }} reach the synchronising phase late together, and every other "
+        f"rank waits for them. Ranks (cause) {ranks}(latest window); straggler score "
+        "{{ $value | humanizePercentage }} of the victim's iteration time, severity "
+        "{{ $labels.severity }}. Drain or inspect the node (NIC, PCIe, power, cooling, CPU "
+        "load) before its GPUs one by one.",
+    )
+
+
+JOB_SLOWDOWN_BY = ("job", "run", "group")
+
+
+def _job_slowdown(s: Settings, policy: StepTimeConfig) -> Rule:
+    """The group slower than its own baseline: one alert per group at the incident's
+    severity; the phase that grew and the ranks are read into the description."""
+    where = _incident_lookup(
+        JOB_SLOWDOWN_CLASS,
+        JOB_SLOWDOWN_BY,
+        ("cause", "culprit_rank", "hostname"),
+        "It grew in {{ .Labels.cause }}, on {{ if .Labels.culprit_rank }}ranks "
+        "{{ .Labels.culprit_rank }} {{ .Labels.hostname }}{{ else }}every rank{{ end }} ",
+        "What grew is unknown ",
+    )
+    warning, critical = (
+        number(policy.job_slowdown_warning_ratio),
+        number(policy.job_slowdown_critical_ratio),
+    )
+    return _alert(
+        s,
+        "RankwatchJobSlowdown",
+        _by_severity(s, JOB_SLOWDOWN_CLASS, JOB_SLOWDOWN_BY),
+        {},
+        'Run {{ $labels.run }}/{{ $labels.group }} is {{ $value | printf "%.2f" }}x slower '
+        "than its own baseline",
+        "Run {{ $labels.run }}, group {{ $labels.group }}: the group's step takes "
+        '{{ $value | printf "%.2f" }}x its own healthy pace (the baseline formed after '
+        f"warm-up), for {policy.job_slowdown_windows} windows or more in a row; no rank is "
+        f"later than the others, the job as a whole is slower. {where}(latest window). "
+        f"Warning from {warning}x, critical from {critical}x; severity "
+        "{{ $labels.severity }}. If the change is intended (batch or sequence length), call "
+        "rw.rebaseline(reason).",
+    )
+
+
 def _deepep(
     s: Settings,
     name: str,
@@ -158,9 +241,8 @@ def _deepep(
     ``metric``: the incident's score by default (the alert's value); a class with no score (a
     hang names ranks, it measures no factor) alerts on ``incident_active`` instead.
     """
-    by = ", ".join((*DEEPEP_BY, "severity"))
-    expr = f"max by ({by}) (\n  {metric}{_sel(s, f'class={json.dumps(cls)}')}\n)\n"
     cause = _incident_cause(cls, DEEPEP_BY)
+    expr = _by_severity(s, cls, DEEPEP_BY, metric)
     return _alert(s, name, expr, {}, summary, description.replace("CAUSE", cause))
 
 
@@ -170,6 +252,8 @@ def diagnosis_rules(s: Settings, config: DiagnosisConfig) -> list[Rule]:
     return [
         _straggler(s, config.step_time, "critical"),
         _straggler(s, config.step_time, "warning"),
+        _slow_node(s),
+        _job_slowdown(s, config.step_time),
         _deepep(
             s,
             "RankwatchDeepEPGlobalDataPathSlowdown",

@@ -45,6 +45,9 @@ class AlertTiming:
 ALERT_TIMING: dict[str, AlertTiming] = {
     "RankwatchStepTimeStragglerCritical": AlertTiming("1m", "1m"),
     "RankwatchStepTimeStragglerWarning": AlertTiming("5m", "2m"),
+    "RankwatchSlowNode": AlertTiming("1m", "1m"),
+    # The slowdown already lasted job_slowdown_windows windows before its incident opened.
+    "RankwatchJobSlowdown": AlertTiming("2m", "2m"),
     "RankwatchDeepEPGlobalDataPathSlowdown": AlertTiming("2m", "2m"),
     "RankwatchDeepEPLocalizedDataPathSlowdown": AlertTiming("5m", "2m"),
     "RankwatchDeepEPPreStageArrivalSkew": AlertTiming("5m", "2m"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rankwatch.diagnosis.config import DiagnosisConfig
 from rankwatch.exporter.assets.grafana import (
     BLUE,
@@ -36,6 +38,22 @@ from rankwatch.exporter.assets.settings import Settings, duration_seconds
 from rankwatch.exporter.publish.catalogue import METRIC_NAMES as M
 
 __all__ = ["build"]
+
+
+def _rank_rows(color: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """Options of a rank x time heatmap: the rows as given (ranks in numeric order), the
+    ``color`` scheme's settings, and ``extra`` options."""
+    return {
+        "calculate": False,
+        "cellGap": 1,
+        "yAxis": {"axisPlacement": "left"},
+        "rowsFrame": {"layout": "auto"},
+        "showValue": "never",
+        "color": {"mode": "scheme", "fill": "dark-orange", "steps": 64, **color},
+        "legend": {"show": True},
+        "tooltip": {"mode": "single", "yHistogram": False, "showColorScale": True},
+        **extra,
+    }
 
 
 def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
@@ -190,27 +208,12 @@ def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
             [target(f"max by (r) ({visible})", "{{r}}")],
             (24, 10),
             "s",
-            options={
-                "calculate": False,
-                "cellGap": 1,
-                "yAxis": {"axisPlacement": "left"},
-                "rowsFrame": {"layout": "auto"},
-                "showValue": "never",
-                "color": {
-                    "mode": "scheme",
-                    "scheme": "Oranges",
-                    "fill": "dark-orange",
-                    "scale": "exponential",
-                    "exponent": 0.5,
-                    "steps": 64,
-                    "reverse": False,
-                },
-                "cellValues": {"unit": "s"},
-                "legend": {"show": True},
-                "tooltip": {"mode": "single", "yHistogram": False, "showColorScale": True},
-                "exemplars": {"color": "rgba(255,0,255,0.7)"},
-                "filterValues": {"le": 1e-9},
-            },
+            options=_rank_rows(
+                {"scheme": "Oranges", "scale": "exponential", "exponent": 0.5, "reverse": False},
+                cellValues={"unit": "s"},
+                exemplars={"color": "rgba(255,0,255,0.7)"},
+                filterValues={"le": 1e-9},
+            ),
         ),
         timeseries(
             "Per-rank phase times",
@@ -236,6 +239,73 @@ def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
             "{{severity}} rank {{culprit_rank}} {{hostname}} {{cause}}",
             mappings=OPEN_MAPPING,
             overrides=SEVERITY_COLOURS,
+        ),
+        state_timeline(
+            "Slow nodes",
+            "Nodes whose ranks are late together (most or all of one host's ranks, which the "
+            "others wait for): one incident per node, not one per rank. The row names the "
+            "node, its late ranks and the cause of the latest window. Drain the node, not its "
+            "GPUs one by one.",
+            f"max by (severity, hostname, culprit_rank, cause) "
+            f'({M.incident_active}{{{SEL}, class="step_time_slow_node"}})',
+            "{{severity}} {{hostname}} ranks {{culprit_rank}} {{cause}}",
+            mappings=OPEN_MAPPING,
+            overrides=SEVERITY_COLOURS,
+        ),
+        timeseries(
+            "Step time against the run's baseline",
+            "The group's pace (median outer step over ranks, less a straggler's gap) over its "
+            "own baseline, formed from its first windows after warm-up. 1 is the run's healthy "
+            f"pace; a job_slowdown incident opens from {policy.job_slowdown_warning_ratio}x "
+            f"(critical {policy.job_slowdown_critical_ratio}x) for "
+            f"{policy.job_slowdown_windows} windows in a row. No rank is later than another "
+            "when every rank slows: only this comparison shows it. The baseline itself is the "
+            "second line (seconds, right axis).",
+            [
+                target(f"max({M.job_pace_ratio}{{{SEL}}})", "pace / baseline"),
+                target(f"max({M.job_baseline_step_seconds}{{{SEL}}})", "baseline step (s)"),
+            ],
+            (12, 8),
+            "none",
+            overrides=[
+                {
+                    "matcher": {"id": "byName", "options": "baseline step (s)"},
+                    "properties": [
+                        {"id": "unit", "value": "s"},
+                        {"id": "custom.axisPlacement", "value": "right"},
+                    ],
+                }
+            ],
+        ),
+        timeseries(
+            "Time lost by cause",
+            "Rank-seconds lost per second of wall time to each incident (its class, cause, "
+            "culprit ranks and host): how many GPUs' worth of time the fault costs right now. "
+            "A straggler or slow node costs its gap on every rank, each step; a job slowdown "
+            "its excess over the baseline; a hang its stalled seconds (docs/metrics.md).",
+            [
+                target(
+                    f"sum by (class, cause, culprit_rank, hostname) "
+                    f"(rate({M.time_lost_seconds_total}{{{SEL}}}[$__rate_interval]))",
+                    "{{class}} {{cause}} rank {{culprit_rank}} {{hostname}}",
+                )
+            ],
+            (12, 8),
+            "short",
+        ),
+        panel(
+            "heatmap",
+            "Per-rank pace against its own baseline",
+            "Rank x time heatmap of each rank's own work per step (its outer step less its "
+            "synchronisation waits) over its own baseline: a rank (or a host's ranks) "
+            "degrading shows as a warming row before it is a straggler. The root serves the "
+            "ranks its report holds (the culprits and the slowest in a large group).",
+            [target(f"max by (r) ({pad(f'{M.rank_pace_ratio}{{{SEL}}}', 'rank', 'r')})", "{{r}}")],
+            (24, 8),
+            "none",
+            options=_rank_rows(
+                {"scheme": "RdYlGn", "scale": "linear", "min": 0.8, "max": 1.6, "reverse": True}
+            ),
         ),
         state_timeline(
             "Hangs",
@@ -280,6 +350,8 @@ def build(s: Settings, config: DiagnosisConfig) -> Dashboard:
             "Straggler score over time": STRAGGLER_ALERTS,
             "Window age": ("RankwatchNoFreshWindows",),
             "Incident timeline": STRAGGLER_ALERTS,
+            "Slow nodes": ("RankwatchSlowNode",),
+            "Step time against the run's baseline": ("RankwatchJobSlowdown",),
             "Hangs": ("RankwatchHang",),
         },
     )

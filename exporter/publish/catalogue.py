@@ -253,6 +253,32 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Low-latency receive wait of a flagged cell over the matrix mean; src_rank is the peer "
         "waited for (matrix column), dst_rank the rank that waited (matrix row).",
     ),
+    # --- the run against itself (step_time.pace) ---
+    _m(
+        "job_pace_ratio",
+        "gauge",
+        "1",
+        (),
+        "The group's step pace (median outer step over ranks, less a straggler's gap) over its "
+        "own baseline (the median of its first windows after warm-up); absent until formed. A "
+        f"job_slowdown incident opens from {_STEP_TIME.job_slowdown_warning_ratio} for "
+        f"{_STEP_TIME.job_slowdown_windows} windows in a row.",
+    ),
+    _m(
+        "job_baseline_step_seconds",
+        "gauge",
+        "s",
+        (),
+        "The baseline of the group's own pace: the outer step time it is compared with.",
+    ),
+    _m(
+        "rank_pace_ratio",
+        "gauge",
+        "1",
+        RANK,
+        "A rank's own work per step (outer step less its synchronisation waits) over its own "
+        "baseline: a rank degrading shows here before it is a straggler.",
+    ),
     # --- incidents ---
     _m(
         "incidents_total",
@@ -275,6 +301,25 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         ("class", "severity", "probe", "culprit_rank", "hostname", "cause"),
         "Score of an open incident: the straggler score for step-time classes, the largest "
         "slowdown factor for data-path classes, the smallest Notify ratio for arrival skew.",
+    ),
+    _m(
+        "time_lost_seconds_total",
+        "counter",
+        "s",
+        ("class", "cause", "culprit_rank", "hostname"),
+        "Time the group lost to its incidents, in rank-seconds (seconds summed over ranks; one "
+        'rank is one GPU; docs/metrics.md, "Time lost"): for a '
+        "straggler or a slow node, the gap every rank waited for the culprit per step, times "
+        "the steps and the group's ranks; for a hang, the stalled seconds times the ranks. "
+        "Counted from the windows that opened the incident on; only culprits are labels.",
+    ),
+    _m(
+        "goodput_ratio",
+        "gauge",
+        "1",
+        (),
+        "1 minus the rank-seconds lost to incidents over the rank-seconds since the first "
+        "window (wall time x the group's ranks): the share of the group's time not lost.",
     ),
     # --- hangs (one open hang incident per group at most: the labels stay bounded) ---
     _m(

@@ -21,6 +21,7 @@ attribute                        meaning
 ``rankwatch.incident.opened_window`` window index at which it opened
 ``rankwatch.incident.evidence``  the evidence of the latest supporting window (a map)
 ``rankwatch.incident.close_reason`` why it closed (``clean windows``, ``run ended``); closes only
+``rankwatch.incident.lost_rank_seconds`` what it cost the group so far (the close: in total)
 ``rankwatch.window.index``       window index of this event
 ``rankwatch.group``, ``rankwatch.run`` the group and run
 ================================ ===========================================================
@@ -71,11 +72,17 @@ def event_message(event: IncidentEvent) -> str:
     inc = _check(event).incident
     where = ",".join(str(r) for r in inc.ranks) or "all ranks"
     hosts = f" ({', '.join(inc.hostnames)})" if inc.hostnames else ""
+    evidence = inc.evidence if isinstance(inc.evidence, Mapping) else {}
+    who = f"rank {where}{hosts}"
+    if evidence.get("slow_host"):  # "ranks 2,3 (all of node-b)"
+        share = evidence.get("slow_host_share", "all")
+        who = f"ranks {where} ({share} of {evidence['slow_host']})"
     probe = f" on {inc.probe}" if inc.probe else ""
     verb = "opened" if event.action == "open" else "closed"
     reason = f" ({event.reason})" if event.action == "close" and event.reason else ""
     score = "" if inc.score is None else f", score {inc.score:.3g}"
-    evidence = inc.evidence if isinstance(inc.evidence, Mapping) else {}
+    if inc.lost_rank_seconds > 0:  # what it cost the group so far (the close: in total)
+        score += f", lost {inc.lost_rank_seconds:.0f} rank-seconds"
     if event.action == "open" and evidence.get("message"):
         # A hang's own sentence: who, where, what the others wait in, the top frame.
         return f"rankwatch incident {inc.incident_id} opened: {inc.severity} {evidence['message']}"
@@ -86,7 +93,7 @@ def event_message(event: IncidentEvent) -> str:
     nature = " (a property of the job, does not page)" if inc.nature == PROPERTY else ""
     return (
         f"rankwatch incident {inc.incident_id} {verb}{reason}: {inc.severity} {inc.cls}{probe}"
-        f"{nature}, rank {where}{hosts}{mesh}, cause {inc.cause or 'unknown'}{score} "
+        f"{nature}, {who}{mesh}, cause {inc.cause or 'unknown'}{score} "
         f"(window {event.window_index}, run {event.run or '-'}, group {event.group or '-'})"
     )
 
@@ -115,6 +122,8 @@ def event_attributes(event: IncidentEvent) -> dict[str, Any]:
         attrs["rankwatch.incident.score"] = float(inc.score)
     if event.action == "close":
         attrs["rankwatch.incident.close_reason"] = event.reason
+    if math.isfinite(inc.lost_rank_seconds):
+        attrs["rankwatch.incident.lost_rank_seconds"] = float(inc.lost_rank_seconds)
     return attrs
 
 

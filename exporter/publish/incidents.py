@@ -31,6 +31,13 @@ Findings that become incidents, and their identity:
   property of the job, not a fault: its incident is a warning at most, never pages, and says
   so (``pages: false`` in its evidence; :attr:`OpenIncident.pages`, see
   ``vocabulary.incident_pages``: only a critical fault pages);
+* a straggler finding whose unit is a host (``slow_host``: most of one node's ranks late
+  together, see ``diagnosis.step_time.units``) becomes class ``step_time_slow_node``
+  identified by the host, whichever of its ranks was last; while it is open, a straggler
+  finding that names one of its ranks supports it instead of opening a rank incident;
+* a job slowdown (``WindowReport.pace``: the group slower than its own baseline for k windows
+  in a row, ``diagnosis.step_time.pace``) becomes class ``job_slowdown``, one per group, its
+  cause the phase that grew the most; it opens on its first signal (already debounced);
 * one fault, one incident: a bottleneck finding that blames the straggler's culprit and no
   other rank (in a small group a slow input pipeline on one rank lifts the median input share
   over its threshold, so ``INPUT_BOUND`` names the same rank as ``INPUT_STRAGGLER``) is the
@@ -69,14 +76,22 @@ from rankwatch.diagnosis.vocabulary import (
     GLOBAL_DATA_PATH_SLOWDOWN,
     HANG_CLASS,
     INCIDENT_SEVERITIES,
+    JOB_SLOWDOWN_CLASS,
     OPEN_AT_ONCE_CLASSES,
     PRE_STAGE_ARRIVAL_SKEW,
+    SLOW_NODE_CLASS,
     STRAGGLER_CLASS,
     STRAGGLER_KINDS,
     incident_nature,
     incident_pages,
 )
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.publish.time_lost import (
+    goodput_ratio,
+    hang_cost_rank_seconds,
+    late_cost_rank_seconds,
+    new_steps,
+)
 
 __all__ = [
     "CLOSED_CLEAN",
@@ -90,6 +105,8 @@ __all__ = [
 ]
 
 _STRAGGLER_KINDS = frozenset(STRAGGLER_KINDS.values())
+# The classes the others wait for: a rank, or a host's ranks together.
+_LATE_CLASSES = (STRAGGLER_CLASS, SLOW_NODE_CLASS)
 # Why an incident closed: its finding was absent for m windows, or the run ended first.
 CLOSED_CLEAN = "clean windows"
 CLOSED_RUN_ENDED = "run ended"
@@ -131,6 +148,8 @@ class OpenIncident:
     evidence: Mapping[str, Any]
     opened_window: int
     opened_at_s: float
+    # What it cost the group so far (time_lost.py), from the windows that opened it on.
+    lost_rank_seconds: float = 0.0
 
     @property
     def nature(self) -> str:
@@ -168,6 +187,10 @@ class IncidentSnapshot:
 
     open: tuple[OpenIncident, ...] = ()
     opened_total: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # Rank-seconds lost by (class, cause, culprit ranks, hostnames) of the incidents so far.
+    lost_total: Mapping[tuple[str, str, str, str], float] = field(default_factory=dict)
+    # 1 - lost / (wall seconds since the first window x ranks); None before any time passed.
+    goodput_ratio: float | None = None
 
 
 @dataclass
@@ -182,6 +205,8 @@ class _Track:
     clean_run: int = 0
     # Severities of the windows in ``history`` that supported this identity (same length).
     severities: deque[str | None] = field(default_factory=deque)
+    lost_rank_seconds: float = 0.0  # what its supporting windows cost (time_lost.py)
+    stalled_counted_s: float = 0.0  # a hang's stalled seconds already counted
 
 
 def _finite_or_none(value: object) -> float | None:
@@ -215,6 +240,7 @@ def _step_time_signals(report: WindowReport) -> list[Signal]:
             "component": getattr(finding, "component", None),
             "component_excesses_ms": dict(getattr(finding, "component_excesses_ms", {}) or {}),
             "component_coverage": dict(getattr(finding, "component_coverage", {}) or {}),
+            "gap_ms": _gap_ms(finding),
             "clock": getattr(st, "clock", None),
             "strategy": getattr(st, "strategy", None),
             "steps": getattr(st, "steps", None),
@@ -225,8 +251,17 @@ def _step_time_signals(report: WindowReport) -> list[Signal]:
             if text:
                 evidence[name] = text
         ranks: tuple[int, ...]
-        if kind in _STRAGGLER_KINDS and culprit is not None:
-            key: tuple[Any, ...] = (STRAGGLER_CLASS, int(culprit))
+        slow_host = str(getattr(finding, "slow_host", "") or "")
+        if kind in _STRAGGLER_KINDS and slow_host:
+            # The fault's unit is a host: one identity per host, whichever rank was last.
+            key: tuple[Any, ...] = (SLOW_NODE_CLASS, slow_host)
+            cls, ranks = SLOW_NODE_CLASS, ranks_attr
+            evidence["slow_host"] = slow_host
+            evidence["slow_host_ranks"] = list(ranks_attr)
+            on_host = int(getattr(finding, "slow_host_size", 0) or 0)
+            evidence["slow_host_share"] = "most" if on_host > len(ranks_attr) else "all"
+        elif kind in _STRAGGLER_KINDS and culprit is not None:
+            key = (STRAGGLER_CLASS, int(culprit))
             cls, ranks = STRAGGLER_CLASS, (int(culprit),)
         else:
             ranks = ranks_attr or ((int(culprit),) if culprit is not None else ())
@@ -248,7 +283,7 @@ def _step_time_signals(report: WindowReport) -> list[Signal]:
                 evidence=evidence,
             )
         )
-    stragglers = [s for s in out if s.cls == STRAGGLER_CLASS]
+    stragglers = [s for s in out if s.cls in _LATE_CLASSES]
     if not stragglers:
         return out
     straggler = stragglers[0]  # the engine names at most one straggler per window
@@ -258,10 +293,31 @@ def _step_time_signals(report: WindowReport) -> list[Signal]:
     return [_fold(straggler, related) if s is straggler else s for s in out if s not in related]
 
 
+def _gap_ms(finding: object) -> float | None:
+    """The culprit's visible gap to the victim (what every rank waited per step), or None."""
+    victim = _finite_or_none(getattr(finding, "visible_victim_ms", None))
+    culprit = _finite_or_none(getattr(finding, "visible_culprit_ms", None))
+    return None if victim is None or culprit is None else victim - culprit
+
+
 def _caused_by(sig: Signal, culprit_ranks: tuple[int, ...]) -> bool:
     """Whether a bottleneck signal is the straggler's own slowness seen as a share: it blames
     the straggler's culprit and nobody else (see the module docstring)."""
     return sig.cls == BOTTLENECK_CLASS and bool(sig.ranks) and set(sig.ranks) <= set(culprit_ranks)
+
+
+def _part_of(sig: Signal, owner: OpenIncident) -> bool:
+    """Whether ``sig`` is the open ``owner``'s fault seen another way: a bottleneck that blames
+    only its ranks, or (owner a slow node) a straggler that is one of the node's ranks (a
+    window in which only the last of them crossed the line)."""
+    if _caused_by(sig, owner.ranks):
+        return True
+    return (
+        owner.cls == SLOW_NODE_CLASS
+        and sig.cls == STRAGGLER_CLASS
+        and bool(sig.ranks)
+        and set(sig.ranks) <= set(owner.ranks)
+    )
 
 
 def _fold(straggler: Signal, related: list[Signal]) -> Signal:
@@ -332,6 +388,34 @@ def _normal_signals(report: WindowReport) -> list[Signal]:
     return out
 
 
+def _pace_signals(report: WindowReport) -> list[Signal]:
+    """The group slower than its own baseline for k windows (its own debounce): one identity
+    per group; its cause is the phase that grew the most."""
+    pace = report.pace
+    if pace is None or not pace.severity:
+        return []
+    evidence = pace.to_dict()
+    evidence.pop("rank_ratios", None)  # one per rank: on the per-rank series instead
+    excess = None
+    if pace.pace_ms is not None and pace.baseline_ms is not None:
+        excess = pace.pace_ms - pace.baseline_ms
+    evidence["excess_ms"] = excess
+    evidence["recent_excess_ms"] = pace.recent_excess_ms
+    return [
+        Signal(
+            key=(JOB_SLOWDOWN_CLASS,),
+            engine=_STEP_TIME,
+            cls=JOB_SLOWDOWN_CLASS,
+            severity=pace.severity,
+            probe="",
+            cause=pace.phase,
+            ranks=() if pace.unit == "every rank" else pace.slow_ranks,
+            score=_finite_or_none(pace.ratio),
+            evidence=evidence,
+        )
+    ]
+
+
 def _hang_signals(report: WindowReport) -> list[Signal]:
     """The hang watcher's verdict: one identity per group (its class may change while it
     lasts: a mismatch seen later refines a stuck rank), critical."""
@@ -360,7 +444,13 @@ def signals_from_report(report: WindowReport) -> list[Signal]:
     if not isinstance(report, WindowReport):
         raise TypeError(f"report: expected WindowReport, got {type(report).__name__}")
     by_key: dict[tuple[Any, ...], Signal] = {}
-    for sig in _step_time_signals(report) + _normal_signals(report) + _hang_signals(report):
+    signals = (
+        _step_time_signals(report)
+        + _pace_signals(report)
+        + _normal_signals(report)
+        + _hang_signals(report)
+    )
+    for sig in signals:
         prev = by_key.get(sig.key)
         if prev is None or _SEVERITY_RANK[sig.severity] > _SEVERITY_RANK[prev.severity]:
             by_key[sig.key] = sig
@@ -406,6 +496,14 @@ class IncidentTracker:
         self._opened_total: dict[tuple[str, str], int] = {}
         self._seq = 0
         self._windows = 0
+        # Time lost (time_lost.py): the last step a window counted, totals, the first window.
+        self._counted_through: int | None = None
+        self._lost_total: dict[tuple[str, str, str, str], float] = {}
+        self._first_at_s: float | None = None
+        self._ranks = 0
+        # What the windows of a job slowdown's streak cost before it was reported (it is
+        # reported after k windows): counted into its incident when it opens.
+        self._streak_lost = 0.0
         # The latest live window fed (index, time, group, run): what a close at run end names.
         self._last: tuple[int, float, str, str] = (-1, 0.0, group, run)
 
@@ -427,6 +525,8 @@ class IncidentTracker:
         if not isinstance(report, WindowReport):
             raise TypeError(f"report: expected WindowReport, got {type(report).__name__}")
         if report.window_kind != "live":
+            if report.window_kind == "summary":
+                self._count_tail(report)
             return []
         ran = {
             e
@@ -441,6 +541,11 @@ class IncidentTracker:
             return []
         self._windows += 1
         signals = self._fold_into_open_stragglers({s.key: s for s in signals_from_report(report)})
+        steps = self._new_steps(report)
+        self._ranks = report.size
+        self._note_streak(report, steps)
+        if self._first_at_s is None:
+            self._first_at_s = report.created_at_s
         group = report.group or self.group
         run = report.run or self.run
         self._last = (report.window_index, report.created_at_s, group, run)
@@ -461,15 +566,25 @@ class IncidentTracker:
             sig = signals.get(key)
             track.history.append(sig is not None)
             track.severities.append(None if sig is None else sig.severity)
+            cost = 0.0
             if sig is not None:
                 track.last_seen = self._windows
                 track.latest = sig
                 track.clean_run = 0
+                cost = self._cost(track, sig, steps, report.size)
+                if sig.cls == JOB_SLOWDOWN_CLASS and self._streak_lost:
+                    cost += self._streak_lost  # its streak's windows before it was reported
+                    self._streak_lost = 0.0
+                track.lost_rank_seconds += cost
             else:
                 track.clean_run += 1
             if track.incident is not None:
                 if sig is not None:
                     track.incident = self._refresh(track.incident, sig, report)
+                    track.incident = replace(
+                        track.incident, lost_rank_seconds=track.lost_rank_seconds
+                    )
+                    self._count_lost(track.incident, cost)
                 elif track.clean_run >= (
                     1 if track.incident.cls in CLOSE_AT_ONCE_CLASSES else self.close_m
                 ):
@@ -481,6 +596,7 @@ class IncidentTracker:
             opens_now = sig is not None and sig.cls in OPEN_AT_ONCE_CLASSES
             if (sum(track.history) >= self.open_k or opens_now) and sig is not None:
                 track.incident = self._open(track, sig, report)
+                self._count_lost(track.incident, track.lost_rank_seconds)
                 opens.append(self._event("open", track.incident, report, group, run))
             elif not any(track.history):
                 del self._tracks[key]  # nothing left to remember
@@ -513,7 +629,16 @@ class IncidentTracker:
             (t.incident for t in self._tracks.values() if t.incident is not None),
             key=lambda i: (i.opened_window, i.incident_id),
         )
-        return IncidentSnapshot(open=tuple(open_), opened_total=dict(self._opened_total))
+        goodput = None
+        if self._first_at_s is not None:
+            elapsed = self._last[1] - self._first_at_s
+            goodput = goodput_ratio(sum(self._lost_total.values()), elapsed, self._ranks)
+        return IncidentSnapshot(
+            open=tuple(open_),
+            opened_total=dict(self._opened_total),
+            lost_total=dict(self._lost_total),
+            goodput_ratio=goodput,
+        )
 
     @property
     def tracked(self) -> int:
@@ -540,7 +665,74 @@ class IncidentTracker:
             evidence=dict(sig.evidence),
             opened_window=report.window_index,
             opened_at_s=report.created_at_s,
+            lost_rank_seconds=track.lost_rank_seconds,
         )
+
+    def _new_steps(self, report: WindowReport) -> int:
+        """The window's steps no earlier window counted (live windows overlap)."""
+        st = report.step_time
+        step_range = None if st is None else st.step_range
+        steps = new_steps(step_range, self._counted_through)
+        if step_range is not None:
+            last = int(step_range[1])
+            if self._counted_through is None or last > self._counted_through:
+                self._counted_through = last
+        return steps
+
+    @staticmethod
+    def _cost(track: _Track, sig: Signal, steps: int, ranks: int) -> float:
+        """What this window of ``sig`` cost the group, in rank-seconds (time_lost.py)."""
+        if sig.cls == HANG_CLASS:
+            cost = hang_cost_rank_seconds(sig.score, track.stalled_counted_s, ranks)
+            if sig.score is not None and sig.score > track.stalled_counted_s:
+                track.stalled_counted_s = sig.score
+            return cost
+        if sig.cls in _LATE_CLASSES:
+            return late_cost_rank_seconds(_finite_or_none(sig.evidence.get("gap_ms")), steps, ranks)
+        if sig.cls == JOB_SLOWDOWN_CLASS:  # every rank, each new step, its excess
+            excess = _finite_or_none(sig.evidence.get("recent_excess_ms"))
+            return late_cost_rank_seconds(excess, steps, ranks)
+        return 0.0
+
+    def _count_tail(self, report: WindowReport) -> None:
+        """The run's last steps, after its last live window (the summary window reaches
+        further): what they cost the incidents still open, at their latest window's rate."""
+        steps = self._new_steps(report)
+        if steps <= 0:
+            return
+        for track in self._tracks.values():
+            inc, sig = track.incident, track.latest
+            if inc is None or sig is None or sig.cls == HANG_CLASS:
+                continue
+            cost = self._cost(track, sig, steps, report.size or self._ranks)
+            if cost > 0:
+                track.lost_rank_seconds += cost
+                track.incident = replace(inc, lost_rank_seconds=track.lost_rank_seconds)
+                self._count_lost(track.incident, cost)
+
+    def _note_streak(self, report: WindowReport, steps: int) -> None:
+        """Keep what a job slowdown's streak costs while it is not yet reported (its first
+        k - 1 windows); a window below the ratio ends the streak and forgets it."""
+        pace = report.pace
+        if pace is None or report.step_time is None:
+            return
+        if pace.streak == 0 or pace.ratio is None:
+            self._streak_lost = 0.0
+            return
+        if pace.severity:
+            return  # reported: this window is the incident's own
+        self._streak_lost += late_cost_rank_seconds(pace.recent_excess_ms, steps, report.size)
+
+    def _count_lost(self, inc: OpenIncident, rank_seconds: float) -> None:
+        if rank_seconds <= 0:
+            return
+        key = (
+            inc.cls,
+            inc.cause,
+            ",".join(str(r) for r in inc.ranks),
+            ",".join(inc.hostnames),
+        )
+        self._lost_total[key] = self._lost_total.get(key, 0.0) + rank_seconds
 
     @staticmethod
     def _refresh(inc: OpenIncident, sig: Signal, report: WindowReport) -> OpenIncident:
@@ -557,6 +749,7 @@ class IncidentTracker:
             evidence=dict(sig.evidence),
             opened_window=inc.opened_window,
             opened_at_s=inc.opened_at_s,
+            lost_rank_seconds=inc.lost_rank_seconds,
         )
 
     @staticmethod
@@ -581,14 +774,15 @@ class IncidentTracker:
         open_stragglers = [
             (key, t.incident)
             for key, t in self._tracks.items()
-            if t.incident is not None and t.incident.cls == STRAGGLER_CLASS
+            if t.incident is not None and t.incident.cls in _LATE_CLASSES
         ]
         if not open_stragglers:
             return signals
         out = dict(signals)
         for key, sig in signals.items():
             owner = next(
-                ((k, inc) for k, inc in open_stragglers if _caused_by(sig, inc.ranks)), None
+                ((k, inc) for k, inc in open_stragglers if k != key and _part_of(sig, inc)),
+                None,
             )
             if owner is None:
                 continue
@@ -597,7 +791,7 @@ class IncidentTracker:
             base = out.get(skey) or Signal(
                 key=skey,
                 engine=_STEP_TIME,
-                cls=STRAGGLER_CLASS,
+                cls=inc.cls,
                 severity=sig.severity,
                 probe="",
                 cause=inc.cause,

@@ -35,6 +35,7 @@ from rankwatch.exporter.publish.incidents import (
     IncidentTracker,
     OpenIncident,
 )
+from rankwatch.exporter.publish.time_lost import time_lost_text
 from rankwatch.exporter.publish.verdicts import (
     incident_label,
     normal_verdict,
@@ -75,6 +76,7 @@ class IncidentRecord:
     closed_at_s: float | None = None
     causes: tuple[str, ...] = ()  # every cause seen while open, in order (e.g. input, compute)
     close_reason: str | None = None  # "clean windows" or "run ended" once closed
+    lost_rank_seconds: float = 0.0  # what it cost the group (time_lost.py)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -174,6 +176,7 @@ class RunRecorder:
             opened_window=inc.opened_window,
             opened_at_s=inc.opened_at_s,
             causes=causes if inc.cause in causes else (*causes, inc.cause),
+            lost_rank_seconds=inc.lost_rank_seconds,
         )
         if event.action == "close":
             record = _closed(record, event)
@@ -186,7 +189,12 @@ class RunRecorder:
             return
         causes = record.causes if inc.cause in record.causes else (*record.causes, inc.cause)
         self._incidents[inc.incident_id] = replace(
-            record, severity=inc.severity, cause=inc.cause, score=inc.score, causes=causes
+            record,
+            severity=inc.severity,
+            cause=inc.cause,
+            score=inc.score,
+            causes=causes,
+            lost_rank_seconds=inc.lost_rank_seconds,
         )
 
     def close(self, timeout_seconds: float) -> None:
@@ -306,6 +314,8 @@ def summary_text(summary: Mapping[str, Any]) -> str:
     incidents = summary.get("incidents") or []
     lines.append(f"Incidents of the run: {incident_counts(incidents)}")
     lines += [f"  {_incident_line(inc, start)}" for inc in incidents]
+    if lost := time_lost_text(incidents):
+        lines.append(f"Time lost: {lost}")
     files = summary.get("files") or {}
     if files:
         lines.append("")
@@ -330,7 +340,9 @@ def _incident_line(inc: Mapping[str, Any], start: float | None) -> str:
         if inc.get("close_reason"):
             when += f" ({inc['close_reason']})"
     nature = ", a property: does not page" if _nature(inc) == PROPERTY else ""
-    return f"{inc['class']} {inc['severity']}{nature} ranks {ranks} ({causes}){score}: {when}"
+    lost = float(inc.get("lost_rank_seconds") or 0.0)
+    cost = f", lost {lost:.0f} rank-seconds" if lost > 0 else ""
+    return f"{inc['class']} {inc['severity']}{nature} ranks {ranks} ({causes}){score}: {when}{cost}"
 
 
 def _nature(inc: Mapping[str, Any]) -> str:
@@ -390,6 +402,8 @@ def end_of_run_text(
     incidents = summary.get("incidents") or []
     lines.append(f"  Incidents: {incident_counts(incidents)}")
     lines += [f"    {_incident_line(inc, run.get('started_at_s'))}" for inc in incidents]
+    if lost := time_lost_text(incidents):
+        lines.append(f"  Time lost: {lost}")
     if run.get("run_id_source"):
         lines.append(f"  Run name: {run['run_id_source']}")
     if isinstance(not_written, str) or not all(isinstance(t, str) for t in not_written):

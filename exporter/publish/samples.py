@@ -337,6 +337,28 @@ def _low_latency(out: _Out, report: WindowReport, budget: int) -> None:
             out.add(point, (phase, str(int(j)), str(int(i))), r)
 
 
+def _pace(out: _Out, report: WindowReport) -> None:
+    """The group's pace against its own baseline, and each rank's own work against its own
+    (for the ranks the report holds: a bounded report, a bounded set)."""
+    pace = report.pace
+    if pace is None:
+        return
+    ratio, baseline = _finite(pace.ratio), _finite(pace.baseline_ms)
+    if ratio is not None:
+        out.add(_S["job_pace_ratio"], (), ratio)
+    if baseline is not None:
+        out.add(_S["job_baseline_step_seconds"], (), baseline / 1000.0)
+    st = report.step_time
+    held = set(st.rank_means) if st is not None else set()
+    for rank in sorted(r for r in pace.rank_ratios if r in held):
+        value = _finite(pace.rank_ratios[rank])
+        if value is None:
+            continue
+        info = report.rank_info(rank)
+        ident = (str(rank), str(info.local_rank), info.hostname.lower(), info.gpu, info.gpu_uuid)
+        out.add(_S["rank_pace_ratio"], ident, value)
+
+
 # --- the pieces and the whole -------------------------------------------------------------------
 
 
@@ -396,6 +418,7 @@ def engine_samples(report: WindowReport, config: RankwatchConfig, engine: str) -
     out = _Out(_common(report, config))
     if engine == "step_time":
         _step_time(out, report)
+        _pace(out, report)
     elif engine == "normal":
         _normal(out, report, config.cell_budget)
     elif engine == "low_latency":
@@ -470,6 +493,11 @@ def incident_samples(
     for labels, (one, score) in active.items():
         out.add(_S["incident_active"], labels, one)
         out.add(_S["incident_score"], labels, score)
+    # Time lost (time_lost.py): only the culprits of incidents are labels.
+    for (cls, cause, ranks, hosts), lost in sorted(incidents.lost_total.items()):
+        out.add(_S["time_lost_seconds_total"], (cls, cause, ranks, hosts), lost)
+    if incidents.goodput_ratio is not None:
+        out.add(_S["goodput_ratio"], (), incidents.goodput_ratio)
     _hang(out, incidents)
     return out.samples
 

@@ -150,6 +150,22 @@ def _straggler_verdict(
             "the waits"
         )
         ranks = finding.slow_group_ranks
+    if finding.slow_host:
+        listed = ", ".join(str(r) for r in finding.slow_host_ranks)
+        share = "most" if finding.slow_host_size > len(finding.slow_host_ranks) else "all"
+        what = (
+            f"node {finding.slow_host} is slow: ranks {listed} ({share} of {finding.slow_host}) "
+            f"are late together, each {_STRAGGLER_LABELS[finding.kind]}"
+        )
+        why += (
+            f". Ranks {listed} share host {finding.slow_host} and each arrives about as late as "
+            f"rank {culprit}: the node, not one GPU, holds the others back"
+        )
+        action = (
+            f"Drain or inspect node {finding.slow_host} (its NIC, PCIe switch, power, cooling, "
+            f"CPU load) before its GPUs one by one. " + action.replace(f"rank {culprit}'s", "its")
+        )
+        ranks = finding.slow_host_ranks
     return Verdict(
         kind=finding.kind,
         severity=finding.severity,

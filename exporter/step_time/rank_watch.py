@@ -501,6 +501,16 @@ class RankWatch:
         if self.timer is not None:
             self.timer.finish_open_step()
 
+    def rebaseline(self, reason: str) -> None:
+        """Start the group's pace baseline again (you changed the batch size, the sequence
+        length or the model on purpose): the next windows are warm-up, then form a new
+        baseline, and a job slowdown is judged against it. Call it on every rank (only the
+        root's call counts). ``reason`` is kept for the report and logged."""
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"reason: expected a non-empty string, got {reason!r}")
+        if self._aggregator is not None:
+            self._aggregator.rebaseline(reason)
+
     def collect(self) -> None:
         """Mark one training step for collection; in sync mode every ``sync_step``-th call
         ships rows (and, on the root, builds a window) on the background thread."""

@@ -281,12 +281,18 @@ def test_matrix_panels() -> None:
 
 
 def test_heatmap_rows_are_ranks_in_numeric_order() -> None:
-    (hm,) = [p for p in panels("rankwatch-step-time.json") if p["type"] == "heatmap"]
-    (t,) = hm["targets"]
-    assert t["expr"].startswith("max by (r) (")
-    assert 'phase="visible"' in t["expr"]
-    assert t["legendFormat"] == "{{r}}"
-    assert hm["options"]["calculate"] is False
+    maps = [p for p in panels("rankwatch-step-time.json") if p["type"] == "heatmap"]
+    assert [hm["title"] for hm in maps] == [
+        "Visible phase per rank",
+        "Per-rank pace against its own baseline",
+    ]
+    for hm in maps:
+        (t,) = hm["targets"]
+        assert t["expr"].startswith("max by (r) (")
+        assert t["legendFormat"] == "{{r}}"
+        assert hm["options"]["calculate"] is False
+    assert 'phase="visible"' in maps[0]["targets"][0]["expr"]
+    assert "rankwatch_rank_pace_ratio" in maps[1]["targets"][0]["expr"]
 
 
 def test_required_panels_exist() -> None:
@@ -423,13 +429,13 @@ def _label_replace(labels: dict[str, str], expr: str) -> dict[str, str]:
 
 def test_rank_padding_orders_100k_ranks_numerically() -> None:
     """The padded rank label sorts as the number for groups far beyond 1,000 ranks."""
-    (hm,) = [p for p in panels("rankwatch-step-time.json") if p["type"] == "heatmap"]
-    expr = hm["targets"][0]["expr"]
-    ranks = [0, 1, 9, 10, 99, 100, 999, 1000, 1023, 4095, 10000, 65535, 99999]
-    padded = [_label_replace({"rank": str(r)}, expr)["r"] for r in ranks]
-    assert sorted(padded) == padded
-    assert [int(x) for x in padded] == ranks
-    assert all(len(x) == 5 for x in padded)
+    for hm in [p for p in panels("rankwatch-step-time.json") if p["type"] == "heatmap"]:
+        expr = hm["targets"][0]["expr"]
+        ranks = [0, 1, 9, 10, 99, 100, 999, 1000, 1023, 4095, 10000, 65535, 99999]
+        padded = [_label_replace({"rank": str(r)}, expr)["r"] for r in ranks]
+        assert sorted(padded) == padded
+        assert [int(x) for x in padded] == ranks
+        assert all(len(x) == 5 for x in padded)
 
 
 def test_every_alert_has_a_runbook_link_on_a_panel() -> None:

@@ -400,3 +400,59 @@ def test_event_builders_reject_bad_input():
     bad = IncidentEvent("reopen", opened.incident, 1, 0.0, "", "")
     with pytest.raises(ValueError, match="action"):
         event_json(bad)
+
+
+def _node_window(i: int, slow: dict[int, float]):
+    """4 ranks, two per host (node-0: 0, 1; node-1: 2, 3); the ``slow`` ranks spend extra ms in
+    forward and the others wait for them in backward. The fault's unit is named as the
+    aggregator names it."""
+    from rankwatch.diagnosis.step_time import name_fault_unit
+    from tests.publish_reports import hostname_of, rank_infos
+
+    most = max(slow.values(), default=0.0)
+    means = {
+        r: dict(
+            BALANCED_MS,
+            forward=30.0 + slow.get(r, 0.0),
+            backward=60.0 + most - slow.get(r, 0.0),
+            step=100.0 + most,
+        )
+        for r in range(4)
+    }
+    st = name_fault_unit(diagnose_means(means, steps=50), {r: hostname_of(r, 2) for r in range(4)})
+    return window(i, n=4, step_time=st, ranks=rank_infos(4, 2))
+
+
+def test_a_slow_node_is_one_incident_whichever_of_its_ranks_is_last():
+    t = IncidentTracker(2, 3, 3)
+    events = []
+    for i in range(8):  # the last rank of node-1 alternates, as it does on a real node
+        last, other = (2, 3) if i % 2 else (3, 2)
+        events += t.update(_node_window(i, {last: 40.0, other: 38.0}))
+    (opened,) = events
+    inc = opened.incident
+    assert (inc.cls, inc.ranks, inc.hostnames) == ("step_time_slow_node", (2, 3), ("node-1",))
+    assert inc.severity == "critical" and inc.pages and inc.cause == "compute_straggler"
+    assert inc.evidence["slow_host"] == "node-1"
+    assert "ranks 2,3 (all of node-1)" in event_message(opened)
+    # A window where only rank 3 crossed the line supports the node's incident.
+    for i in range(8, 12):
+        assert t.update(_node_window(i, {3: 40.0, 2: 10.0})) == []
+    assert [i.incident_id for i in t.snapshot().open] == [inc.incident_id]
+    (closed,) = [e for i in range(12, 15) for e in t.update(_node_window(i, {}))]
+    assert closed.action == "close" and closed.incident.incident_id == inc.incident_id
+
+
+def test_a_lone_slow_gpu_on_a_node_stays_a_rank_incident():
+    t = IncidentTracker(2, 3, 3)
+    (opened,) = [e for i in range(4) for e in t.update(_node_window(i, {3: 40.0}))]
+    assert (opened.incident.cls, opened.incident.ranks) == ("step_time_straggler", (3,))
+
+
+def test_a_slow_node_verdict_names_the_node_and_its_ranks():
+    from rankwatch.exporter.publish.verdicts import step_verdict
+
+    report = _node_window(0, {2: 40.0, 3: 38.0})
+    verdict = step_verdict(report.step_time, report)
+    assert verdict.what.startswith("node node-1 is slow: ranks 2, 3 (all of node-1)")
+    assert verdict.ranks == (2, 3) and "Drain or inspect node node-1" in verdict.action

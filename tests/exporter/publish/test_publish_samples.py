@@ -70,7 +70,10 @@ def test_catalogue_follows_the_naming_conventions():
         assert spec.name.endswith("_info") == (spec.type == "info"), spec.name
         # unit "1" is reserved for _ratio: OTLP->Prometheus naming appends _ratio to unit-1 gauges
         assert (spec.unit == "1") == spec.name.endswith("_ratio"), spec.name
-        assert (spec.unit == "s") == spec.name.endswith("_seconds"), spec.name
+        # A counter of seconds ends in _seconds_total (Prometheus' convention).
+        assert (spec.unit == "s") == spec.name.removesuffix("_total").endswith("_seconds"), (
+            spec.name
+        )
         assert spec.unit in ("", "1", "s")
         labels = spec.all_labels
         assert labels[: len(COMMON_LABELS)] == COMMON_LABELS
