@@ -42,13 +42,13 @@ OWNER = "accuracy-fault-unit"
 @dataclass(frozen=True)
 class UnitCell:
     """One job shape: ``world`` ranks, ``per_node`` per node, the ``slow`` ranks, and the
-    incidents expected (``(class, ranks, hostname)``; empty for a control)."""
+    incidents expected (``(class, ranks, hostname, cause)``; empty for a control)."""
 
     name: str
     world: int
     per_node: int
     slow: tuple[int, ...]
-    expected: tuple[tuple[str, tuple[int, ...], str], ...]
+    expected: tuple[tuple[str, tuple[int, ...], str, str], ...]
     extra_s: float = SLOW_S
     from_step: int = 0
     steps: int = STEPS
@@ -67,31 +67,39 @@ class UnitCell:
 
 CELLS: tuple[UnitCell, ...] = (
     UnitCell(
-        "slow node, 4 ranks in 2 nodes", 4, 2, (2, 3), (("step_time_slow_node", (2, 3), "node-b"),)
+        "slow node, 4 ranks in 2 nodes",
+        4,
+        2,
+        (2, 3),
+        (("step_time_slow_node", (2, 3), "node-b", "compute_straggler"),),
     ),
     UnitCell(
-        "slow node, 8 ranks in 4 nodes", 8, 2, (4, 5), (("step_time_slow_node", (4, 5), "node-c"),)
+        "slow node, 8 ranks in 4 nodes",
+        8,
+        2,
+        (4, 5),
+        (("step_time_slow_node", (4, 5), "node-c", "compute_straggler"),),
     ),
     UnitCell(
         "most of a node, 8 ranks in 2 nodes (3 of 4 slow)",
         8,
         4,
         (4, 5, 6),
-        (("step_time_slow_node", (4, 5, 6), "node-b"),),
+        (("step_time_slow_node", (4, 5, 6), "node-b", "compute_straggler"),),
     ),
     UnitCell(
         "one slow GPU on a node, 4 ranks in 2 nodes",
         4,
         2,
         (2,),
-        (("step_time_straggler", (2,), "node-b"),),
+        (("step_time_straggler", (2,), "node-b", "compute_straggler"),),
     ),
     UnitCell(
         "every rank slower in forward from step 700 (3 ranks)",
         3,
         1,
         (0, 1, 2),
-        (("job_slowdown", (), "-"),),
+        (("job_slowdown", (), "-", "forward"),),
         extra_s=0.03,
         from_step=700,
         steps=1000,
@@ -101,7 +109,7 @@ CELLS: tuple[UnitCell, ...] = (
         3,
         1,
         (0, 1, 2),
-        (("job_slowdown", (), "-"),),
+        (("job_slowdown", (), "-", "collective_wait"),),
         extra_s=0.03,
         from_step=700,
         steps=1000,
@@ -166,6 +174,7 @@ def scenario_unit(rank: int, world: int, out: str) -> dict[str, Any]:
                 "severity": e.incident.severity,
                 "window": e.window_index,
                 "lost": e.incident.lost_rank_seconds,
+                "cause": e.incident.cause,
             }
         ),
     )
@@ -196,7 +205,7 @@ def scenario_unit(rank: int, world: int, out: str) -> dict[str, Any]:
 @dataclass(frozen=True)
 class UnitResult:
     cell: UnitCell
-    opened: tuple[tuple[str, tuple[int, ...], str], ...]
+    opened: tuple[tuple[str, tuple[int, ...], str, str], ...]
     seconds: float
     lost_rank_seconds: float = 0.0
 
@@ -234,7 +243,7 @@ def run_cell(cell: UnitCell) -> UnitResult:
         results = run_world(f"{__name__}:scenario_unit", cell.world, out)
     events = results[0]["incidents"]
     opened = tuple(
-        (e["cls"], tuple(e["ranks"]), ",".join(e["hostnames"]) or "-")
+        (e["cls"], tuple(e["ranks"]), ",".join(e["hostnames"]) or "-", e["cause"])
         for e in events
         if e["action"] == "open"
     )
@@ -242,12 +251,12 @@ def run_cell(cell: UnitCell) -> UnitResult:
     return UnitResult(cell, opened, time.monotonic() - started, lost)
 
 
-def _text(incidents: tuple[tuple[str, tuple[int, ...], str], ...]) -> str:
+def _text(incidents: tuple[tuple[str, tuple[int, ...], str, str], ...]) -> str:
     if not incidents:
         return "no incident"
     return "; ".join(
-        f"{cls} ranks {','.join(map(str, ranks)) or 'all'} ({host})"
-        for cls, ranks, host in incidents
+        f"{cls} ranks {','.join(map(str, ranks)) or 'all'} ({host}), {cause}"
+        for cls, ranks, host, cause in incidents
     )
 
 
@@ -260,13 +269,16 @@ def render(results: list[UnitResult]) -> str:
         "",
         "Real Gloo jobs in nodes simulated with `NODE_NAME` (a pod's downward API), DDP-style "
         f"all-reduce in backward; every rank sleeps {BASE_S * 1000:.0f} ms in forward; the slow "
-        "ranks sleep more (in forward, or inside every rank's all-reduce) every step from the "
+        "ranks sleep more (in forward, or inside every rank's synchronisation block, after its "
+        "all-reduce: the collective slower) every step from the "
         f"step the job says; live windows every {INTERVAL_S:.0f} s, the defaults otherwise "
         "(3 warm-up windows, a baseline of 5). The verdict is the incidents the root opened: one "
         "per fault, naming its unit (a node's late ranks, one rank, or the whole job); none in a "
         "control. Time lost: what the incidents counted (rankwatch_time_lost_seconds_total) "
         "beside the injected truth (extra sleep x the steps it lasted x the ranks); right within "
-        f"{LOST_TOLERANCE:.0%}.",
+        f"{LOST_TOLERANCE:.0%}. What has not run: a GPU (the CPU clock only), real multi-node "
+        "hosts (one machine, nodes named per rank), FSDP2 and device-mesh shapes (the rule looks "
+        "at the culprit's comparison group; not run here).",
         "",
         "| job | slow ranks | opened | expected | lost (rank-s) | truth (rank-s) | right |",
         "|---|---|---|---|---|---|---|",

@@ -6,10 +6,11 @@ rank later than another. :class:`PaceHistory` keeps, per group, a baseline of th
 and compares each live window with it:
 
 * **Pace.** A window's pace is the median over its ranks of the outer step (input wait + step,
-  ms), less the straggler's gap when the window names one at warning or above (that slowdown is
-  the straggler's incident, not the job's). Per phase, the median over ranks of: input wait,
-  H2D, forward and backward (without their synchronisation waits when timed), optimizer, the
-  collective waits (``forward_wait + backward_wait``) and the time outside the timed phases.
+  ms; from the rows: each rank's median step, below), less the straggler's gap when the window
+  names one at warning or above (that slowdown is the straggler's incident, not the job's). Per
+  phase, the median over ranks of: input wait, H2D, forward and backward (without their
+  synchronisation waits when timed), optimizer, the collective waits (``forward_wait +
+  backward_wait``) and the time outside the timed phases.
 * **Baseline.** The first ``pace_warmup_windows`` windows are warm-up (compile, caches, the
   loader filling); the next ``pace_baseline_windows`` form the baseline: the median of each
   quantity over them, so one bad window among them does not move it. Until then the report
@@ -25,7 +26,10 @@ and compares each live window with it:
 * **Per rank.** ``rank_ratios``: each rank's own work over its own baseline, for a heatmap that
   shows a rank degrading before it is a straggler.
 
-Windows with fewer than ``min_steps_warning`` aligned steps neither form nor judge. Memory is
+Windows with fewer than ``min_steps_critical`` aligned steps (as a page needs) neither form nor
+judge. Fed the window's rows (:func:`rows_pace`, as the aggregator does), the pace is the
+median over ranks of each rank's *median* outer step, so an evaluation or a checkpoint inside
+a few steps does not move it; the cost is counted on the mean of the window's new steps. Memory is
 bounded: the baseline windows' per-rank values (``pace_baseline_windows`` x ranks) and a few
 numbers per window; each window costs one pass over its ranks.
 """
@@ -53,7 +57,8 @@ __all__ = [
     "WARMING_UP",
     "PaceHistory",
     "PaceReport",
-    "recent_outer_ms",
+    "RowsPace",
+    "rows_pace",
 ]
 
 # What grew: the phases a job slowdown is attributed to, in the order ties break.
@@ -70,7 +75,7 @@ WARMING_UP, FORMING, FORMED = "warming_up", "forming", "formed"
 _EPSILON = 1e-9
 # The recent steps' pace is a median over ranks: an even sample of this many is enough, and
 # keeps its cost the same at any size.
-RECENT_SAMPLE_RANKS = 512
+RECENT_SAMPLE_RANKS = 128
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,9 @@ class PaceReport:
     # on: a window's mean still holds steps from before a change), and how many.
     recent_pace_ms: float | None = None
     recent_steps: int = 0
+    # Whether the new steps alone are at the warning ratio or above (a change shows in them
+    # windows before it moves the window's median steps: their cost counts from then).
+    recent_slow: bool = False
 
     @property
     def kind(self) -> str:
@@ -135,6 +143,7 @@ class PaceReport:
             "streak": self.streak,
             "recent_pace_ms": clean(self.recent_pace_ms),
             "recent_steps": self.recent_steps,
+            "recent_slow": self.recent_slow,
         }
 
     @property
@@ -146,72 +155,90 @@ class PaceReport:
         return pace - self.baseline_ms
 
 
-def _value(means: Mapping[str, float | None], key: str) -> float:
-    v = means.get(key)
-    return math.nan if v is None else float(v)
+_MEAN_KEYS = (
+    "input_wait",
+    "h2d",
+    "forward",
+    "backward",
+    "optimizer",
+    "step",
+    "residual",
+    "forward_wait",
+    "backward_wait",
+)
 
 
 def _window_values(report: StepTimeReport) -> tuple[list[int], np.ndarray, np.ndarray]:
     """``(ranks, phases[rank, PACE_PHASES], (outer, own_work)[rank, 2])`` of the window's
-    present ranks; NaN where unmeasured."""
-    ranks: list[int] = []
-    rows: list[list[float]] = []
-    for rank, m in report.rank_means.items():
-        outer = _value(m, "input_wait") + _value(m, "step")
-        if not math.isfinite(outer):
-            continue
-        fww, bww = _value(m, "forward_wait"), _value(m, "backward_wait")
-        waits = fww + bww if math.isfinite(fww) and math.isfinite(bww) else math.nan
-        fwd, bwd = _value(m, "forward"), _value(m, "backward")
-        if math.isfinite(waits):
-            fwd, bwd = max(0.0, fwd - fww), max(0.0, bwd - bww)
-        own = outer - (waits if math.isfinite(waits) else 0.0)
-        rows.append(
-            [
-                _value(m, "input_wait"),
-                _value(m, "h2d"),
-                fwd,
-                bwd,
-                _value(m, "optimizer"),
-                waits,
-                _value(m, "residual"),
-                outer,
-                own,
-            ]
-        )
-        ranks.append(int(rank))
-    table = np.asarray(rows, dtype=float).reshape(len(rows), len(PACE_PHASES) + 2)
-    return ranks, table[:, : len(PACE_PHASES)], table[:, len(PACE_PHASES) :]
+    present ranks; NaN where unmeasured. One table built at once, then numpy."""
+    ranks = [int(r) for r in report.rank_means]
+    # None (unmeasured) becomes NaN in a float array.
+    m = np.array(
+        [[means.get(k) for k in _MEAN_KEYS] for means in report.rank_means.values()],
+        dtype=float,
+    ).reshape(len(ranks), len(_MEAN_KEYS))
+    iw, h2d, fwd, bwd, opt, step, res, fww, bww = m.T
+    outer = iw + step
+    # Each wait is taken off its own phase where it was timed (a job may synchronise only in
+    # its backward: no forward wait at all).
+    fw_timed, bw_timed = np.isfinite(fww), np.isfinite(bww)
+    timed = fw_timed | bw_timed
+    waits = np.where(timed, np.where(fw_timed, fww, 0.0) + np.where(bw_timed, bww, 0.0), np.nan)
+    fwd = np.where(fw_timed, np.maximum(0.0, fwd - fww), fwd)
+    bwd = np.where(bw_timed, np.maximum(0.0, bwd - bww), bwd)
+    own = outer - np.where(timed, waits, 0.0)
+    phases = np.stack([iw, h2d, fwd, bwd, opt, waits, res], axis=1)
+    keep = np.isfinite(outer)
+    work = np.stack([outer, own], axis=1)
+    return [r for r, k in zip(ranks, keep.tolist(), strict=True) if k], phases[keep], work[keep]
 
 
-def recent_outer_ms(
+@dataclass(frozen=True)
+class RowsPace:
+    """The window's pace read from its rows (:func:`rows_pace`): ``window_ms`` the median over
+    ranks of each rank's *median* outer step (a few slow steps, an evaluation or a checkpoint
+    inside a step, do not move it; a slower job does), ``recent_ms`` the median over ranks of
+    the mean outer step of the ``recent_steps`` steps no earlier window held (what their cost
+    is counted on)."""
+
+    window_ms: float | None
+    recent_ms: float | None
+    recent_steps: int
+
+
+def rows_pace(
     per_rank: Mapping[int, np.ndarray | None], clock: str, after_step: int | None
-) -> tuple[float | None, int]:
-    """``(median over ranks of the mean outer step, steps)`` of the rows after ``after_step``
-    (every row when None), from at most :data:`RECENT_SAMPLE_RANKS` ranks evenly spread;
-    ``(None, 0)`` without such rows. ``per_rank``: the window's step-time rows per rank."""
+) -> RowsPace:
+    """The window's :class:`RowsPace` from its step-time rows per rank (in step order), new
+    steps being those after ``after_step`` (every row when None); at most
+    :data:`RECENT_SAMPLE_RANKS` ranks, evenly spread, are read."""
     arrays = [a for a in per_rank.values() if a is not None and len(a)]
-    if not arrays:
-        return None, 0
     if len(arrays) > RECENT_SAMPLE_RANKS:
         pick = np.linspace(0, len(arrays) - 1, RECENT_SAMPLE_RANKS).astype(int)
         arrays = [arrays[i] for i in pick]
-    cols = clock_columns(clock)
-    first = cols.start
-    means: list[float] = []
+    first = clock_columns(clock).start
+    medians: list[float] = []
+    recents: list[float] = []
     steps = 0
-    for rows in arrays:
-        new = rows if after_step is None else rows[rows[:, 0] > after_step]
-        if not len(new):
-            continue
-        outer = new[:, first + IW] + new[:, first + STEP]
-        outer = outer[np.isfinite(outer)]
-        if len(outer):
-            means.append(float(outer.mean()))
-            steps = max(steps, len(new))
-    if not means:
-        return None, 0
-    return float(np.median(means)), steps
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for rows in arrays:
+            outer = rows[:, first + IW] + rows[:, first + STEP]
+            median = float(np.nanmedian(outer))
+            if math.isfinite(median):
+                medians.append(median)
+            start = (
+                0 if after_step is None else int(np.searchsorted(rows[:, 0], after_step, "right"))
+            )
+            mean = float(np.nanmean(outer[start:])) if start < len(rows) else math.nan
+            if math.isfinite(mean):
+                recents.append(mean)
+                steps = max(steps, len(rows) - start)
+    return RowsPace(
+        float(np.median(medians)) if medians else None,
+        float(np.median(recents)) if recents else None,
+        steps if recents else 0,
+    )
 
 
 def _median(values: np.ndarray, axis: int = 0) -> np.ndarray:
@@ -250,24 +277,28 @@ class PaceHistory:
         report: StepTimeReport,
         window_index: int,
         hostnames: Mapping[int, str] | None = None,
-        recent: tuple[float | None, int] = (None, 0),
+        rows: RowsPace | None = None,
     ) -> PaceReport:
         """Judge one live window against the baseline (or add it to the baseline).
-        ``recent``: the pace of the window's new steps and how many (:func:`recent_outer_ms`;
-        the straggler's gap is taken off it as off the window's), carried for their cost."""
+        ``rows``: the window's pace read from its rows (:func:`rows_pace`): the pace is then
+        its median steps' (else the window's means'), and the pace of its new steps is carried
+        for their cost; a straggler's gap is taken off both. Feed one or the other for a
+        whole run, not both."""
         if not isinstance(report, StepTimeReport):
             raise TypeError(f"report: expected StepTimeReport, got {type(report).__name__}")
         cfg = self.config
-        if report.steps < cfg.min_steps_warning:
+        if report.steps < cfg.min_steps_critical:
+            # As a page needs: a window this short is too noisy to judge the job's pace by.
             return self._waiting("the window has too few aligned steps", window_index)
         ranks, phases, work = _window_values(report)
         if not ranks:
             return self._waiting("no rank's step was measured in the window", window_index)
         pace = float(_median(work[:, 0]))
+        if rows is not None and rows.window_ms is not None:
+            pace = rows.window_ms
         gap = _straggler_gap_ms(report, cfg)
         pace = max(0.0, pace - gap)
         phase_medians = _median(phases)
-        own = dict(zip(ranks, work[:, 1].tolist(), strict=True))
         if self._warmup_left > 0:
             self._warmup_left -= 1
             return self._waiting(
@@ -276,6 +307,7 @@ class PaceHistory:
                 state=WARMING_UP,
             )
         if self._baseline is None:
+            own = dict(zip(ranks, work[:, 1].tolist(), strict=True))
             self._forming.append((pace, phase_medians, own))
             if len(self._forming) < cfg.pace_baseline_windows:
                 return self._waiting(
@@ -288,14 +320,16 @@ class PaceHistory:
             self._forming = []
         base_pace, base_phases, base_own = self._baseline
         ratio = pace / base_pace if base_pace > 0 else math.nan
-        rank_ratios = {
-            r: v / base_own[r]
-            for r, v in own.items()
-            if r in base_own and base_own[r] > 0 and math.isfinite(v)
-        }
+        base = np.array([base_own.get(r, math.nan) for r in ranks])
+        with np.errstate(all="ignore"):
+            ratios = work[:, 1] / base
+        ok = np.isfinite(ratios) & (base > 0)
+        rank_ratios = dict(zip(np.asarray(ranks)[ok].tolist(), ratios[ok].tolist(), strict=True))
         slow = _at_least(ratio, cfg.job_slowdown_warning_ratio)
         self._streak = [*self._streak, window_index] if slow else []
-        recent_pace, recent_steps = recent
+        recent_pace, recent_steps = (
+            (None, 0) if rows is None else (rows.recent_ms, rows.recent_steps)
+        )
         if recent_pace is not None:
             recent_pace = max(0.0, recent_pace - gap)
         out = PaceReport(
@@ -304,6 +338,9 @@ class PaceHistory:
             window_index=window_index,
             recent_pace_ms=recent_pace,
             recent_steps=recent_steps,
+            recent_slow=recent_pace is not None
+            and base_pace > 0
+            and _at_least(recent_pace / base_pace, cfg.job_slowdown_warning_ratio),
             pace_ms=pace,
             baseline_ms=base_pace,
             ratio=ratio,

@@ -43,7 +43,7 @@ from rankwatch.diagnosis.step_time import (
 )
 from rankwatch.diagnosis.step_time.blocks import BLOCK_STEPS, StepBlocks
 from rankwatch.diagnosis.step_time.mesh import MeshLayout
-from rankwatch.diagnosis.step_time.pace import PaceHistory, recent_outer_ms
+from rankwatch.diagnosis.step_time.pace import PaceHistory, rows_pace
 from rankwatch.diagnosis.step_time.rules import outlier_rule
 from rankwatch.diagnosis.step_time.table import ROW_WIDTH
 from rankwatch.exporter.aggregator.rows import GroupRows
@@ -390,8 +390,8 @@ class GroupWindows:
         pace = None
         if kind == "live":
             try:
-                recent = recent_outer_ms(per_rank, step_time.clock, self._pace_counted_through)
-                pace = self.pace.update(step_time, self.window_index, self._hosts, recent)
+                rows = rows_pace(per_rank, step_time.clock, self._pace_counted_through)
+                pace = self.pace.update(step_time, self.window_index, self._hosts, rows)
                 if step_time.step_range is not None:
                     self._pace_counted_through = step_time.step_range[1]
             except Exception:  # the verdict goes out without it

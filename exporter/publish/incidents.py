@@ -712,15 +712,16 @@ class IncidentTracker:
 
     def _note_streak(self, report: WindowReport, steps: int) -> None:
         """Keep what a job slowdown's streak costs while it is not yet reported (its first
-        k - 1 windows); a window below the ratio ends the streak and forgets it."""
+        k - 1 windows, and before them the windows whose new steps alone were slow); a window
+        with neither forgets it."""
         pace = report.pace
         if pace is None or report.step_time is None:
             return
-        if pace.streak == 0 or pace.ratio is None:
-            self._streak_lost = 0.0
-            return
         if pace.severity:
             return  # reported: this window is the incident's own
+        if not (pace.streak or pace.recent_slow):
+            self._streak_lost = 0.0
+            return
         self._streak_lost += late_cost_rank_seconds(pace.recent_excess_ms, steps, report.size)
 
     def _count_lost(self, inc: OpenIncident, rank_seconds: float) -> None:

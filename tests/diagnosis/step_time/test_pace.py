@@ -166,21 +166,59 @@ def _rows(first: int, n: int, outer_ms: float) -> np.ndarray:
     return rows
 
 
-def test_recent_outer_is_the_pace_of_the_new_steps_only():
-    from rankwatch.diagnosis.step_time.pace import recent_outer_ms
+def test_rows_pace_reads_median_steps_and_the_new_steps_mean():
+    from rankwatch.diagnosis.step_time.pace import rows_pace
 
     slow_tail = np.concatenate([_rows(1, 80, 10.0), _rows(81, 20, 40.0)])
     per_rank = {0: slow_tail, 1: slow_tail.copy(), 2: None}
-    assert recent_outer_ms(per_rank, "cpu", 80) == (pytest.approx(40.0), 20)
-    pace, steps = recent_outer_ms(per_rank, "cpu", None)
-    assert steps == 100 and pace == pytest.approx(16.0)
-    assert recent_outer_ms(per_rank, "cpu", 100) == (None, 0)
-    assert recent_outer_ms({}, "cpu", None) == (None, 0)
+    got = rows_pace(per_rank, "cpu", 80)
+    assert got.window_ms == pytest.approx(10.0)  # 20 slow steps of 100 do not move the median
+    assert (got.recent_ms, got.recent_steps) == (pytest.approx(40.0), 20)
+    every = rows_pace(per_rank, "cpu", None)
+    assert every.recent_steps == 100 and every.recent_ms == pytest.approx(16.0)
+    assert rows_pace(per_rank, "cpu", 100).recent_steps == 0
+    assert rows_pace({}, "cpu", None).window_ms is None
 
 
-def test_recent_outer_samples_a_bounded_number_of_ranks():
-    from rankwatch.diagnosis.step_time.pace import RECENT_SAMPLE_RANKS, recent_outer_ms
+def test_rows_pace_samples_a_bounded_number_of_ranks():
+    from rankwatch.diagnosis.step_time.pace import RECENT_SAMPLE_RANKS, rows_pace
 
     many = {r: _rows(1, 5, 10.0 + (r % 3)) for r in range(4 * RECENT_SAMPLE_RANKS)}
-    pace, steps = recent_outer_ms(many, "cpu", None)
-    assert steps == 5 and pace == pytest.approx(11.0)
+    got = rows_pace(many, "cpu", None)
+    assert got.recent_steps == 5 and got.recent_ms == pytest.approx(11.0)
+
+
+def test_an_evaluation_inside_a_few_steps_is_not_a_slowdown():
+    from rankwatch.diagnosis.step_time.pace import rows_pace
+
+    h = PaceHistory()
+    steady = {r: _rows(1, 100, 101.0) for r in range(4)}
+    for i in range(8):
+        h.update(_window(), i, rows=rows_pace(steady, "cpu", None))
+    # 30 of 100 steps hold an evaluation (the window's mean grows by 50 %): not the job's pace.
+    with_eval = {r: np.concatenate([_rows(1, 70, 101.0), _rows(71, 30, 270.0)]) for r in range(4)}
+    got = [h.update(_window(), 8 + j, rows=rows_pace(with_eval, "cpu", 70)) for j in range(4)]
+    assert all(g.severity is None for g in got)
+    assert got[-1].ratio == pytest.approx(1.0)
+
+
+def test_a_collective_slower_on_every_rank_is_the_collective_wait_that_grew():
+    # The job synchronises only in its backward (no forward wait was timed): the backward
+    # wait grew, not the backward's own work.
+    def sync_window(wait_ms: float):
+        means = {
+            r: dict(
+                BASE, backward=60.0 + wait_ms, backward_wait=10.0 + wait_ms, step=101.0 + wait_ms
+            )
+            for r in range(4)
+        }
+        for m in means.values():
+            m["step"] = m["h2d"] + m["forward"] + m["backward"] + m["optimizer"]
+        return diagnose_means(means, steps=50)
+
+    h = PaceHistory()
+    for i in range(8):
+        h.update(sync_window(0.0), i)
+    got = [h.update(sync_window(30.0), 8 + j) for j in range(3)]
+    assert got[-1].severity == "warning" and got[-1].phase == "collective_wait"
+    assert got[-1].phase_growth_ms["backward"] == pytest.approx(0.0)
