@@ -47,7 +47,7 @@ import numpy as np
 
 from rankwatch.diagnosis.config import StepTimeConfig, config_or_default
 from rankwatch.diagnosis.step_time.report import StepTimeReport
-from rankwatch.diagnosis.step_time.table import IW, STEP, clock_columns
+from rankwatch.diagnosis.step_time.table import IW, MEAN_KEYS, STEP, clock_columns
 
 __all__ = [
     "FORMED",
@@ -155,29 +155,16 @@ class PaceReport:
         return pace - self.baseline_ms
 
 
-_MEAN_KEYS = (
-    "input_wait",
-    "h2d",
-    "forward",
-    "backward",
-    "optimizer",
-    "step",
-    "residual",
-    "forward_wait",
-    "backward_wait",
-)
-
-
 def _window_values(report: StepTimeReport) -> tuple[list[int], np.ndarray, np.ndarray]:
     """``(ranks, phases[rank, PACE_PHASES], (outer, own_work)[rank, 2])`` of the window's
     present ranks; NaN where unmeasured. One table built at once, then numpy."""
     ranks = [int(r) for r in report.rank_means]
     # None (unmeasured) becomes NaN in a float array.
     m = np.array(
-        [[means.get(k) for k in _MEAN_KEYS] for means in report.rank_means.values()],
+        [[means.get(k) for k in MEAN_KEYS] for means in report.rank_means.values()],
         dtype=float,
-    ).reshape(len(ranks), len(_MEAN_KEYS))
-    iw, h2d, fwd, bwd, opt, step, res, fww, bww = m.T
+    ).reshape(len(ranks), len(MEAN_KEYS))
+    iw, h2d, fwd, bwd, opt, step, res, fww, bww = m.T  # MEAN_KEYS' order
     outer = iw + step
     # Each wait is taken off its own phase where it was timed (a job may synchronise only in
     # its backward: no forward wait at all).
