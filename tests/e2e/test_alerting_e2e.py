@@ -89,6 +89,7 @@ class StandIn(Collector):
 
     def __init__(self) -> None:
         self.straggler = True
+        self.slow_node = False
         self.window = 0
         self.started = time.time()
 
@@ -253,6 +254,11 @@ class StandIn(Collector):
             ["pre_stage_arrival_skew", "warning", "notify_dispatch", "3", "node-1", "late_arrival"],
             ["hang_suspect", "critical", "notify_dispatch", "5", "node-1", "rank"],
         ]
+        if self.slow_node:  # and, with it, the job slower than its own baseline
+            open_.append(
+                ["step_time_slow_node", "critical", "", "0,1", HOSTS[0], "compute_straggler"]
+            )
+            open_.append(["job_slowdown", "warning", "", "", "", "forward"])
         if slow:
             open_.append(
                 [
@@ -276,6 +282,25 @@ class StandIn(Collector):
             ],
         )
         yield counter("incidents", ["class", "severity"], [([v[0], v[1]], 1) for v in open_])
+        # The run against its own baseline, and the time its incidents cost.
+        yield gauge("job_pace_ratio", [], [([], 1.02)])
+        yield gauge("job_baseline_step_seconds", [], [([], 0.21)])
+        yield gauge(
+            "rank_pace_ratio",
+            ["rank", "local_rank", "hostname"],
+            [([str(r), str(r % 2), HOSTS[r]], 1.0 + 0.01 * r) for r in range(N)],
+        )
+        yield counter(
+            "time_lost_seconds",
+            ["class", "cause", "culprit_rank", "hostname"],
+            [
+                (
+                    ["step_time_straggler", "input_straggler", str(CULPRIT), HOSTS[CULPRIT]],
+                    12.0 * self.window,
+                )
+            ],
+        )
+        yield gauge("goodput_ratio", [], [([], 0.9)])
         yield counter("collection_errors", ["reason"], [(["gather_timeout"], 0)])
         yield counter("export_failures", ["exporter"], [(["otlp_metrics"], 0), (["otlp_logs"], 0)])
         yield gauge("exporter_up", [], [([], 1)])
@@ -387,7 +412,15 @@ class Workload:
         self.started_at = time.time()
         # Panels whose data this workload does not produce, with the reason; their queries
         # must still evaluate, and any data they return must have the right shape.
-        self.no_data_panels: dict[str, str] = {"Hangs": "the workload does not hang"}
+        self.no_data_panels: dict[str, str] = {
+            "Hangs": "the workload does not hang",
+            "Slow nodes": "no node of the workload is slow",
+            # The demo's windows may end before a baseline of its own pace is formed, or
+            # before an incident has cost time.
+            "Step time against the run's baseline": "no baseline formed yet",
+            "Per-rank pace against its own baseline": "no baseline formed yet",
+            "Time lost by cause": "no incident has cost time yet",
+        }
         # Whether the workload hangs (its rankwatch_hang_* series exist): only the stand-in's.
         self.hangs = False
         # Labels the scrape configuration adds to every series (cluster, namespace); the
@@ -414,11 +447,25 @@ class StandInWorkload(Workload):
         "hang_suspect",
     )
 
+    # Whether the stand-in also serves an open slow-node and job-slowdown incident (their
+    # alerts would fire).
+    slow_node = False
+
     def start(self) -> None:
-        self.no_data_panels.pop("Hangs", None)  # the stand-in serves an open hang incident
+        # The stand-in serves an open hang incident, the pace series and the time lost.
+        for title in (
+            "Hangs",
+            "Step time against the run's baseline",
+            "Per-rank pace against its own baseline",
+            "Time lost by cause",
+        ):
+            self.no_data_panels.pop(title, None)
+        if self.slow_node:
+            self.no_data_panels.pop("Slow nodes", None)
         self.hangs = True
         registry = CollectorRegistry()
         self.collector = StandIn()
+        self.collector.slow_node = self.slow_node
         registry.register(self.collector)
         self.server, _ = start_http_server(self.port, addr="127.0.0.1", registry=registry)
 
@@ -840,6 +887,7 @@ def test_every_panel_query_against_the_catalogue_shaped_stand_in() -> None:
     stand-in does, so every panel's query is held to its shape at least here.
     """
     workload = StandInWorkload()
+    workload.slow_node = True
     # Here the target carries the optional labels, and the dashboards select them by value.
     workload.target_labels = {"cluster": "c1", "namespace": "training"}
     workload.start()
@@ -930,7 +978,7 @@ def test_rank_order_of_a_1100_rank_group_in_a_real_prometheus() -> None:
                 lambda: prom_query(prom, "rankwatch_phase_seconds"), 30, what="the first scrape"
             )
             step = json.loads((REPO / "dashboards/rankwatch-step-time.json").read_text())
-            (hm,) = [p for p in step["panels"] if p["type"] == "heatmap"]
+            hm = next(p for p in step["panels"] if p["title"] == "Visible phase per rank")
             rows = prom_query(prom, substitute(hm["targets"][0]["expr"], w))
             names = sorted(r["metric"]["r"] for r in rows)  # Grafana's string order
             assert [int(x) for x in names] == list(range(n))
