@@ -410,10 +410,8 @@ def _straggler_gap_ms(report: StepTimeReport, cfg: StepTimeConfig) -> float:
     """The gap of the window's straggler (or slow node) at warning or above, else 0: that
     slowdown is the straggler's incident, not the job's."""
     for f in report.findings:
-        if f.is_straggler and f.severity in ("warning", "critical"):
-            v, c = f.visible_victim_ms, f.visible_culprit_ms
-            if v is not None and c is not None and math.isfinite(v - c):
-                return max(0.0, v - c)
+        if f.is_straggler and f.severity in ("warning", "critical") and f.gap_ms is not None:
+            return max(0.0, f.gap_ms)
     return 0.0
 
 

@@ -184,6 +184,14 @@ class Finding:
     def is_straggler(self) -> bool:
         return self.kind in STRAGGLER_KINDS.values()
 
+    @property
+    def gap_ms(self) -> float | None:
+        """A straggler's visible gap, victim minus culprit (what every rank waited for it per
+        step), or None when either is unmeasured or the difference is not finite."""
+        if self.visible_victim_ms is None or self.visible_culprit_ms is None:
+            return None
+        return _finite_or_none(self.visible_victim_ms - self.visible_culprit_ms)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "kind": self.kind,

@@ -240,7 +240,7 @@ def _step_time_signals(report: WindowReport) -> list[Signal]:
             "component": getattr(finding, "component", None),
             "component_excesses_ms": dict(getattr(finding, "component_excesses_ms", {}) or {}),
             "component_coverage": dict(getattr(finding, "component_coverage", {}) or {}),
-            "gap_ms": _gap_ms(finding),
+            "gap_ms": getattr(finding, "gap_ms", None),
             "clock": getattr(st, "clock", None),
             "strategy": getattr(st, "strategy", None),
             "steps": getattr(st, "steps", None),
@@ -291,13 +291,6 @@ def _step_time_signals(report: WindowReport) -> list[Signal]:
     if not related:
         return out
     return [_fold(straggler, related) if s is straggler else s for s in out if s not in related]
-
-
-def _gap_ms(finding: object) -> float | None:
-    """The culprit's visible gap to the victim (what every rank waited per step), or None."""
-    victim = _finite_or_none(getattr(finding, "visible_victim_ms", None))
-    culprit = _finite_or_none(getattr(finding, "visible_culprit_ms", None))
-    return None if victim is None or culprit is None else victim - culprit
 
 
 def _caused_by(sig: Signal, culprit_ranks: tuple[int, ...]) -> bool:

@@ -100,9 +100,7 @@ def _straggler_verdict(
     culprit = finding.culprit_rank if finding.culprit_rank is not None else -1
     victim = finding.victim_rank
     visible = "forward + backward" if report.strategy == "fsdp" else "backward"
-    gap = None
-    if finding.visible_victim_ms is not None and finding.visible_culprit_ms is not None:
-        gap = finding.visible_victim_ms - finding.visible_culprit_ms
+    gap = finding.gap_ms
     why = (
         f"the other ranks wait for rank {culprit} in {visible}: rank {victim} (the median rank) "
         f"spends {_ms(finding.visible_victim_ms)} per step there, rank {culprit} only "
