@@ -48,7 +48,8 @@ into a graph runs as a C++ op; a wait dynamo runs between two graphs runs the sh
 traced it, untimed); ``Work.get_future().wait()``, ``torch.futures.wait_all`` and polling
 ``is_completed()``; a Python ``Work`` subclass whose own ``wait`` does not call the base
 class's. Issuing a collective is not a wait and is
-not timed (on Gloo it only queues the work).
+not timed (on Gloo it only queues the work), with one exception: a pipeline schedule's sends
+and receives, issued in ``_batch_p2p`` (:mod:`.pipeline`), which on Gloo take milliseconds.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ __all__ = [
     "ShadowRegistry",
     "collective_wait_targets",
     "install_collective_waits",
+    "timed_wait",
 ]
 
 _is_compiling = torch.compiler.is_compiling
@@ -172,8 +174,9 @@ class RegistryHandle:
             self._wait = None
 
 
-def _timed_wait(registry: ShadowRegistry, original: Callable[..., Any]) -> Callable[..., Any]:
-    """A collective's wait, credited to each subscribed timer (module doc)."""
+def timed_wait(registry: ShadowRegistry, original: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective's wait, credited to each subscribed timer (module doc): what replaces
+    ``original`` in a :class:`ShadowRegistry` whose calls are waits."""
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         # The compile check first: while dynamo traces, nothing else here is looked at.
@@ -249,7 +252,7 @@ def _backward_worker(wait: _SyncWait) -> bool:
     return wait.in_backward and isinstance(current_thread(), _DummyThread)
 
 
-_REGISTRY = ShadowRegistry(collective_wait_targets, _timed_wait)
+_REGISTRY = ShadowRegistry(collective_wait_targets, timed_wait)
 
 
 def install_collective_waits(timer: StepTimer) -> list[RegistryHandle]:

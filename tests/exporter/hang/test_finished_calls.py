@@ -95,7 +95,7 @@ def test_the_shadow_calls_the_done_hook_when_a_wait_returns_not_when_it_raises()
     from threading import get_ident
     from types import FrameType, SimpleNamespace
 
-    from rankwatch.exporter.step_time.collectives import _timed_wait
+    from rankwatch.exporter.step_time.collectives import timed_wait
     from rankwatch.exporter.step_time.timer import StepTimer
 
     timers = [StepTimer(8), StepTimer(8)]
@@ -118,7 +118,7 @@ def test_the_shadow_calls_the_done_hook_when_a_wait_returns_not_when_it_raises()
     one = SimpleNamespace(waits=((timers[0].sync_wait(), get_ident()),))
     both = SimpleNamespace(waits=tuple((t.sync_wait(), get_ident()) for t in timers))
     for registry in (one, both):
-        ok, bad = _timed_wait(registry, lambda: 5), _timed_wait(registry, fail)  # type: ignore[arg-type]
+        ok, bad = timed_wait(registry, lambda: 5), timed_wait(registry, fail)  # type: ignore[arg-type]
 
         def all_reduce(ok: Any = ok) -> int:  # the hook reads the shadow's caller
             return int(ok())
@@ -147,7 +147,7 @@ def test_a_call_that_raises_inside_an_open_sync_wait_is_read_from_the_shadow() -
     from threading import get_ident
     from types import SimpleNamespace
 
-    from rankwatch.exporter.step_time.collectives import _timed_wait
+    from rankwatch.exporter.step_time.collectives import timed_wait
     from rankwatch.exporter.step_time.timer import StepTimer
 
     timer = StepTimer(8)
@@ -160,7 +160,7 @@ def test_a_call_that_raises_inside_an_open_sync_wait_is_read_from_the_shadow() -
         raise RuntimeError("Connection closed by peer")
 
     registry = SimpleNamespace(waits=((timer.sync_wait(), get_ident()),))
-    bad = _timed_wait(registry, fail)  # type: ignore[arg-type]
+    bad = timed_wait(registry, fail)  # type: ignore[arg-type]
 
     def all_reduce() -> None:
         bad()

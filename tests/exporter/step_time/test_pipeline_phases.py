@@ -1,4 +1,5 @@
-"""The pipeline schedule's actions held as phases: the timer's hold, the class shadows.
+"""The pipeline schedule's actions held as phases (the timer's hold, the class shadows), and
+its sends and receives timed as collective waits.
 
 The real schedule (a 2-stage GPipe on Gloo, with work outside the watched module and a slow
 loss) is in ``test_collective_waits.py``.
@@ -13,6 +14,7 @@ import pytest
 from rankwatch.diagnosis.step_time.table import column
 from rankwatch.exporter.step_time.pipeline import (
     install_pipeline_phases,
+    pipeline_p2p_targets,
     pipeline_phase_targets,
 )
 from rankwatch.exporter.step_time.timer import BACKWARD, FORWARD, StepTimer
@@ -75,3 +77,28 @@ def test_install_and_remove_restore_torch_and_nest_per_timer() -> None:
         h.remove()
         h.remove()  # idempotent
     assert all(vars(o)[n] is before[(id(o), n)] for o, n in targets)
+
+
+def test_the_schedule_sends_and_receives_are_timed_as_a_collective_wait() -> None:
+    import torch.distributed.pipelining.schedules as schedules
+
+    assert pipeline_p2p_targets() == [(schedules, "_batch_p2p")]
+    original = schedules._batch_p2p
+    clock = iter(range(0, 10**9, 10**6)).__next__  # 1 ms a read
+    timer = StepTimer(4)
+    timer._clock = clock
+    handles = install_pipeline_phases(timer)
+    try:
+        assert schedules._batch_p2p is not original
+        assert schedules._batch_p2p.__wrapped__ is original  # type: ignore[attr-defined]
+        timer.start_step()
+        assert timer.hold(FORWARD)
+        assert schedules._batch_p2p([]) == []  # what the schedule calls, looked up each time
+        timer.release(FORWARD)
+        timer.end_step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert schedules._batch_p2p is original
+    rows, _, _ = timer.read(0)
+    assert rows[0][column("cpu", "forward_wait")] == pytest.approx(1.0)
