@@ -255,8 +255,12 @@ def test_settings_render_a_different_installation(tmp_path: Path) -> None:
         assert alert["annotations"]["runbook_url"].startswith(
             "https://wiki.example.com/ops/rankwatch.md#rankwatch"
         )
-        assert 'job="training"' in alert["expr"]
-        assert ".*rankwatch.*" not in alert["expr"]
+    # Every rule that reads scraped series selects the job (the fleet's ledger alert reads
+    # only its own recorded series, which did).
+    for rule in (r for g in doc["groups"] for r in g["rules"]):
+        if re.search(r"\b(?:rankwatch_\w+|up)\{", rule["expr"]):
+            assert 'job="training"' in rule["expr"], rule
+        assert ".*rankwatch.*" not in rule["expr"]
     result = _promtool("check", "rules", str(rules_file), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     # The PrometheusRule carries the same rules.
