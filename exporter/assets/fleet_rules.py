@@ -12,7 +12,8 @@ into a per-host ledger (docs/fleet.md):
   phase times in that attempt (the runs the host took part in). Fewer series than the rank
   series the exporter already publishes: one per host and live attempt.
 
-``rankwatch-fleet-ledger`` (every ``LEDGER_INTERVAL``: these look ``ledger_window`` back):
+``rankwatch-fleet-ledger`` (every ``ledger_interval``, 5 minutes by default: these look
+``ledger_window`` back):
 
 - :data:`CULPRIT_RUNS` / :data:`CULPRIT_ATTEMPTS` ``{hostname}``: distinct runs / attempts in
   which the host was a culprit within the window;
@@ -42,7 +43,6 @@ __all__ = [
     "CULPRIT_RUNS",
     "HEALTHY_RUNS",
     "HOST_PRESENT",
-    "LEDGER_INTERVAL",
     "fleet_groups",
 ]
 
@@ -51,9 +51,6 @@ HOST_PRESENT = "rankwatch:host_run:present"
 CULPRIT_RUNS = "rankwatch:host_culprit_runs:count"
 CULPRIT_ATTEMPTS = "rankwatch:host_culprit_attempts:count"
 HEALTHY_RUNS = "rankwatch:host_healthy_runs:count"
-# The ledger reads days of its own recorded series: every 5 minutes is plenty for a count of
-# runs, and keeps each evaluation's cost a fifth of a per-minute one.
-LEDGER_INTERVAL = "5m"
 
 ALERT = "RankwatchRepeatOffenderHost"
 
@@ -123,7 +120,9 @@ def fleet_groups(s: Settings) -> list[dict[str, Any]]:
         },
         {
             "name": "rankwatch-fleet-ledger",
-            "interval": LEDGER_INTERVAL,
+            # Days of its own recorded series: every 5 minutes (the default) is plenty for a
+            # count of runs, and costs a fifth of a per-minute evaluation.
+            "interval": s.ledger_interval,
             "rules": [
                 {
                     "record": CULPRIT_RUNS,

@@ -95,7 +95,8 @@ class Settings:
     ``ledger_window``: how far back the fleet's ledger counts runs per host (a Prometheus
     duration); ``repeat_offender_runs``: RankwatchRepeatOffenderHost fires for a host that was
     the culprit of a critical incident in at least this many distinct runs in that window, and
-    in at most ``repeat_offender_healthy_runs`` runs it took part in without being one.
+    in at most ``repeat_offender_healthy_runs`` runs it took part in without being one;
+    ``ledger_interval``: how often the ledger's counts are evaluated.
     """
 
     runbook_url: str = DEFAULT_RUNBOOK_URL
@@ -106,6 +107,7 @@ class Settings:
     )
     stale_window_seconds: int = 180
     ledger_window: str = "7d"
+    ledger_interval: str = "5m"
     repeat_offender_runs: int = 3
     repeat_offender_healthy_runs: int = 3
 
@@ -140,10 +142,12 @@ class Settings:
             raise ValueError(
                 f"stale_window_seconds: expected a positive int, got {self.stale_window_seconds!r}"
             )
-        try:
-            duration_seconds(self.ledger_window)
-        except ValueError as exc:
-            raise ValueError(f"ledger_window: {exc}") from None
+        for name in ("ledger_window", "ledger_interval"):
+            try:
+                if duration_seconds(getattr(self, name)) <= 0:
+                    raise ValueError(f"must be longer than 0, got {getattr(self, name)!r}")
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
         for name, low in (("repeat_offender_runs", 1), ("repeat_offender_healthy_runs", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 10_000:

@@ -320,6 +320,12 @@ def test_export_refuses_a_settings_file_that_is_not_a_json_object(
         ({"job_selector": "rankwatch"}, "job_selector"),
         ({"runbook_url": "https://x.example/r.md#top"}, "runbook_url"),
         ({"stale_window_seconds": 0}, "stale_window_seconds"),
+        ({"ledger_window": "a week"}, "ledger_window: expected a Prometheus duration"),
+        ({"ledger_window": "0s"}, "ledger_window: must be longer than 0"),
+        ({"ledger_interval": 300}, "ledger_interval: expected a Prometheus duration"),
+        ({"repeat_offender_runs": 0}, "repeat_offender_runs: expected an int from 1 to 10000"),
+        ({"repeat_offender_runs": True}, "repeat_offender_runs: expected an int"),
+        ({"repeat_offender_healthy_runs": -1}, "repeat_offender_healthy_runs: expected an int"),
         ({"runbook": "x"}, "unknown key 'runbook'"),
     ],
 )
