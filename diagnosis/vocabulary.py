@@ -7,6 +7,7 @@ __all__ = [
     "BOTTLENECK_CLASS",
     "CLOSE_AT_ONCE_CLASSES",
     "COMPONENTS",
+    "CULPRIT_CLASSES",
     "FAULT",
     "GLOBAL_DATA_PATH_SLOWDOWN",
     "HANG_CLASS",
@@ -103,6 +104,15 @@ INCIDENT_CLASSES: tuple[str, ...] = (
     BOTTLENECK_CLASS,
     *NORMAL_INCIDENT_CLASSES,
     HANG_CLASS,
+)
+# The classes whose critical incident blames a culprit that may be a bad host: what the fleet's
+# ledger counts per host across runs (docs/fleet.md). A job slowdown blames no one, a DeepEP
+# global slowdown the shared fabric, a pre-stage skew the work before the collective.
+CULPRIT_CLASSES: tuple[str, ...] = (
+    STRAGGLER_CLASS,
+    SLOW_NODE_CLASS,
+    HANG_CLASS,
+    LOCALIZED_DATA_PATH_SLOWDOWN,
 )
 
 # One severity story. An incident is a *fault* (something holds the job back and someone

@@ -32,6 +32,7 @@ from rankwatch.diagnosis.config import (
     option_label,
     validate_options,
 )
+from rankwatch.exporter.attempt import MAX_ATTEMPT, attempt_from_env
 from rankwatch.exporter.identity import run_name_from_env
 
 __all__ = [
@@ -151,6 +152,9 @@ class RankwatchConfig:
     group_name: str = field(
         default="world", metadata=option("RANKWATCH_GROUP", max_chars=MAX_LABEL_CHARS)
     )
+    # Which start of the run this is (0 the first; a restart keeps run_id): unset, from_env
+    # reads torchrun's, Slurm's or a JobSet's restart count (attempt.attempt_from_env).
+    attempt: int = field(default=0, metadata=option("RANKWATCH_ATTEMPT", 0, MAX_ATTEMPT))
     # Kubernetes identity: the variable holding the node name (downward API spec.nodeName), as
     # dcgm-exporter reads it; the `hostname` label and k8s.node.name come from it when set.
     node_name_env: str = field(
@@ -355,6 +359,9 @@ class RankwatchConfig:
             overrides["otlp_export_interval_seconds"] = interval
         if "run_id" not in overrides:  # RANKWATCH_RUN_ID, else the launcher's job name
             overrides["run_id"] = run_name_from_env(source).name
+        ours = option_env(cls, "attempt")
+        if "attempt" not in overrides and not source.get(ours, "").strip():
+            overrides["attempt"] = attempt_from_env(source).value
         return from_env(cls, source, **overrides)
 
     def metrics_port_for(self, local_rank: int) -> int:

@@ -157,6 +157,8 @@ def _start(
         try:
             http_get(server.url + ready_path, timeout=1.0)
             return True
+        except urllib.error.HTTPError as exc:  # a server behind basic auth answers 401: it is up
+            return exc.code == 401
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rankwatch.diagnosis.config import DiagnosisConfig
-from rankwatch.exporter.assets import deepep_normal, overview, step_time
+from rankwatch.exporter.assets import deepep_normal, fleet, overview, step_time
 from rankwatch.exporter.assets.grafana import Dashboard
 from rankwatch.exporter.assets.kubernetes import configmaps, prometheus_rule
 from rankwatch.exporter.assets.rules import rules_yaml
@@ -26,6 +26,7 @@ DASHBOARDS: dict[str, Callable[[Settings, DiagnosisConfig], Dashboard]] = {
     "rankwatch-overview.json": overview.build,
     "rankwatch-step-time.json": step_time.build,
     "rankwatch-deepep-normal.json": deepep_normal.build,
+    "rankwatch-fleet.json": fleet.build,
 }
 RULES_FILE = "dashboards/rules/rankwatch.rules.yml"
 CONFIGMAPS_FILE = "deploy/kubernetes/dashboards.yaml"

@@ -1,4 +1,5 @@
-"""The Prometheus alerting rules: one alert per incident class and three on the exporters.
+"""The Prometheus alerting rules: one alert per incident class, three on the exporters, and
+the fleet's ledger across runs (:mod:`.fleet_rules`).
 
 A rule is a dict in Prometheus' rule-file layout. Adding an alert: its name and timing in
 ``settings.ALERT_TIMING``, one ``_alert(...)`` call in :func:`diagnosis_rules` or
@@ -23,6 +24,7 @@ from rankwatch.diagnosis.vocabulary import (
     STRAGGLER_CLASS,
 )
 from rankwatch.exporter.assets import yaml_text
+from rankwatch.exporter.assets.fleet_rules import fleet_groups
 from rankwatch.exporter.assets.prose import number, percent, straggler_percents
 from rankwatch.exporter.assets.settings import Settings
 from rankwatch.exporter.publish.catalogue import METRIC_NAMES as M
@@ -406,6 +408,7 @@ def rules(s: Settings, config: DiagnosisConfig) -> dict[str, Any]:
         "groups": [
             {"name": "rankwatch-diagnosis", "rules": diagnosis_rules(s, config)},
             {"name": "rankwatch-exporter", "rules": exporter_rules(s)},
+            *fleet_groups(s),
         ]
     }
 

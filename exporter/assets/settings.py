@@ -58,6 +58,9 @@ ALERT_TIMING: dict[str, AlertTiming] = {
     "RankwatchExporterDown": AlertTiming("5m", "1m"),
     "RankwatchNoFreshWindows": AlertTiming("2m", "1m"),
     "RankwatchExportFailing": AlertTiming("10m", "5m"),
+    # The fleet's ledger counts runs over days: nothing to debounce, and the host stays on the
+    # list for an hour after its count drops (the next run's incident usually comes back).
+    "RankwatchRepeatOffenderHost": AlertTiming("0s", "1h"),
 }
 _DEFAULT_FOR = {alert: t.for_ for alert, t in ALERT_TIMING.items()}
 _DEFAULT_KEEP_FIRING_FOR = {alert: t.keep_firing_for for alert, t in ALERT_TIMING.items()}
@@ -89,6 +92,11 @@ class Settings:
     rule's selectors carry (the scrape job(s) of the training ranks). ``for_`` and
     ``keep_firing_for``: per alert, overriding :data:`ALERT_TIMING`. ``stale_window_seconds``:
     the age of the latest window from which RankwatchNoFreshWindows counts.
+    ``ledger_window``: how far back the fleet's ledger counts runs per host (a Prometheus
+    duration); ``repeat_offender_runs``: RankwatchRepeatOffenderHost fires for a host that was
+    the culprit of a critical incident in at least this many distinct runs in that window, and
+    in at most ``repeat_offender_healthy_runs`` runs it took part in without being one;
+    ``ledger_interval``: how often the ledger's counts are evaluated.
     """
 
     runbook_url: str = DEFAULT_RUNBOOK_URL
@@ -98,6 +106,10 @@ class Settings:
         default_factory=lambda: dict(_DEFAULT_KEEP_FIRING_FOR)
     )
     stale_window_seconds: int = 180
+    ledger_window: str = "7d"
+    ledger_interval: str = "5m"
+    repeat_offender_runs: int = 3
+    repeat_offender_healthy_runs: int = 3
 
     def __post_init__(self) -> None:
         url, selector = self.runbook_url, self.job_selector
@@ -130,6 +142,16 @@ class Settings:
             raise ValueError(
                 f"stale_window_seconds: expected a positive int, got {self.stale_window_seconds!r}"
             )
+        for name in ("ledger_window", "ledger_interval"):
+            try:
+                if duration_seconds(getattr(self, name)) <= 0:
+                    raise ValueError(f"must be longer than 0, got {getattr(self, name)!r}")
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        for name, low in (("repeat_offender_runs", 1), ("repeat_offender_healthy_runs", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 10_000:
+                raise ValueError(f"{name}: expected an int from {low} to 10000, got {value!r}")
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any]) -> Settings:

@@ -1,4 +1,4 @@
-"""The ``rankwatch`` command: demo, diagnose, heatmap, replay, config, assets.
+"""The ``rankwatch`` command: demo, diagnose, heatmap, replay, hosts, config, assets.
 
 Exit codes: 0 success, 1 a failure while running, 2 bad arguments or configuration (the message
 names the option and the value), a refused window file (one line naming the file, the field and
@@ -27,6 +27,7 @@ from rankwatch.exporter.cli.exits import (
     EXIT_USAGE,
     UsageError,
 )
+from rankwatch.exporter.cli.hosts import add_hosts_parser
 from rankwatch.exporter.cli.saved_windows import cmd_diagnose, cmd_replay
 
 __all__ = ["format_value", "main"]
@@ -257,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("dir", type=_existing_dir, metavar="DIR")
     replay.add_argument("--json", action="store_true", help="one JSON object per window")
     replay.set_defaults(handler=cmd_replay)
+
+    add_hosts_parser(sub)
 
     config = sub.add_parser(
         "config",

@@ -3,8 +3,9 @@
 Both publishers (Prometheus ``/metrics`` and OTLP) read this table, and ``docs/metrics.md`` is
 generated from it, so a metric's name, type, unit, labels and meaning live in exactly one place.
 Prometheus names follow the conventions: ``rankwatch_`` prefix, base units, ``_total`` only on
-counters, ``_ratio`` for 0..1 ratios. Every series also carries the ``run`` and ``group`` labels
-(listed in ``COMMON_LABELS``) so one Prometheus can hold many jobs and EP/DP groups.
+counters, ``_ratio`` for 0..1 ratios. Every series also carries the ``run``, ``group`` and
+``attempt`` labels (listed in ``COMMON_LABELS``) so one Prometheus can hold many jobs, their
+restarts and EP/DP groups.
 
 The OTel instrument of each family is derived from its Prometheus name so that the standard
 OTLP-to-Prometheus translation (dots to underscores, the unit appended as a word, ``_total`` on
@@ -31,7 +32,8 @@ __all__ = [
     "render_doc",
 ]
 
-COMMON_LABELS: tuple[str, ...] = ("run", "group")
+# ``attempt``: which start of the run (0 the first; a restart keeps the run's name).
+COMMON_LABELS: tuple[str, ...] = ("run", "group", "attempt")
 
 
 @dataclass(frozen=True)

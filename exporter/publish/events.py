@@ -24,6 +24,7 @@ attribute                        meaning
 ``rankwatch.incident.lost_rank_seconds`` what it cost the group so far (the close: in total)
 ``rankwatch.window.index``       window index of this event
 ``rankwatch.group``, ``rankwatch.run`` the group and run
+``rankwatch.attempt``            which start of the run (0 the first; a restart counts up)
 ================================ ===========================================================
 
 Severity: ``WARN`` for openings and closings alike (the hub logs both at ``WARNING``). An
@@ -81,6 +82,8 @@ def event_message(event: IncidentEvent) -> str:
     verb = "opened" if event.action == "open" else "closed"
     reason = f" ({event.reason})" if event.action == "close" and event.reason else ""
     score = "" if inc.score is None else f", score {inc.score:.3g}"
+    # A first start says nothing of attempts (its line reads as before); a restart says which.
+    attempt = f" attempt {event.attempt}" if event.attempt else ""
     if inc.lost_rank_seconds > 0:  # what it cost the group so far (the close: in total)
         score += f", lost {inc.lost_rank_seconds:.0f} rank-seconds"
     if event.action == "open" and evidence.get("message"):
@@ -94,7 +97,8 @@ def event_message(event: IncidentEvent) -> str:
     return (
         f"rankwatch incident {inc.incident_id} {verb}{reason}: {inc.severity} {inc.cls}{probe}"
         f"{nature}, {who}{mesh}, cause {inc.cause or 'unknown'}{score} "
-        f"(window {event.window_index}, run {event.run or '-'}, group {event.group or '-'})"
+        f"(window {event.window_index}, run {event.run or '-'}{attempt}, "
+        f"group {event.group or '-'})"
     )
 
 
@@ -117,6 +121,7 @@ def event_attributes(event: IncidentEvent) -> dict[str, Any]:
         "rankwatch.window.index": int(event.window_index),
         "rankwatch.group": event.group,
         "rankwatch.run": event.run,
+        "rankwatch.attempt": int(event.attempt),
     }
     if inc.score is not None and math.isfinite(inc.score):
         attrs["rankwatch.incident.score"] = float(inc.score)

@@ -529,7 +529,13 @@ class PublisherHub:
         by_key = dict(zip(RANK_MEAN_KEYS, means, strict=False))
         self.state.set_own_means(
             group,
-            own_means_samples(info, by_key, self.config.run_id, group or self.config.group_name),
+            own_means_samples(
+                info,
+                by_key,
+                self.config.run_id,
+                group or self.config.group_name,
+                self.config.attempt,
+            ),
         )
 
     def count_collection_error(self, reason: str) -> None:
@@ -656,7 +662,7 @@ def default_publishers(
     if not config.enabled:
         return []
     hub = PublisherHub(config, local_rank=local_rank, on_incident=on_incident)
-    run = {"run_id": config.run_id, "started_at_s": time.time()}
+    run = {"run_id": config.run_id, "attempt": config.attempt, "started_at_s": time.time()}
     if run_source:
         run["run_id_source"] = run_source
     recorder = RunRecorder(config, config.artifact_dir or None, run)

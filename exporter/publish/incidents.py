@@ -156,6 +156,8 @@ class IncidentEvent:
     run: str
     # Why a close happened: CLOSED_CLEAN (m clean windows) or CLOSED_RUN_ENDED; empty for opens.
     reason: str = ""
+    # Which start of the run (RankwatchConfig.attempt): 0 the first, a restart counts up.
+    attempt: int = 0
 
     @property
     def event_name(self) -> str:
@@ -222,6 +224,7 @@ class IncidentTracker:
         max_tracked: int = 256,
         group: str = "",
         run: str = "",
+        attempt: int = 0,
     ) -> None:
         for name, value in (
             ("open_k", open_k),
@@ -239,7 +242,7 @@ class IncidentTracker:
             )
         self.open_k, self.open_n, self.close_m = open_k, open_n, close_m
         self.max_tracked = max_tracked
-        self.group, self.run = group, run
+        self.group, self.run, self.attempt = group, run, attempt
         self._tracks: dict[tuple[Any, ...], _Track] = {}
         self._opened_total: dict[tuple[str, str], int] = {}
         self._seq = 0
@@ -266,6 +269,7 @@ class IncidentTracker:
             config.incident_close_m,
             group=config.group_name,
             run=config.run_id,
+            attempt=config.attempt,
         )
 
     def update(self, report: WindowReport) -> list[IncidentEvent]:
@@ -365,7 +369,7 @@ class IncidentTracker:
         elif isinstance(time_s, bool) or not isinstance(time_s, (int, float)):
             raise TypeError(f"time_s: expected unix seconds, got {time_s!r}")
         events = [
-            IncidentEvent("close", inc, window, float(time_s), group, run, reason)
+            IncidentEvent("close", inc, window, float(time_s), group, run, reason, self.attempt)
             for inc in self.snapshot().open
         ]
         self._tracks.clear()
@@ -501,8 +505,8 @@ class IncidentTracker:
             lost_rank_seconds=inc.lost_rank_seconds,
         )
 
-    @staticmethod
     def _event(
+        self,
         action: str,
         inc: OpenIncident,
         report: WindowReport,
@@ -511,7 +515,7 @@ class IncidentTracker:
         reason: str = "",
     ) -> IncidentEvent:
         return IncidentEvent(
-            action, inc, report.window_index, report.created_at_s, group, run, reason
+            action, inc, report.window_index, report.created_at_s, group, run, reason, self.attempt
         )
 
     def _fold_into_open_stragglers(

@@ -38,7 +38,8 @@ uses the application's global providers when they are set, see below) and one wo
   ``rankwatch``), a ``service.instance.id`` unique per rank (a UUID; a value given in
   ``OTEL_RESOURCE_ATTRIBUTES`` gets ``-rank<N>`` appended, since every rank of a torchrun job
   shares that variable), ``host.name``, ``process.pid``, and the job identity
-  ``rankwatch.run``, ``rankwatch.group``, ``rankwatch.rank``, ``rankwatch.local_rank``.
+  ``rankwatch.run``, ``rankwatch.group``, ``rankwatch.rank``, ``rankwatch.local_rank`` (the
+  attempt is a label of every metric point, as on ``/metrics``, and an event attribute).
   Values set in the environment win over these defaults.
 * **Global providers.** With ``RANKWATCH_OTLP_USE_GLOBAL_PROVIDERS=1`` and a global
   ``MeterProvider`` / ``LoggerProvider`` set by the application (before rankwatch starts),

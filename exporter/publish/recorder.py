@@ -29,6 +29,12 @@ from rankwatch.diagnosis.vocabulary import (
     incident_pages,
 )
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.publish.culprits import (
+    RunCulprits,
+    earlier_attempts_lines,
+    keep_earlier_attempts,
+    run_culprits,
+)
 from rankwatch.exporter.publish.incidents import (
     CLOSED_RUN_ENDED,
     IncidentEvent,
@@ -136,6 +142,8 @@ class RunRecorder:
         self.windows: Counter[str] = Counter()
         self.step_kinds: Counter[str] = Counter()
         self.normal_classes: Counter[str] = Counter()
+        # What the earlier attempts of this run found (read from out_dir at close, attempt > 0).
+        self.earlier: list[RunCulprits] = []
 
     def publish(self, report: WindowReport) -> None:
         """Follow one window (any engine, live or summary)."""
@@ -207,9 +215,15 @@ class RunRecorder:
             received = bool(self.windows) or self.final_step is not None
         out_dir, guard = self.out_dir, self.guard
         if out_dir is not None and guard is not None and received:
-            self.written = guard.run(
-                out_dir, lambda: write_summary(out_dir, self.summary(self.run))
-            )
+            self.written = guard.run(out_dir, lambda: self._write(out_dir))
+
+    def _write(self, out_dir: Path) -> tuple[Path, Path]:
+        # A restart writes into the folder of the attempts before it: their summaries are read
+        # (the end block says what they found) and kept beside this attempt's.
+        attempt = self.config.attempt
+        if attempt > 0:
+            self.earlier = keep_earlier_attempts(out_dir, self.config.run_id, attempt)
+        return write_summary(out_dir, self.summary(self.run))
 
     def incidents(self) -> list[IncidentRecord]:
         """Every incident of the run so far, in opening order; open ones have no close time."""
@@ -254,6 +268,9 @@ class RunRecorder:
                 "last_window": nr.to_dict(include_arrays=False),
             }
         out["verdict"] = _headline(out)
+        if self.earlier:
+            current = run_culprits({"run": out["run"], "incidents": out["incidents"]})
+            out["earlier_attempts"] = earlier_attempts_lines(current, self.earlier)
         return out
 
 
@@ -290,7 +307,8 @@ def summary_text(summary: Mapping[str, Any]) -> str:
     run = summary.get("run") or {}
     start = run.get("started_at_s")
     lines = ["rankwatch summary"]
-    facts = [f"{k}={run[k]}" for k in ("run_id", "ranks", "steps", "duration_s") if k in run]
+    keys = ("run_id", "attempt", "ranks", "steps", "duration_s")
+    facts = [f"{k}={run[k]}" for k in keys if k in run and (k != "attempt" or run[k])]
     if run.get("interrupted"):
         facts.append("interrupted")
     if facts:
@@ -316,6 +334,9 @@ def summary_text(summary: Mapping[str, Any]) -> str:
     lines += [f"  {_incident_line(inc, start)}" for inc in incidents]
     if lost := time_lost_text(incidents):
         lines.append(f"Time lost: {lost}")
+    if summary.get("earlier_attempts"):
+        lines.append("Earlier attempts of the run:")
+        lines += [f"  {line}" for line in summary["earlier_attempts"]]
     files = summary.get("files") or {}
     if files:
         lines.append("")
@@ -391,7 +412,9 @@ def end_of_run_text(
         )
     run = summary.get("run") or {}
     verdict = summary.get("verdict")
-    lines = [f"rankwatch: run {run.get('run_id') or '(unnamed)'} ended"]
+    # A first start reads as before; a restart says which attempt ended.
+    attempt = f" attempt {run['attempt']}" if run.get("attempt") else ""
+    lines = [f"rankwatch: run {run.get('run_id') or '(unnamed)'}{attempt} ended"]
     if verdict is None:
         lines.append("  Verdict: no window was diagnosed.")
     else:
@@ -404,6 +427,9 @@ def end_of_run_text(
     lines += [f"    {_incident_line(inc, run.get('started_at_s'))}" for inc in incidents]
     if lost := time_lost_text(incidents):
         lines.append(f"  Time lost: {lost}")
+    if summary.get("earlier_attempts"):
+        lines.append("  Earlier attempts:")
+        lines += [f"    {line}" for line in summary["earlier_attempts"]]
     if run.get("run_id_source"):
         lines.append(f"  Run name: {run['run_id_source']}")
     if isinstance(not_written, str) or not all(isinstance(t, str) for t in not_written):

@@ -144,7 +144,7 @@ class _Out:
 
     __slots__ = ("common", "samples")
 
-    def __init__(self, common: tuple[str, str]) -> None:
+    def __init__(self, common: tuple[str, str, str]) -> None:
         self.common = common
         self.samples: list[Sample] = []
 
@@ -379,19 +379,21 @@ def _rank_phases(out: _Out, info: RankInfo, means: Mapping[str, Any]) -> None:
 
 
 def own_means_samples(
-    info: RankInfo, means: Mapping[str, Any], run: str, group: str
+    info: RankInfo, means: Mapping[str, Any], run: str, group: str, attempt: int = 0
 ) -> list[Sample]:
     """A rank's own ``rankwatch_phase_seconds``, served on its own ``/metrics`` in a group
     whose root publishes only some ranks' series (the aggregator sends each rank its means)."""
-    out = _Out((run, group))
+    out = _Out((run, group, str(attempt)))
     _rank_phases(out, info, means)
     return out.samples
 
 
-def _common(report: WindowReport | None, config: RankwatchConfig) -> tuple[str, str]:
+def _common(report: WindowReport | None, config: RankwatchConfig) -> tuple[str, str, str]:
+    # The attempt is the process's own (every rank of one start shares it): not in the report.
+    attempt = str(config.attempt)
     if report is None:
-        return (config.run_id, config.group_name)
-    return (report.run or config.run_id, report.group or config.group_name)
+        return (config.run_id, config.group_name, attempt)
+    return (report.run or config.run_id, report.group or config.group_name, attempt)
 
 
 def _check(report: Any, config: Any) -> None:

@@ -80,9 +80,10 @@ def _lost(original: Any, decoded: Any, path: str = "") -> list[str]:
     return [] if original == decoded else [f"{path} ({original!r} != {decoded!r})"]
 
 
-def test_three_dashboards_are_shipped() -> None:
+def test_four_dashboards_are_shipped() -> None:
     assert FILES == [
         "rankwatch-deepep-normal.json",
+        "rankwatch-fleet.json",
         "rankwatch-overview.json",
         "rankwatch-step-time.json",
     ]
@@ -150,7 +151,8 @@ def test_templating(name: str) -> None:
         if var["type"] == "query":
             assert var["datasource"] == DS_REF
             assert re.fullmatch(r"label_values\(.+, \w+\)", var["query"]["query"])
-    multi = name == "rankwatch-overview.json"
+    # The overview and the fleet look across runs; the others at one run and group.
+    multi = name in ("rankwatch-overview.json", "rankwatch-fleet.json")
     for key in ("job", "run", "group"):
         assert by_name[key]["multi"] is multi
         assert by_name[key]["includeAll"] is multi

@@ -255,8 +255,12 @@ def test_settings_render_a_different_installation(tmp_path: Path) -> None:
         assert alert["annotations"]["runbook_url"].startswith(
             "https://wiki.example.com/ops/rankwatch.md#rankwatch"
         )
-        assert 'job="training"' in alert["expr"]
-        assert ".*rankwatch.*" not in alert["expr"]
+    # Every rule that reads scraped series selects the job (the fleet's ledger alert reads
+    # only its own recorded series, which did).
+    for rule in (r for g in doc["groups"] for r in g["rules"]):
+        if re.search(r"\b(?:rankwatch_\w+|up)\{", rule["expr"]):
+            assert 'job="training"' in rule["expr"], rule
+        assert ".*rankwatch.*" not in rule["expr"]
     result = _promtool("check", "rules", str(rules_file), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     # The PrometheusRule carries the same rules.
@@ -316,6 +320,12 @@ def test_export_refuses_a_settings_file_that_is_not_a_json_object(
         ({"job_selector": "rankwatch"}, "job_selector"),
         ({"runbook_url": "https://x.example/r.md#top"}, "runbook_url"),
         ({"stale_window_seconds": 0}, "stale_window_seconds"),
+        ({"ledger_window": "a week"}, "ledger_window: expected a Prometheus duration"),
+        ({"ledger_window": "0s"}, "ledger_window: must be longer than 0"),
+        ({"ledger_interval": 300}, "ledger_interval: expected a Prometheus duration"),
+        ({"repeat_offender_runs": 0}, "repeat_offender_runs: expected an int from 1 to 10000"),
+        ({"repeat_offender_runs": True}, "repeat_offender_runs: expected an int"),
+        ({"repeat_offender_healthy_runs": -1}, "repeat_offender_healthy_runs: expected an int"),
         ({"runbook": "x"}, "unknown key 'runbook'"),
     ],
 )

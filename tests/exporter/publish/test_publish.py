@@ -10,6 +10,7 @@ import pytest
 import rankwatch.exporter as exporter
 from rankwatch.diagnosis.report import WindowReport
 from rankwatch.exporter.config import RankwatchConfig
+from rankwatch.exporter.publish.catalogue import COMMON_LABELS
 from rankwatch.exporter.publish.hub import (
     MAX_QUEUED_REPORTS,
     PUBLISH_QUEUE,
@@ -110,7 +111,7 @@ def test_collection_errors_and_invalid_windows_are_counted():
         hub.publish(window(0, n=4, normal_invalid_reason="counter_reset"))
         assert hub.flush(10)
         counts = {
-            (s.name, s.labels[2:]): s.value
+            (s.name, s.labels[len(COMMON_LABELS) :]): s.value
             for s in hub.state.samples()
             if s.name.endswith("_total") and s.name != "rankwatch_incidents_total"
         }

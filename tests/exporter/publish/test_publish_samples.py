@@ -331,7 +331,11 @@ def test_departed_rank_and_closed_incident_have_no_samples_in_the_next_state():
         s.name in ("rankwatch_incident_active", "rankwatch_incident_score") for s in after
     )
     assert not any(s.label_dict().get("rank") == "3" for s in after)
-    totals = {tuple(s.labels[2:]): s.value for s in after if s.name == "rankwatch_incidents_total"}
+    totals = {
+        tuple(s.labels[len(COMMON_LABELS) :]): s.value
+        for s in after
+        if s.name == "rankwatch_incidents_total"
+    }
     assert totals[("step_time_straggler", "critical")] == 1.0
 
 
