@@ -104,12 +104,6 @@ class DeepEPRootProcess(RootBase):
         self._relay: threading.Thread | None = None
 
     @property
-    def latest_report(self) -> WindowReport | None:
-        """The last report published."""
-        with self._lock:
-            return self._latest
-
-    @property
     def pid(self) -> int | None:
         """The child's process id (None between a lost child and its successor)."""
         pipe = self._pipe
@@ -248,6 +242,8 @@ class DeepEPRootProcess(RootBase):
                     if self._unanswered.pop(seq, None) is not None:
                         self.lost_snapshots += 1
                 self._answer(seq, None)
+                if self._stopping:  # stop() killed the child: nothing more can be sent
+                    return
 
     # ---- the relay thread ------------------------------------------------------------------
 

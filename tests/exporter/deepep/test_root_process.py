@@ -233,8 +233,11 @@ def test_stop_is_bounded_when_the_child_is_stopped() -> None:
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
     feed = Feed()
-    for phase in [None, "baseline", "baseline", "baseline"]:  # more than the pipe holds
+    t0 = time.monotonic()
+    for phase in [None, *["baseline"] * 20]:  # more than the pipe and the queue hold
         root.submit(PARTS, feed.snapshot(phase))
+    assert time.monotonic() - t0 < 1.0  # submitting never waited
+    assert root.dropped_snapshots > 0
     t0 = time.monotonic()
     root.stop(1.0)
     took = time.monotonic() - t0
