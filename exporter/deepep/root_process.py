@@ -117,7 +117,15 @@ class DeepEPRootProcess(RootBase):
     def start(self, started_at_s: float) -> None:
         """Start the child (warm-up counts from ``started_at_s``), the sender and the relay."""
         self._started_at_s = started_at_s
-        self._spawn(boundary_first=False)
+        try:
+            self._spawn(boundary_first=False)
+        except OSError as exc:  # training goes on; the relay tries once more after a back-off
+            log.warning(
+                "DeepEP root child cannot start: %s; no DeepEP windows until it does: trying "
+                "again in %.0f s",
+                exc,
+                self._backoff.upcoming(self._child_started),
+            )
         self._sender = threading.Thread(
             target=self._send_loop, name="rankwatch-deepep-send", daemon=True
         )
@@ -250,14 +258,14 @@ class DeepEPRootProcess(RootBase):
     def _relay_loop(self) -> None:
         while True:
             pipe = self._pipe
-            assert pipe is not None
-            self._read_child(pipe)
-            # The child ended.
-            pipe.reap()
-            if self._stopping:
-                self._done.set()
-                return
-            self._child_lost(pipe)
+            if pipe is not None:  # None: the first child could not start
+                self._read_child(pipe)
+                # The child ended.
+                pipe.reap()
+                if self._stopping:
+                    self._done.set()
+                    return
+                self._child_lost(pipe)
             if not self._restart():
                 self._done.set()
                 return

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -248,6 +249,29 @@ def test_stop_is_bounded_when_the_child_is_stopped() -> None:
         for _ in range(100):  # killed: gone once reaped
             os.kill(pid, 0)
             time.sleep(0.02)
+
+
+def test_a_child_that_cannot_start_costs_windows_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No interpreter to start the child with: one line each time it is tried, the snapshots
+    are dropped, and nothing raises into the caller; stop() is bounded."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    pub = Collect()
+    root = DeepEPRootProcess(_spec(DeepEPConfig()), [pub])
+    feed = Feed()
+    with caplog.at_level(logging.WARNING, logger="rankwatch.exporter.deepep"):
+        root.start(0.0)
+        root.submit(PARTS, feed.snapshot(None))
+        wait_for("the second try", lambda: len(caplog.records) == 2, 10.0)
+        t0 = time.monotonic()
+        root.stop(2.0)
+        assert time.monotonic() - t0 < 3.0
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("DeepEP root child cannot start: ") and "no-python" in lines[0]
+    assert "trying again in 1 s" in lines[0]
+    assert lines[1].startswith("DeepEP root child cannot start again: "), lines
+    assert pub.reports == [] and root.lost_snapshots == 1 and root.pid is None
 
 
 def test_process_returns_the_childs_report(
