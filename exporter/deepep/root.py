@@ -52,6 +52,8 @@ HISTORY_WINDOWS = 16
 # counters are cumulative, so the next window simply spans both intervals.
 _QUEUE_DEPTH = 16
 _STOP = object()
+# The longest a blocking process() call waits for the snapshots queued before it.
+_TURN_WAIT_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -180,8 +182,15 @@ class DeepEPRoot(RootBase):
         )
         super().__init__(spec, publishers, copy_stream)
         # Windows are formed in order by one thread at a time: the worker, or a caller of
-        # process() (DeepXTrace's synchronous calls return the window's results).
+        # process() (DeepXTrace's synchronous calls return the window's results). Every
+        # snapshot takes a ticket when it comes, and is formed in its ticket's turn: a blocking
+        # call right after queued ones must not difference its snapshot before theirs (they
+        # would then be rejected as stale).
         self._process_lock = threading.Lock()
+        self._turns = threading.Condition()
+        self._issued = 0  # tickets handed out
+        self._served = 0  # the ticket whose turn it is
+        self._skipped: set[int] = set()  # tickets of snapshots dropped before their turn
         self._worker: threading.Thread | None = None
         self._windows: CounterWindows | None = None
         self._normal_diagnoser: NormalDiagnoser | None = None
@@ -246,7 +255,35 @@ class DeepEPRoot(RootBase):
         """Queue one gathered cumulative snapshot (``parts``: which counter regions it holds,
         normal first). Never blocks: when the worker is behind the snapshot is dropped and
         counted, and the next window spans both intervals."""
-        self._queue_nowait((parts, pending))
+        ticket = self._ticket()
+        if not self._queue_nowait((ticket, parts, pending)):
+            self._finish(ticket)
+
+    def _ticket(self) -> int:
+        with self._turns:
+            self._issued += 1
+            return self._issued - 1
+
+    def _finish(self, ticket: int) -> None:
+        """``ticket`` is done (formed, or dropped): the next ones' turn comes."""
+        with self._turns:
+            self._skipped.add(ticket)
+            while self._served in self._skipped:
+                self._skipped.discard(self._served)
+                self._served += 1
+            self._turns.notify_all()
+
+    def _in_turn(
+        self, ticket: int, parts: tuple[str, ...], pending: PendingSnapshot
+    ) -> WindowReport | None:
+        with self._turns:
+            # Bounded: a worker that never gets there must not hold a caller forever (its
+            # snapshot is then formed out of order, and a stale one is rejected by name).
+            self._turns.wait_for(lambda: self._served >= ticket, _TURN_WAIT_SECONDS)
+        try:
+            return self._process(parts, pending)
+        finally:
+            self._finish(ticket)
 
     def stop(self, wait_seconds: float) -> None:
         """Finish what was queued (waiting at most ``wait_seconds``) and close the log file."""
@@ -264,9 +301,9 @@ class DeepEPRoot(RootBase):
             item = self._queue.get()
             if item is _STOP:
                 return
-            parts, pending = item
+            ticket, parts, pending = item
             try:
-                self._process(parts, pending)
+                self._in_turn(ticket, parts, pending)
             except Exception as exc:  # one bad window must not end diagnosis
                 log.exception("DeepEP window processing failed: %s", exc)
 
@@ -276,7 +313,7 @@ class DeepEPRoot(RootBase):
         results (DeepXTrace's synchronous calls); :meth:`submit` is the non-blocking way."""
         if self._windows is None:
             raise RuntimeError("DeepEPRoot.process: call start() first")
-        return self._process(parts, pending)
+        return self._in_turn(self._ticket(), parts, pending)
 
     def _process(self, parts: tuple[str, ...], pending: PendingSnapshot) -> WindowReport | None:
         with self._process_lock:

@@ -286,6 +286,27 @@ def test_process_returns_the_childs_report(
     assert pub.reports == [empty, report]
 
 
+@pytest.mark.parametrize("kind", ["thread", "child"])
+def test_a_blocking_call_after_queued_snapshots_is_formed_after_them(kind: str) -> None:
+    """submit(), submit(), then process() at once: the blocking call's window comes after the
+    queued ones (no stale_snapshot), in either root."""
+    pub = Collect()
+    spec = _spec(DeepEPConfig())
+    root = DeepEPRoot.from_spec(spec, [pub]) if kind == "thread" else DeepEPRootProcess(spec, [pub])
+    root.start(0.0)
+    try:
+        feed = Feed()
+        for _ in range(5):
+            root.submit(PARTS, feed.snapshot("baseline"))
+            root.submit(PARTS, feed.snapshot("baseline"))
+            report = root.process(PARTS, feed.snapshot("single_hca_pressure"))
+            assert report is not None and report.normal is not None
+    finally:
+        root.stop(10.0)
+    assert [r.window_index for r in pub.reports] == list(range(15))
+    assert dict(root.rejected_windows) == {}
+
+
 def test_the_default_moves_large_groups_off_the_training_process() -> None:
     config = DeepEPConfig()
     assert not runs_off_process(config, 8)  # intranode: low-latency counters only
