@@ -47,13 +47,19 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
+def load_lazy(package: str, table: dict[str, str], name: str) -> Any:
+    """``name`` of ``package``, imported on first use from the module ``table`` names for it
+    (a package's ``__getattr__``: this one's, and ``rankwatch.exporter.deepep``'s)."""
+    module = table.get(name)
     if module is None:
-        raise AttributeError(f"module 'rankwatch.exporter' has no attribute {name!r}")
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
     import importlib
 
     return getattr(importlib.import_module(module), name)
+
+
+def __getattr__(name: str) -> Any:
+    return load_lazy(__name__, _LAZY, name)
 
 
 def init(

@@ -1,14 +1,16 @@
 """Frames between a rankwatch process and a child it started: a 4-byte little-endian length,
 then a pickle. Only a parent and its own child read them (the OTLP export child, the group's
-aggregator), so pickle is safe here and nowhere else."""
+aggregator, the EP root's DeepEP child), so pickle is safe here and nowhere else."""
 
 from __future__ import annotations
 
+import logging
+import os
 import pickle
 import struct
 from typing import IO, Any
 
-__all__ = ["FrameReader", "frame", "read_frame"]
+__all__ = ["ForwardLogs", "FrameReader", "frame", "read_exactly_into", "read_frame"]
 
 _LENGTH = struct.Struct("<I")
 
@@ -17,6 +19,18 @@ def frame(obj: object) -> bytes:
     """``obj`` as one frame."""
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return _LENGTH.pack(len(payload)) + payload
+
+
+def read_exactly_into(stream: IO[bytes], buffer: memoryview) -> bool:
+    """Fill ``buffer`` from a blocking stream (raw bytes that follow a frame, read without a
+    copy); False once the other end closed first."""
+    view = buffer.cast("B")
+    while view:
+        got = stream.readinto(view)  # type: ignore[attr-defined]
+        if not got:
+            return False
+        view = view[got:]
+    return True
 
 
 def _read_exactly(stream: IO[bytes], size: int) -> bytes | None:
@@ -64,3 +78,20 @@ class FrameReader:
         if start:
             del buf[:start]
         return out
+
+
+class ForwardLogs(logging.Handler):
+    """A child's log records to its parent as ``("log", level, logger name, message)`` frames on
+    ``fd``; the parent logs them through the job's own logging."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            data = frame(("log", record.levelno, record.name, record.getMessage()))
+            while data:
+                data = data[os.write(self.fd, data) :]
+        except OSError:  # the parent is gone
+            pass

@@ -141,6 +141,20 @@ class DeepEPConfig(EnvOptions):
     npz_retention: int = field(
         default=100, metadata=option("DEEPEP_DIAGNOSE_NPZ_RETENTION", 1, MAX_RETAINED_FILES)
     )
+    # Where the EP root's windows, diagnosis, log lines and NPZ files run (deepep/root_process.py):
+    # in a child process of the root from this EP size on, else on a thread of the root's
+    # training process; 0 keeps them in the process at any size. 16: every group that runs
+    # DeepEP's internode normal mode (bench_deepep_root: a window costs the root's training
+    # process 7 ms against 13 ms at EP 16, 34 against 45 at EP 160); a group of 8 or fewer
+    # records low-latency counters only, cheap to diagnose, and keeps its windows inspectable.
+    root_process_min_ep: int = field(
+        default=16, metadata=option("DEEPEP_DIAGNOSE_ROOT_PROCESS_MIN_EP", 0, 1_048_576)
+    )
+    # A root child that has not answered a snapshot for this long is stuck: killed, said in one
+    # line, started again (its windows meanwhile are missing).
+    root_stall_seconds: float = field(
+        default=60.0, metadata=option("DEEPEP_DIAGNOSE_ROOT_STALL_SECONDS", 1.0, 3600.0)
+    )
 
 
 @dataclass(frozen=True)

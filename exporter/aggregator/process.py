@@ -18,15 +18,12 @@ cannot number is published here instead.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
 import secrets
 import select
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -38,6 +35,7 @@ from rankwatch.diagnosis.step_time.mesh import MeshLayout
 from rankwatch.exporter.aggregator.board import ProgressBoard
 from rankwatch.exporter.aggregator.service import ServiceSetup, run_service
 from rankwatch.exporter.child_frames import FrameReader, frame
+from rankwatch.exporter.child_pipe import Backoff, ChildPipe
 from rankwatch.exporter.config import RankwatchConfig
 from rankwatch.exporter.layout import GroupLayout
 from rankwatch.exporter.publish.protocol import Publisher, publish_to_all
@@ -49,9 +47,6 @@ log = logging.getLogger("rankwatch.aggregator")
 
 ADDRESS_KEY = "aggregator"  # the store key (under the group's prefix) of the intake's address
 _MODULE = "rankwatch.exporter.aggregator"
-_FIRST_BACKOFF_SECONDS = 1.0
-_MAX_BACKOFF_SECONDS = 60.0
-_HEALTHY_SECONDS = 60.0  # up this long, the back-off starts again from the first
 # The relay looks at the aggregator's beat at least this often (and four times per stall
 # budget): each look wakes a thread of the root's process.
 _RELAY_POLL_SECONDS = 5.0
@@ -123,18 +118,13 @@ class Aggregator:
         self._mesh: MeshLayout | None = None
         self._next_index = 0
         self._lock = threading.Lock()  # publishing order: the relay and direct hang reports
-        # Writes to the control pipe, and its closing: a descriptor number closed by one thread
-        # must never be written to by another (it may already name another file).
-        self._write_lock = threading.Lock()
         self._stopping = False
         self._stopped = False
         self._done = threading.Event()
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._pipe: ChildPipe | None = None
         self._thread: threading.Thread | None = None  # the service, in thread mode
-        self._to_child: int | None = None
-        self._from_child: int | None = None
         self._started_at = 0.0
-        self._backoff = _FIRST_BACKOFF_SECONDS
+        self._backoff = Backoff()
         self._start()
         self._relay = threading.Thread(
             target=self._relay_loop, name="rankwatch-aggregator", daemon=True
@@ -150,8 +140,8 @@ class Aggregator:
 
     @property
     def pid(self) -> int | None:
-        proc = self._proc
-        return None if proc is None else proc.pid
+        pipe = self._pipe
+        return None if pipe is None else pipe.pid
 
     @property
     def mesh(self) -> MeshLayout | None:
@@ -243,22 +233,12 @@ class Aggregator:
         self.board.reset()
         setup = self._setup()
         if self.process_mode:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", _MODULE],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                pass_fds=(self.board.fd,),
-                close_fds=True,
-            )
-            assert proc.stdin is not None and proc.stdout is not None
-            self._proc = proc
-            self._to_child = proc.stdin.fileno()
-            self._from_child = proc.stdout.fileno()
+            self._pipe = ChildPipe.spawn(_MODULE, pass_fds=(self.board.fd,))
             self._write(frame(setup))
         else:
             in_r, in_w = os.pipe()
             out_r, out_w = os.pipe()
-            self._to_child, self._from_child = in_w, out_r
+            self._pipe = ChildPipe.over_fds(in_w, out_r)
 
             def serve() -> None:
                 try:
@@ -275,31 +255,8 @@ class Aggregator:
             self._thread.start()
 
     def _write(self, data: bytes) -> bool:
-        with self._write_lock:
-            fd = self._to_child
-            if fd is None:
-                return False
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                return True
-            except OSError:
-                return False
-
-    def _close_control(self) -> None:
-        """Close the control pipe's writing end (the aggregator reads its end as the root
-        gone)."""
-        with self._write_lock:
-            fd, self._to_child = self._to_child, None
-            proc = self._proc
-            if fd is None:
-                return
-            with contextlib.suppress(OSError, ValueError):
-                if proc is not None and proc.stdin is not None:
-                    proc.stdin.close()
-                else:
-                    os.close(fd)
+        pipe = self._pipe
+        return pipe is not None and pipe.write(data)
 
     def _send(self, message: tuple[Any, ...]) -> bool:
         if self._address is None and message[0] != "stop":
@@ -309,18 +266,16 @@ class Aggregator:
         return self._write(frame(message))
 
     def _kill(self) -> None:
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-        if not self.process_mode:
-            self._close_control()  # thread mode: ends the service's loop
+        if self._pipe is not None:
+            self._pipe.kill()  # thread mode: closing the control end ends the service's loop
 
     # ---- the relay thread ------------------------------------------------------------------
 
     def _relay_loop(self) -> None:
         reader = FrameReader()
         while True:
-            fd = self._from_child
+            assert self._pipe is not None
+            fd = self._pipe.from_child
             assert fd is not None
             try:
                 poll = min(_RELAY_POLL_SECONDS, self.config.aggregator_stall_seconds / 4)
@@ -406,40 +361,22 @@ class Aggregator:
 
     def _reap(self) -> None:
         self._address = None
-        self._close_control()
-        proc = self._proc
-        if proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5.0)
-            if proc.stdout is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    proc.stdout.close()
-        elif self._from_child is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._from_child)
-        self._from_child = None
+        if self._pipe is not None:
+            self._pipe.reap()
 
     def _restart(self) -> bool:
         """Start a new aggregator after the back-off; False when stopping meanwhile, or when it
         cannot start."""
-        proc = self._proc
-        status = None if proc is None else proc.returncode
-        if time.monotonic() - self._started_at > _HEALTHY_SECONDS:
-            self._backoff = _FIRST_BACKOFF_SECONDS
+        pipe = self._pipe
         log.warning(
             "rankwatch: the group's aggregator (pid %s) ended (status %s); no windows until it "
             "is back: starting it again in %.0f s",
-            None if proc is None else proc.pid,
-            status,
-            self._backoff,
+            None if pipe is None else pipe.pid,
+            None if pipe is None else pipe.returncode,
+            self._backoff.upcoming(self._started_at),
         )
-        wait = self._backoff
-        self._backoff = min(_MAX_BACKOFF_SECONDS, self._backoff * 2)
-        end = time.monotonic() + wait
-        while time.monotonic() < end:
-            if self._stopping:
-                return False
-            time.sleep(0.05)
+        if not self._backoff.wait(self._started_at, lambda: self._stopping):
+            return False
         self.restarts += 1
         try:
             self._start()

@@ -28,11 +28,12 @@ from rankwatch.diagnosis.deepep.normal.schema import (
     counter_length,
     counter_slots,
 )
+from rankwatch.exporter.deepep.windows import LOW_LATENCY_PHASES
 
 __all__ = ["LOW_LATENCY_PHASES", "DeepEPCounters", "allocate_counters", "bundle_views"]
 
-# Row order of the low-latency part: DeepEP's low_latency_dispatch then low_latency_combine.
-LOW_LATENCY_PHASES: tuple[str, ...] = ("dispatch", "combine")
+# LOW_LATENCY_PHASES, the row order of the low-latency part (DeepEP's low_latency_dispatch then
+# low_latency_combine), is defined with the windows that read it.
 
 
 def bundle_views(

@@ -13,7 +13,8 @@ normal-mode and low-latency diagnosis, and hands a :class:`WindowReport` to each
 Collection runs either on a background thread every ``DEEPEP_DIAGNOSE_INTERVAL`` seconds over
 a private Gloo group (``DEEPEP_DIAGNOSE_ASYNC=1``), or on the training thread through the EP
 group every ``DEEPEP_DIAGNOSE_SYNC_STEP`` calls of :meth:`Diagnose.diagnose_normal_sync` /
-:meth:`Diagnose.diagnose_ll_sync`. Either way the root diagnoses on its own worker thread, so
+:meth:`Diagnose.diagnose_ll_sync`. Either way the root diagnoses on its own worker thread (from
+``DEEPEP_DIAGNOSE_ROOT_PROCESS_MIN_EP`` ranks on, in a child process: :mod:`.root_process`), so
 the training thread never waits for a diagnosis or a publisher.
 """
 
@@ -39,7 +40,8 @@ from rankwatch.diagnosis.deepep.normal.schema import internode_ranks_per_node
 from rankwatch.diagnosis.report import RankInfo, WindowReport
 from rankwatch.exporter.config import DeepEPConfig, RankwatchConfig
 from rankwatch.exporter.deepep.counters import DeepEPCounters, allocate_counters
-from rankwatch.exporter.deepep.root import HISTORY_WINDOWS, DeepEPRoot
+from rankwatch.exporter.deepep.root import HISTORY_WINDOWS, DeepEPRoot, RootSpec
+from rankwatch.exporter.deepep.root_process import DeepEPRootProcess, runs_off_process
 from rankwatch.exporter.deepep.snapshot import (
     DeepEPWindow,
     OrderedSnapshotter,
@@ -164,7 +166,8 @@ class Diagnose:
 
     Every member holds the counter block DeepEP writes; the group's root (group rank 0) also
     forms windows, diagnoses them, publishes reports, and keeps the last
-    :data:`HISTORY_WINDOWS` windows in :attr:`recent_windows`.
+    :data:`HISTORY_WINDOWS` windows in :attr:`recent_windows` (from ``root_process_min_ep`` on
+    a child process of the root does all but the publishing, and keeps the windows).
     """
 
     def __init__(
@@ -223,7 +226,7 @@ class Diagnose:
         self._cpu_group: dist.ProcessGroup | None = None
         self._cpu_row_order: list[int] | None = None
         # The group's root forms windows, diagnoses and publishes (built by start()).
-        self._root: DeepEPRoot | None = None
+        self._root: DeepEPRoot | DeepEPRootProcess | None = None
         self.collector_error: str | None = None
         if self.enable_async:
             self._make_cpu_group()
@@ -427,7 +430,8 @@ class Diagnose:
 
     @property
     def recent_windows(self) -> deque[DeepEPWindow]:
-        """The root's last :data:`HISTORY_WINDOWS` windows (empty on other ranks)."""
+        """The root's last :data:`HISTORY_WINDOWS` windows (empty on other ranks, and when the
+        root's windows are built in its child process: ``root_process_min_ep``)."""
         return self._root.recent_windows if self._root is not None else deque()
 
     @property
@@ -460,7 +464,7 @@ class Diagnose:
             self._state = "started"
         started = time.time()
         if self.is_root:
-            self._root = DeepEPRoot(
+            spec = RootSpec(
                 members=self.ranks,
                 ranks_per_node=self.ranks_per_node,
                 config=self.config,
@@ -470,12 +474,17 @@ class Diagnose:
                 low_latency=self.enable_ll_diagnose,
                 instance_id=self.instance_id,
                 group_name=self.group_name,
-                publishers=self.publishers,
                 log_to_file=self._log_to_file,
                 log_rank=self.global_rank,
                 run=self._run,
-                copy_stream=self._snapshotter.copy_stream,
             )
+            # Off the training process from root_process_min_ep on (root_process.py).
+            make = (
+                DeepEPRootProcess
+                if runs_off_process(self.config, self.ep_size)
+                else DeepEPRoot.from_spec
+            )
+            self._root = make(spec, self.publishers, self._snapshotter.copy_stream)
             self._root.start(started)
         if self.enable_async:
             self._collector = threading.Thread(
