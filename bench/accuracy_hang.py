@@ -1270,12 +1270,13 @@ NOTES = """### Reading the hang matrix
   the float64 rank the odd one), and under TP x DP, where the rank Gloo aborts is rank 0, the
   root: rank 1 sees the root's process gone, stands in for it (the store is the launcher's)
   and names itself the odd one from the same records; SIGKILL (`RANK_DEAD` in about 6 s), the
-  root SIGKILLed (`RANK_DEAD` naming rank 0, from rank 1 standing in; these four cells ran
-  right after the others, on the same code), SIGSTOP (named, "the
+  root SIGKILLed (`RANK_DEAD` naming rank 0, from rank 1 standing in), SIGSTOP (named, "the
   process is stopped") and every rank blocked (`ALL_STALLED`, nobody named) everywhere; the
   four quiet rows (the 60 s `torch.distributed.checkpoint` save, the 20 s evaluation and the
-  compiling first step open no hang). Every budget-bound incident came 15.0 to 15.2 s after
-  the fault (the budget runs from the last step, which ends before the fault begins).
+  compiling first step open no incident of any class; the quiet rows were run again, alone,
+  after the two harness changes above, and their cells replace the first run's). Every
+  budget-bound incident came 15.0 s after the fault (the budget runs from the last step,
+  which ends before the fault begins).
 - **Limits.** CPU and Gloo only, 4 ranks on one machine; the root is the culprit only in
   `root_sigkill` (and is the rank Gloo aborts in TP x DP's dtype cell); every job's store is
   the launcher's, as under `torchrun`: where rank 0 serves it, a root that is gone takes the
