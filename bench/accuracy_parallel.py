@@ -889,15 +889,18 @@ NOTES = """### Reading the 3D-parallel matrix
   received activations, keeping what backward needs, the loss on stage 1: about 2 ms a
   microbatch here) was residual, 12 to 14 % of the step. The schedule's actions
   (`forward_one_chunk` and the loss, `backward_one_chunk`) are now the stage's forward and
-  backward; the control's residual is 2.1 to 2.6 ms of a 54.0 ms step (4 to 5 %, issuing the
-  sends and receives between actions), `COMPUTE_BOUND`, no incident. `compile_ddp_late` was
+  backward. Issuing each microbatch's sends and receives between the actions was left residual
+  then, and on Gloo that call blocks: the control's residual stayed near the 0.10 line (9 to
+  10 % alone, a `residual_heavy` incident again in the run before this one); it is timed as a
+  collective wait now (`schedules._batch_p2p`), about 4 % of the step is left residual,
+  `COMPUTE_BOUND`, no incident. `compile_ddp_late` was
   `INCOMPLETE_DATA` in every window (the hooks of a DDP model compiled after `watch()` run
   inside the graph and time nothing); DDP's own `_pre_forward`/`_post_forward`, which run
   eagerly around the compiled module, now time its forward when the hooks could not, and the
   row gives eager DDP's verdicts.
-- **Controls.** 201 live windows each (200 goal). No incident in any control, and no control
-  window named a rank: every one was `COMPUTE_BOUND`. The staggered FSDP2 start is in the
-  warm-up steps, which are not shipped. Earlier runs of these controls on a machine shared
+- **Controls.** About 200 live windows each (200 goal), counted in the table with the
+  incidents they opened; the goal is none. The staggered FSDP2 start is in the warm-up steps,
+  which are not shipped. Runs of these controls on a machine shared
   with other jobs (load 4 to 7) opened up to one straggler incident per TP control (window
   scores 0.14 and 0.17): 4 ranks contend for 2 cores, a rank starved for a few windows is a
   real straggler for that long, and a 10-step window is a tenth of the default's, so such
