@@ -242,6 +242,7 @@ def test_dashboard_configmaps_validate_against_kubernetes_schema() -> None:
         "rankwatch-overview-dashboard",
         "rankwatch-step-time-dashboard",
         "rankwatch-deepep-normal-dashboard",
+        "rankwatch-fleet-dashboard",
     }
     for doc in docs:
         kubernetes_validate.validate(doc, "1.30.0", strict=True)
